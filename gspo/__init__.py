@@ -1,0 +1,3 @@
+"""gspo: stable RL post-training of language models (GSPO, GRPO, MoE routing replay)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,305 @@
+"""Policy objectives for group-based RL: GRPO, GSPO, GSPO-token, CISPO and SAPO.
+
+Everything here is a pure function of tensors. Shapes:
+    logprobs, old_logprobs, ref_logprobs, mask: (N, T) over completion tokens
+    advantages: (N,) per sequence, or (N, T) per token where the objective allows it
+
+The loss is minimised; it is the negative of the paper's objective. Padded positions
+(mask == 0) never influence the loss or its gradient, whatever values they hold.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+OBJECTIVES = ("grpo", "gspo", "gspo_token", "cispo", "sapo")
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# Default clip ranges (clip_low, clip_high): the ratio is clipped to [1 - low, 1 + high].
+DEFAULT_CLIP = {
+    "grpo": (0.2, 0.2),  # DeepSeekMath / PPO epsilon; DAPO's clip-higher is e.g. (0.2, 0.28)
+    "gspo": (3e-4, 4e-4),  # GSPO paper, sec. 5.1: sequence ratios live near 1
+    "gspo_token": (3e-4, 4e-4),
+    "cispo": (1.0, 0.28),  # MiniMax-M1 sets no lower bound (1 - 1.0 = 0) and tunes only the upper
+    "sapo": (None, None),  # soft gate, no hard clip
+}
+DEFAULT_AGGREGATION = {
+    "grpo": "seq_mean_token_mean",  # DeepSeekMath eq. (3): 1/G sum_i 1/|o_i| sum_t
+    "gspo": "seq_mean_token_mean",  # GSPO eq. (5): 1/G sum_i, one term per sequence
+    "gspo_token": "seq_mean_token_mean",  # GSPO eq. (13): 1/G sum_i 1/|y_i| sum_t
+    "cispo": "token_mean",  # MiniMax-M1 eq. (4): 1/sum_i|o_i| sum_i sum_t
+    "sapo": "seq_mean_token_mean",  # SAPO: 1/G sum_i 1/|y_i| sum_t
+}
+# Sequence-level objectives: any aggregation but a plain mean over sequences would give a
+# long answer more weight than a short one (TRL's GSPO does this unless told otherwise).
+_LENGTH_NEUTRAL_ONLY = ("gspo", "gspo_token")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    objective: str = "gspo",
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    aggregation: str | None = None,
+    norm_length: int | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss for one minibatch.
+
+    Args:
+        logprobs: (N, T) log pi_theta of the completion tokens (carries the gradient).
+        old_logprobs: (N, T) log pi_old of the same tokens (treated as constants).
+        advantages: (N,) per sequence, or (N, T) per token (not for `gspo`).
+        mask: (N, T) 1 on completion tokens, 0 on padding; every row needs a token.
+        objective: one of OBJECTIVES.
+        clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high]; None takes
+            the objective's default (DEFAULT_CLIP).
+        aggregation: one of AGGREGATIONS; None takes DEFAULT_AGGREGATION[objective].
+        norm_length: the constant divisor of `seq_mean_token_sum_norm` (Dr. GRPO uses
+            the maximum completion length).
+        ref_logprobs: (N, T) log pi_ref; needed when kl_coef > 0.
+        kl_coef: weight of the KL penalty to the reference policy.
+        kl_estimator: "k1", "k2" or "k3" (k3 is DeepSeekMath's eq. (4)).
+        sapo_tau_pos, sapo_tau_neg: SAPO gate temperatures for A > 0 and A < 0.
+
+    Returns:
+        (loss, stats): scalar loss, and a dict of detached 0-d tensors named
+        `loss/policy`, `loss/kl`, `ratio/{mean,std,min,max}`, `clip/{low,high}_frac`,
+        `kl/approx` (k3 estimate of KL(pi_old || pi_theta) per token).
+
+    Example: with logprobs == old_logprobs (on-policy) GSPO and GRPO give the same gradient.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective: unknown {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+    aggregation = DEFAULT_AGGREGATION[objective] if aggregation is None else aggregation
+    mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, objective, aggregation,
+                         norm_length, kl_coef, kl_estimator)
+    default_low, default_high = DEFAULT_CLIP[objective]
+    low = default_low if clip_low is None else clip_low
+    high = default_high if clip_high is None else clip_high
+    if objective != "sapo":
+        _check_clip(low, high)
+    else:
+        if sapo_tau_pos <= 0 or sapo_tau_neg <= 0:
+            raise ValueError(f"sapo_tau_pos/sapo_tau_neg: must be > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
+
+    maskf = mask.to(logprobs.dtype)  # (N, T)
+    # Padding may hold anything (even inf/NaN): zero it before any arithmetic so that no
+    # NaN can leak into the loss or, through 0 * inf, into the gradient.
+    logp = torch.where(mask, logprobs, torch.zeros_like(logprobs))  # (N, T)
+    old = torch.where(mask, old_logprobs.detach(), torch.zeros_like(logprobs))  # (N, T)
+    adv = advantages.detach().to(logprobs.dtype)
+    adv_t = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)  # (N, T)
+    adv_t = torch.where(mask, adv_t, torch.zeros_like(adv_t))
+    log_ratio = logp - old  # (N, T), 0 on padding
+    lengths = maskf.sum(-1)  # (N,)
+
+    if objective == "gspo":
+        # GSPO eq. (7): s_i = (pi_theta(y_i|x) / pi_old(y_i|x)) ^ (1/|y_i|)
+        seq_log_ratio = log_ratio.sum(-1) / lengths  # (N,)
+        ratio = seq_log_ratio.exp()  # (N,)
+        clipped = ratio.clamp(1.0 - low, 1.0 + high)  # (N,)
+        # GSPO eq. (5): -min(s_i A_i, clip(s_i) A_i), one term per sequence
+        per_seq = -torch.minimum(ratio * adv, clipped * adv)  # (N,)
+        policy = per_seq.mean()
+        stats = _ratio_stats(ratio.detach(), None)
+        low_hit = (ratio < 1.0 - low) & (adv < 0)  # (N,) clipping zeroes these gradients
+        high_hit = (ratio > 1.0 + high) & (adv > 0)
+        stats["clip/low_frac"] = low_hit.float().mean()
+        stats["clip/high_frac"] = high_hit.float().mean()
+    elif objective == "gspo_token":
+        # GSPO eq. (14): s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]; equal to s_i in
+        # value, but each token carries its own gradient and may carry its own advantage.
+        seq_log_ratio = (log_ratio.sum(-1) / lengths).detach()  # (N,)
+        tok_log_ratio = seq_log_ratio[:, None] + logp - logp.detach()  # (N, T)
+        ratio = tok_log_ratio.exp()  # (N, T)
+        clipped = ratio.clamp(1.0 - low, 1.0 + high)
+        # GSPO eq. (13): token term -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})
+        per_tok = -torch.minimum(ratio * adv_t, clipped * adv_t)  # (N, T)
+        policy = _aggregate(per_tok, maskf, aggregation, norm_length)
+        seq_ratio = seq_log_ratio.exp()  # (N,)
+        stats = _ratio_stats(seq_ratio, None)
+        # Clip fractions per sequence (token mean, then sequence mean): equal to GSPO's
+        # sequence fractions when the advantage is constant within each sequence.
+        low_hit = ((seq_ratio[:, None] < 1.0 - low) & (adv_t < 0)).to(maskf.dtype)
+        high_hit = ((seq_ratio[:, None] > 1.0 + high) & (adv_t > 0)).to(maskf.dtype)
+        stats["clip/low_frac"] = _aggregate(low_hit, maskf, "seq_mean_token_mean", None)
+        stats["clip/high_frac"] = _aggregate(high_hit, maskf, "seq_mean_token_mean", None)
+    elif objective == "grpo":
+        # DeepSeekMath eq. (3) / PPO: token ratio w_t = pi_theta / pi_old
+        ratio = log_ratio.exp()  # (N, T)
+        clipped = ratio.clamp(1.0 - low, 1.0 + high)
+        per_tok = -torch.minimum(ratio * adv_t, clipped * adv_t)  # (N, T)
+        policy = _aggregate(per_tok, maskf, aggregation, norm_length)
+        stats = _ratio_stats(ratio.detach(), mask)
+        stats["clip/low_frac"] = _masked_frac((ratio < 1.0 - low) & (adv_t < 0), mask)
+        stats["clip/high_frac"] = _masked_frac((ratio > 1.0 + high) & (adv_t > 0), mask)
+    elif objective == "cispo":
+        # MiniMax-M1 eq. (4): -sg(clip(w_t)) * A * log pi_theta(y_t). The weight is truncated,
+        # never zeroed, so every token keeps a gradient.
+        ratio = log_ratio.detach().exp()  # (N, T)
+        weight = ratio.clamp(1.0 - low, 1.0 + high)  # (N, T), constant
+        per_tok = -weight * adv_t * logp  # (N, T)
+        policy = _aggregate(per_tok, maskf, aggregation, norm_length)
+        stats = _ratio_stats(ratio, mask)
+        stats["clip/low_frac"] = _masked_frac(ratio < 1.0 - low, mask)
+        stats["clip/high_frac"] = _masked_frac(ratio > 1.0 + high, mask)
+    else:  # sapo
+        # SAPO (arXiv 2511.20347): soft gate f(r) = sigmoid(tau (r - 1)) * 4 / tau replaces the
+        # hard clip; its gradient weight 4 sigmoid (1 - sigmoid) r is 1 at r = 1 and decays smoothly.
+        ratio = log_ratio.exp()  # (N, T)
+        tau = torch.where(adv_t > 0, torch.full_like(adv_t, sapo_tau_pos), torch.full_like(adv_t, sapo_tau_neg))
+        gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # (N, T)
+        per_tok = -gate * adv_t  # (N, T)
+        policy = _aggregate(per_tok, maskf, aggregation, norm_length)
+        stats = _ratio_stats(ratio.detach(), mask)
+
+    loss = policy
+    kl_value = torch.zeros((), dtype=logprobs.dtype)
+    if ref_logprobs is not None:
+        ref = torch.where(mask, ref_logprobs.detach(), torch.zeros_like(logprobs))  # (N, T)
+        kl_tok = kl_penalty(logp, ref, kl_estimator)  # (N, T)
+        # KL is a per-token quantity: average it within each sequence, then over sequences, so
+        # that it is length-neutral like the policy term of the sequence-level objectives.
+        kl_agg = "seq_mean_token_mean" if objective in _LENGTH_NEUTRAL_ONLY else aggregation
+        kl_value = _aggregate(kl_tok, maskf, kl_agg, norm_length)
+        if kl_coef:
+            loss = loss + kl_coef * kl_value
+
+    # k3 estimate of KL(pi_old || pi_theta) from samples of pi_old, per token.
+    approx = (log_ratio.exp() - 1.0 - log_ratio).detach()  # (N, T)
+    stats["kl/approx"] = (approx * maskf).sum() / maskf.sum()
+    stats["loss/policy"] = policy.detach()
+    stats["loss/kl"] = kl_value.detach()
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta. Shapes (N, T).
+
+    With log_r = log pi_ref - log pi_theta (Schulman, "Approximating KL divergence"):
+    k1 = -log_r (unbiased, can be negative), k2 = log_r^2 / 2, k3 = exp(log_r) - 1 - log_r
+    (unbiased, non-negative; DeepSeekMath eq. (4)).
+    """
+    log_r = ref_logprobs - logprobs  # (N, T)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r.pow(2)
+    if estimator == "k3":
+        return log_r.exp() - 1.0 - log_r
+    raise ValueError(f"kl_estimator: unknown {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str, norm_length: int | None = None) -> torch.Tensor:
+    """Reduce per-token values (N, T) to a scalar with a named rule.
+
+    seq_mean_token_mean: mean over each sequence's tokens, then over sequences.
+    token_mean: sum over all tokens / number of tokens (longer sequences weigh more).
+    seq_mean_token_sum_norm: each sequence's token sum / norm_length, then mean over
+        sequences (Dr. GRPO's constant normaliser).
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation: unknown {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+    if aggregation == "seq_mean_token_sum_norm" and (norm_length is None or norm_length <= 0):
+        raise ValueError("norm_length: seq_mean_token_sum_norm needs a positive constant (e.g. max completion length)")
+    maskf = mask.to(values.dtype)
+    return _aggregate(torch.where(mask.bool(), values, torch.zeros_like(values)), maskf, aggregation, norm_length)
+
+
+def _aggregate(values: torch.Tensor, maskf: torch.Tensor, aggregation: str, norm_length: int | None) -> torch.Tensor:
+    # values are already zero on padding
+    if aggregation == "seq_mean_token_mean":
+        return ((values * maskf).sum(-1) / maskf.sum(-1)).mean()
+    if aggregation == "token_mean":
+        return (values * maskf).sum() / maskf.sum()
+    return ((values * maskf).sum(-1) / float(norm_length)).mean()
+
+
+def _masked_frac(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (flags & mask).float().sum() / mask.float().sum()
+
+
+def _ratio_stats(ratio: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    values = ratio if mask is None else ratio[mask]  # (n,)
+    std = values.std(unbiased=False) if values.numel() > 1 else torch.zeros((), dtype=values.dtype)
+    return {"ratio/mean": values.mean(), "ratio/std": std, "ratio/min": values.min(), "ratio/max": values.max()}
+
+
+def _check_clip(low: float, high: float) -> None:
+    for name, value in (("clip_low", low), ("clip_high", high)):
+        if value is None or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+
+
+def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, objective, aggregation,
+                  norm_length, kl_coef, kl_estimator) -> torch.Tensor:
+    """Validate shapes and values; returns the mask as bool (N, T)."""
+    for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs: expected shape (N, T), got {tuple(logprobs.shape)}")
+    if not logprobs.is_floating_point():
+        raise ValueError(f"logprobs: expected a floating-point tensor, got {logprobs.dtype}")
+    shape = tuple(logprobs.shape)
+    if tuple(old_logprobs.shape) != shape:
+        raise ValueError(f"old_logprobs: shape {tuple(old_logprobs.shape)} does not match logprobs {shape}")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"mask: shape {tuple(mask.shape)} does not match logprobs {shape}")
+    if shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"logprobs: empty batch of shape {shape}")
+    if tuple(advantages.shape) not in ((shape[0],), shape):
+        raise ValueError(f"advantages: expected shape ({shape[0]},) or {shape}, got {tuple(advantages.shape)}")
+    if objective == "gspo" and advantages.dim() == 2:
+        raise ValueError("advantages: objective 'gspo' takes one advantage per sequence (N,); "
+                         "use objective='gspo_token' for per-token advantages")
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("mask: values must be 0 or 1")
+        mask = mask.bool()
+    empty = (~mask.any(-1)).nonzero()
+    if empty.numel():
+        raise ValueError(f"mask: row {int(empty[0, 0])} has no completion tokens; drop empty sequences first")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation: unknown {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+    if objective in _LENGTH_NEUTRAL_ONLY and aggregation != "seq_mean_token_mean":
+        raise ValueError(
+            f"aggregation: {aggregation!r} would weight each {objective} sequence by its length; "
+            "GSPO averages over sequences, so use 'seq_mean_token_mean' (the default)")
+    if aggregation == "seq_mean_token_sum_norm" and (norm_length is None or norm_length <= 0):
+        raise ValueError("norm_length: seq_mean_token_sum_norm needs a positive constant (e.g. max completion length)")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator: unknown {kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+    if not math.isfinite(kl_coef) or kl_coef < 0:
+        raise ValueError(f"kl_coef: must be a finite number >= 0, got {kl_coef!r}")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs: required when kl_coef > 0")
+    if ref_logprobs is not None and tuple(ref_logprobs.shape) != shape:
+        raise ValueError(f"ref_logprobs: shape {tuple(ref_logprobs.shape)} does not match logprobs {shape}")
+    # Only real tokens must be finite; padding is ignored whatever it holds.
+    named = [("logprobs", logprobs), ("old_logprobs", old_logprobs)]
+    if ref_logprobs is not None:
+        named.append(("ref_logprobs", ref_logprobs))
+    for name, t in named:
+        bad = ~torch.isfinite(t.detach()) & mask
+        if bad.any():
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"{name}: non-finite value {t[i, j].item()} at [{i}, {j}] on a completion token")
+    adv_bad = ~torch.isfinite(advantages.detach())
+    if advantages.dim() == 2:
+        adv_bad = adv_bad & mask
+    if adv_bad.any():
+        raise ValueError(f"advantages: non-finite value at {tuple(int(x) for x in adv_bad.nonzero()[0])}")
+    return mask

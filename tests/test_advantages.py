@@ -1,0 +1,57 @@
+import math
+
+import pytest
+import torch
+
+from gspo.advantages import group_advantages, group_stats
+
+
+def test_one_right_of_four():
+    # mean 0.25, population std sqrt(0.1875) = 0.4330127; (1 - 0.25) / (0.4330127 + 1e-4) = 1.7316...
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4)
+    std = math.sqrt(0.1875)
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-4)
+    assert torch.allclose(adv, expected, atol=1e-6)
+    assert adv[0].item() == pytest.approx(1.7316, abs=1e-4)
+    assert adv.sum().item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_groups_are_independent_and_equal_rewards_give_zero():
+    # group 0 all equal -> exactly zero (no NaN); group 1: [2, 4] mean 3 std 1 -> [-1, 1] / (1 + 1e-4)
+    adv = group_advantages(torch.tensor([5.0, 5.0, 2.0, 4.0]), 2)
+    assert torch.equal(adv[:2], torch.zeros(2))
+    assert torch.allclose(adv[2:], torch.tensor([-1.0, 1.0]) / 1.0001, atol=1e-7)
+    assert torch.isfinite(adv).all()
+
+
+def test_scale_none_and_batch():
+    r = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    # none: only centring, group means 0.5 and 3
+    assert torch.allclose(group_advantages(r, 2, scale="none"), torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    # batch: centred by group, divided by the std of all rewards: mean 1.75,
+    # var = (0.5625 + 3.0625 + 1.5625 + 1.5625) / 4 = 1.6875
+    std = math.sqrt(1.6875)
+    expected = torch.tensor([0.5, -0.5, 0.0, 0.0]) / (std + 1e-4)
+    assert torch.allclose(group_advantages(r, 2, scale="batch"), expected, atol=1e-6)
+
+
+def test_group_stats():
+    # groups: [1, 1] (agree), [0, 1] (std 0.5), [0, 0] (agree)
+    stats = group_stats(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
+    assert stats["groups/zero_std_frac"] == pytest.approx(2 / 3)
+    assert stats["groups/reward_std_mean"] == pytest.approx(0.5 / 3)
+
+
+@pytest.mark.parametrize(
+    "rewards, group_size, scale, message",
+    [
+        (torch.ones(5), 2, "group", "not a positive multiple of group_size 2"),
+        (torch.ones(4), 0, "group", "group_size: must be a positive int"),
+        (torch.ones(4), 2, "rank", "scale: unknown 'rank'"),
+        (torch.tensor([1.0, float("nan")]), 2, "group", "rewards: non-finite value at index 1"),
+        (torch.ones(2, 2), 2, "group", "rewards: expected a 1-D tensor"),
+    ],
+)
+def test_bad_input(rewards, group_size, scale, message):
+    with pytest.raises(ValueError, match=message):
+        group_advantages(rewards, group_size, scale=scale)

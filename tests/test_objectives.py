@@ -1,0 +1,348 @@
+"""Objectives: hand-derived values, autograd identities, length and padding invariance."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gspo.objectives import AGGREGATIONS, OBJECTIVES, kl_penalty, policy_loss
+
+D = torch.float64
+
+
+def t(x):
+    return torch.tensor(x, dtype=D)
+
+
+def leaf(x):
+    return torch.tensor(x, dtype=D, requires_grad=True)
+
+
+# ---------------------------------------------------------------- GRPO by hand
+# Two sequences, old log-probs 0, so each token ratio w = exp(logp).
+# seq 0 (A = +1): w = [1.1, 1.5]      seq 1 (A = -1): w = [0.5, <pad>]
+# clip 0.2/0.2 -> [0.8, 1.2]
+# token terms -min(wA, clip(w)A):
+#   (0,0): -min(1.1, 1.1) = -1.1        (0,1): -min(1.5, 1.2) = -1.2 (clipped)
+#   (1,0): -min(-0.5, -0.8) = 0.8 (clipped: the pessimistic branch is the clipped one)
+GRPO_LOGP = [[math.log(1.1), math.log(1.5)], [math.log(0.5), 123.0]]
+GRPO_MASK = [[1, 1], [1, 0]]
+GRPO_ADV = [1.0, -1.0]
+
+
+@pytest.mark.parametrize(
+    "aggregation, norm_length, expected",
+    [
+        # seq means -1.15 and 0.8, mean over sequences: -0.175
+        ("seq_mean_token_mean", None, -0.175),
+        # (-1.1 - 1.2 + 0.8) / 3 tokens
+        ("token_mean", None, -0.5),
+        # Dr. GRPO: token sums / 4: -2.3/4 = -0.575 and 0.8/4 = 0.2, mean -0.1875
+        ("seq_mean_token_sum_norm", 4, -0.1875),
+    ],
+)
+def test_grpo_hand_values(aggregation, norm_length, expected):
+    logp = leaf(GRPO_LOGP)
+    loss, stats = policy_loss(logp, torch.zeros(2, 2, dtype=D), t(GRPO_ADV), t(GRPO_MASK), objective="grpo",
+                              clip_low=0.2, clip_high=0.2, aggregation=aggregation, norm_length=norm_length)
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    # 1 of 3 tokens clipped high (w = 1.5, A > 0), 1 of 3 clipped low (w = 0.5, A < 0)
+    assert stats["clip/high_frac"].item() == pytest.approx(1 / 3)
+    assert stats["clip/low_frac"].item() == pytest.approx(1 / 3)
+    assert stats["ratio/mean"].item() == pytest.approx((1.1 + 1.5 + 0.5) / 3)
+    assert stats["ratio/max"].item() == pytest.approx(1.5)
+    assert stats["ratio/min"].item() == pytest.approx(0.5)
+
+
+def test_grpo_hand_gradient():
+    # seq_mean_token_mean: token (0,0) has weight 1/2 * 1/2, d/dlogp (-w A) = -w A = -1.1
+    # -> -0.275. Both clipped tokens get 0; the padded one gets 0.
+    logp = leaf(GRPO_LOGP)
+    loss, _ = policy_loss(logp, torch.zeros(2, 2, dtype=D), t(GRPO_ADV), t(GRPO_MASK), objective="grpo")
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[-0.275, 0.0], [0.0, 0.0]]), atol=1e-12)
+
+
+def test_grpo_asymmetric_clip_higher():
+    # DAPO clip-higher: clip_high 0.6 lets w = 1.5 through: terms -1.1, -1.5 -> seq mean -1.3,
+    # seq 1 still 0.8 -> (-1.3 + 0.8) / 2 = -0.25
+    loss, stats = policy_loss(t(GRPO_LOGP), torch.zeros(2, 2, dtype=D), t(GRPO_ADV), t(GRPO_MASK),
+                              objective="grpo", clip_low=0.2, clip_high=0.6)
+    assert loss.item() == pytest.approx(-0.25)
+    assert stats["clip/high_frac"].item() == 0.0
+
+
+def test_grpo_positive_advantage_below_range_is_not_clipped():
+    # A > 0 and w = 0.5 < 0.8: min(0.5, 0.8) = 0.5, the unclipped branch keeps its gradient.
+    logp = leaf([[math.log(0.5)]])
+    loss, stats = policy_loss(logp, t([[0.0]]), t([2.0]), t([[1]]), objective="grpo")
+    assert loss.item() == pytest.approx(-1.0)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-1.0)  # -w A = -0.5 * 2
+    assert stats["clip/low_frac"].item() == 0.0
+
+
+# ---------------------------------------------------------------- GSPO by hand
+def test_gspo_hand_values():
+    # seq 0: log-ratios [2e-4, 4e-4], mean 3e-4, s = e^3e-4, A = +1, inside [1-3e-4, 1+4e-4]
+    #        term -s = -1.000300045
+    # seq 1: log-ratio [-1e-3] (+ pad), s = e^-1e-3 = 0.9990005, A = -1, below 1 - 3e-4:
+    #        -min(-0.9990005, -0.9997) = 0.9997 (clipped)
+    # seq 2: log-ratios [1e-3, 1e-3, 1e-3], s = e^1e-3 = 1.0010005, A = 2, above 1 + 4e-4:
+    #        -min(2.002001, 2.0008) = -2.0008 (clipped)
+    logp = t([[2e-4, 4e-4, 0.0], [-1e-3, 7.0, 7.0], [1e-3, 1e-3, 1e-3]])
+    mask = t([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    loss, stats = policy_loss(logp, torch.zeros(3, 3, dtype=D), t([1.0, -1.0, 2.0]), mask, objective="gspo")
+    expected = (-math.exp(3e-4) + 0.9997 - 2.0008) / 3
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    assert stats["clip/low_frac"].item() == pytest.approx(1 / 3)
+    assert stats["clip/high_frac"].item() == pytest.approx(1 / 3)
+    ratios = [math.exp(3e-4), math.exp(-1e-3), math.exp(1e-3)]
+    assert stats["ratio/mean"].item() == pytest.approx(sum(ratios) / 3, abs=1e-12)
+    assert stats["ratio/min"].item() == pytest.approx(math.exp(-1e-3), abs=1e-12)
+
+
+def test_gspo_gradient_matches_eq10():
+    # GSPO eq. (10): grad J = 1/N sum_i s_i A_i 1/|y_i| sum_t grad log pi(y_i,t); loss = -J.
+    # So d loss / d logp_{i,t} = -s_i A_i / (N |y_i|) on unclipped sequences.
+    torch.manual_seed(0)
+    N, T = 5, 7
+    lengths = torch.tensor([1, 3, 7, 4, 6])
+    mask = (torch.arange(T)[None] < lengths[:, None]).to(D)
+    old = torch.randn(N, T, dtype=D)
+    logp = (old + 1e-3 * torch.randn(N, T, dtype=D)).requires_grad_()
+    adv = torch.randn(N, dtype=D)
+    loss, stats = policy_loss(logp, old, adv, mask, objective="gspo", clip_low=1.0, clip_high=1.0)
+    loss.backward()
+    s = (((logp - old) * mask).sum(-1) / lengths).exp().detach()
+    expected = -(s * adv / (N * lengths))[:, None] * mask
+    assert stats["clip/low_frac"].item() == 0 and stats["clip/high_frac"].item() == 0
+    assert torch.allclose(logp.grad, expected, atol=1e-12)
+
+
+def test_gspo_clipped_sequence_has_no_gradient():
+    logp = leaf([[1e-3, 1e-3], [0.0, 0.0]])
+    loss, _ = policy_loss(logp, torch.zeros(2, 2, dtype=D), t([1.0, 1.0]), torch.ones(2, 2, dtype=D), objective="gspo")
+    loss.backward()
+    assert torch.all(logp.grad[0] == 0)  # s = e^1e-3 > 1 + 4e-4 with A > 0: clipped
+    assert torch.allclose(logp.grad[1], t([-0.25, -0.25]))  # s = 1: -1 * 1 / (2 * 2)
+
+
+def _random_batch(seed, N=6, T=9, scale=1e-3, per_token_adv=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).to(D)
+    old = -torch.rand(N, T, generator=g, dtype=D) * 3
+    logp = old + scale * torch.randn(N, T, generator=g, dtype=D)
+    adv = torch.randn((N, T) if per_token_adv else (N,), generator=g, dtype=D)
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gspo_token_equals_gspo_with_sequence_advantages(seed):
+    # GSPO sec. 4.3: with A_{i,t} = A_i, GSPO-token is numerically identical to GSPO in
+    # objective, clipping and gradient. Scale 1e-3 puts some sequences on each side of the range.
+    logp, old, adv, mask = _random_batch(seed, N=16, scale=1e-3)
+    results = {}
+    for objective, a in (("gspo", adv), ("gspo_token", adv[:, None].expand_as(logp))):
+        x = logp.clone().requires_grad_()
+        loss, stats = policy_loss(x, old, a, mask, objective=objective)
+        loss.backward()
+        results[objective] = (loss.detach(), stats, x.grad)
+    (l1, s1, g1), (l2, s2, g2) = results["gspo"], results["gspo_token"]
+    assert torch.allclose(l1, l2, atol=1e-14)
+    assert torch.allclose(g1, g2, atol=1e-14)
+    for key in ("clip/low_frac", "clip/high_frac", "ratio/mean", "ratio/max"):
+        assert s1[key].item() == pytest.approx(s2[key].item(), abs=1e-12), key
+    assert s1["clip/low_frac"] + s1["clip/high_frac"] > 0, "the batch should exercise clipping"
+    assert (g1.abs().sum(-1) > 0).sum() >= 2, "and keep some sequences unclipped"
+
+
+def test_gspo_token_per_token_advantages_hand():
+    # One sequence, log-ratios [0, 0] (s = 1), advantages [2, -1]:
+    # token terms -s*A = [-2, 1], token mean -0.5. d/dlogp_t = -s * A_t / |y| = [-1, 0.5].
+    logp = leaf([[0.0, 0.0]])
+    loss, _ = policy_loss(logp, torch.zeros(1, 2, dtype=D), t([[2.0, -1.0]]), torch.ones(1, 2, dtype=D),
+                          objective="gspo_token")
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.5)
+    assert torch.allclose(logp.grad, t([[-1.0, 0.5]]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_on_policy_grpo_and_gspo_gradients_agree(seed):
+    # On-policy (old == new) every ratio is 1: GRPO's token weight 1/(N|y_i|) A_i equals
+    # GSPO's s_i A_i / (N |y_i|) with s_i = 1.
+    logp, _, adv, mask = _random_batch(seed)
+    grads = []
+    for objective in ("grpo", "gspo", "gspo_token", "sapo"):
+        x = logp.clone().requires_grad_()
+        loss, stats = policy_loss(x, logp.detach(), adv, mask, objective=objective)
+        loss.backward()
+        assert stats["ratio/mean"].item() == pytest.approx(1.0)
+        grads.append(x.grad)
+    for g in grads[1:]:
+        assert torch.allclose(grads[0], g, atol=1e-14)
+
+
+def test_gspo_length_neutral_when_tokens_duplicated():
+    # Sequence 0 repeated twice over (same per-token log-ratios) keeps s_0, so the loss and the
+    # summed gradient weight of the sequence are unchanged: length does not buy weight.
+    short_logp = t([[1e-4, -2e-4, 0.0, 0.0], [3e-4, 0.0, 0.0, 0.0]])
+    short_mask = t([[1, 1, 0, 0], [1, 0, 0, 0]])
+    long_logp = t([[1e-4, -2e-4, 1e-4, -2e-4], [3e-4, 0.0, 0.0, 0.0]])
+    long_mask = t([[1, 1, 1, 1], [1, 0, 0, 0]])
+    adv = t([1.0, -0.5])
+    out = []
+    for lp, m in ((short_logp, short_mask), (long_logp, long_mask)):
+        x = lp.clone().requires_grad_()
+        loss, _ = policy_loss(x, torch.zeros_like(lp), adv, m, objective="gspo")
+        loss.backward()
+        out.append((loss.item(), x.grad.sum(-1)))
+    assert out[0][0] == pytest.approx(out[1][0], abs=1e-15)
+    assert torch.allclose(out[0][1], out[1][1], atol=1e-15)
+    # token-mean GRPO, by contrast, doubles the long sequence's share: that is what we refuse for GSPO.
+    g = []
+    for lp, m in ((short_logp, short_mask), (long_logp, long_mask)):
+        x = lp.clone().requires_grad_()
+        policy_loss(x, torch.zeros_like(lp), adv, m, objective="grpo", aggregation="token_mean")[0].backward()
+        g.append(x.grad.sum(-1)[0].item() / x.grad.sum(-1)[1].item())
+    assert g[1] == pytest.approx(2 * g[0], rel=1e-3)
+
+
+@pytest.mark.parametrize("objective", ["gspo", "gspo_token"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum_norm"])
+def test_length_weighting_refused_for_gspo(objective, aggregation):
+    logp, old, adv, mask = _random_batch(0)
+    with pytest.raises(ValueError, match="weight each .* sequence by its length"):
+        policy_loss(logp, old, adv, mask, objective=objective, aggregation=aggregation, norm_length=9)
+
+
+# ---------------------------------------------------------------- CISPO and SAPO
+def test_cispo_hand():
+    # w = 0.6 / 0.4 = 1.5, truncated to 1 + 0.28 = 1.28 (as a constant); A = 1.
+    # loss = -1.28 * log(0.6) = 0.653855...; gradient -1.28 (not zero: CISPO keeps clipped tokens).
+    logp = leaf([[math.log(0.6)]])
+    loss, stats = policy_loss(logp, t([[math.log(0.4)]]), t([1.0]), t([[1]]), objective="cispo")
+    assert loss.item() == pytest.approx(-1.28 * math.log(0.6))
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-1.28)
+    assert stats["clip/high_frac"].item() == 1.0
+    assert stats["ratio/mean"].item() == pytest.approx(1.5)
+
+
+def test_sapo_hand():
+    # seq 0: r = e^0.5, A = +1, tau_pos = 1: gate = sigmoid(e^0.5 - 1) * 4, loss term -gate
+    # seq 1: r = 1, A = -2, tau_neg = 1.05: gate = 0.5 * 4 / 1.05, term +2 * gate
+    # gradient d(-gate A)/dlogp = -A * 4 sig (1 - sig) * r
+    sig = 1 / (1 + math.exp(-(math.exp(0.5) - 1)))
+    logp = leaf([[0.5], [0.0]])
+    loss, _ = policy_loss(logp, torch.zeros(2, 1, dtype=D), t([1.0, -2.0]), torch.ones(2, 1, dtype=D), objective="sapo")
+    expected = (-(sig * 4) + 2 * (0.5 * 4 / 1.05)) / 2
+    assert loss.item() == pytest.approx(expected)
+    loss.backward()
+    g0 = -1.0 * 4 * sig * (1 - sig) * math.exp(0.5) / 2
+    g1 = 2.0 * 4 * 0.25 * 1.0 / 2  # at r = 1 the weight is exactly 1, as unclipped PG
+    assert torch.allclose(logp.grad, t([[g0], [g1]]))
+
+
+# ---------------------------------------------------------------- KL
+def test_kl_estimators_hand():
+    # log_r = ref - logp = -1.5 - (-1) = -0.5
+    logp, ref = t([[-1.0]]), t([[-1.5]])
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) - 0.5)
+
+
+def test_kl_added_to_loss():
+    # on-policy GRPO, A = 1 on one token: policy term -1; k3 = e^-0.5 - 0.5 = 0.10653; coef 0.1
+    logp = t([[-1.0]])
+    loss, stats = policy_loss(logp, logp, t([1.0]), t([[1]]), objective="grpo", ref_logprobs=t([[-1.5]]), kl_coef=0.1)
+    assert stats["loss/policy"].item() == pytest.approx(-1.0)
+    assert stats["loss/kl"].item() == pytest.approx(math.exp(-0.5) - 0.5)
+    assert loss.item() == pytest.approx(-1.0 + 0.1 * (math.exp(-0.5) - 0.5))
+
+
+def test_approx_kl_old_new():
+    # log-ratio 0.1 on one token, 0 on the other: k3 = (e^0.1 - 1 - 0.1 + 0) / 2
+    _, stats = policy_loss(t([[0.1, 0.0]]), torch.zeros(1, 2, dtype=D), t([1.0]), torch.ones(1, 2, dtype=D),
+                           objective="grpo")
+    assert stats["kl/approx"].item() == pytest.approx((math.exp(0.1) - 1.1) / 2)
+
+
+# ---------------------------------------------------------------- padding property
+def _loss_and_grad(logp, old, adv, mask, ref, objective, aggregation):
+    x = logp.clone().requires_grad_()
+    loss, stats = policy_loss(x, old, adv, mask, objective=objective, aggregation=aggregation, norm_length=16,
+                              ref_logprobs=ref, kl_coef=0.05)
+    loss.backward()
+    return loss.detach(), x.grad, stats
+
+
+COMBOS = [(o, a) for o in OBJECTIVES for a in AGGREGATIONS if not (o.startswith("gspo") and a != "seq_mean_token_mean")]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    extra=st.integers(1, 4),
+    pad_value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e6, -1e6, 0.0])),
+    per_token_adv=st.booleans(),
+)
+def test_padding_never_changes_loss_or_gradient(seed, extra, pad_value, per_token_adv):
+    logp, old, adv, mask = _random_batch(seed, N=4, T=5, scale=0.3, per_token_adv=per_token_adv)
+    ref = old - 0.1
+    pad = lambda x, v: torch.cat([x, torch.full((x.shape[0], extra), v, dtype=x.dtype)], dim=1)  # noqa: E731
+    for objective, aggregation in COMBOS:
+        a = adv if not (objective == "gspo" and per_token_adv) else adv[:, 0]
+        base = _loss_and_grad(logp, old, a, mask, ref, objective, aggregation)
+        a_pad = pad(a, pad_value) if a.dim() == 2 else a
+        padded = _loss_and_grad(pad(logp, pad_value), pad(old, pad_value),
+                                a_pad, pad(mask, 0.0), pad(ref, pad_value), objective, aggregation)
+        assert torch.equal(base[0], padded[0]) or torch.allclose(base[0], padded[0], atol=1e-12), objective
+        assert torch.allclose(base[1], padded[1][:, :5], atol=1e-12), (objective, aggregation)
+        assert torch.all(padded[1][:, 5:] == 0)
+        for key, value in base[2].items():
+            assert torch.allclose(value, padded[2][key], atol=1e-12, equal_nan=False), (objective, key)
+
+
+# ---------------------------------------------------------------- bad input
+def _ok():
+    return t([[-1.0, -2.0]]), t([[-1.0, -2.0]]), t([1.0]), t([[1, 1]])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "old_logprobs": t([[-1.0]])}, "old_logprobs: shape"),
+        (lambda a: {**a, "mask": t([[1, 1, 1]])}, "mask: shape"),
+        (lambda a: {**a, "mask": t([[0, 0]])}, "mask: row 0 has no completion tokens"),
+        (lambda a: {**a, "mask": t([[2, 1]])}, "mask: values must be 0 or 1"),
+        (lambda a: {**a, "advantages": t([1.0, 2.0])}, "advantages: expected shape"),
+        (lambda a: {**a, "logprobs": t([[float("nan"), -2.0]])}, "logprobs: non-finite"),
+        (lambda a: {**a, "old_logprobs": t([[float("inf"), -2.0]])}, "old_logprobs: non-finite"),
+        (lambda a: {**a, "advantages": t([float("nan")])}, "advantages: non-finite"),
+        (lambda a: {**a, "objective": "ppo"}, "objective: unknown 'ppo'"),
+        (lambda a: {**a, "aggregation": "sum"}, "aggregation: unknown 'sum'"),
+        (lambda a: {**a, "objective": "grpo", "aggregation": "seq_mean_token_sum_norm"}, "norm_length"),
+        (lambda a: {**a, "kl_coef": 0.1}, "ref_logprobs: required"),
+        (lambda a: {**a, "kl_estimator": "k4", "objective": "grpo"}, "kl_estimator: unknown"),
+        (lambda a: {**a, "clip_low": -0.1}, "clip_low: must be"),
+        (lambda a: {**a, "advantages": t([[1.0, 1.0]])}, "use objective='gspo_token'"),
+        (lambda a: {**a, "logprobs": t([-1.0, -2.0]), "old_logprobs": t([-1.0, -2.0]), "mask": t([1, 1])},
+         "logprobs: expected shape"),
+    ],
+)
+def test_bad_input_names_the_problem(change, message):
+    lp, old, adv, mask = _ok()
+    args = change({"logprobs": lp, "old_logprobs": old, "advantages": adv, "mask": mask, "objective": "gspo"})
+    with pytest.raises(ValueError, match=message):
+        policy_loss(args.pop("logprobs"), args.pop("old_logprobs"), args.pop("advantages"), args.pop("mask"), **args)
+
+
+def test_nan_on_padding_is_accepted():
+    loss, _ = policy_loss(t([[-1.0, float("nan")]]), t([[-1.0, float("inf")]]), t([1.0]), t([[1, 0]]), objective="grpo")
+    assert loss.item() == pytest.approx(-1.0)
