@@ -1,0 +1,337 @@
+"""Configs as plain dataclasses; YAML files and `key=value` overrides; validation.
+
+Each field carries its documentation as a string literal right below it; `field_docs`
+reads those strings from the source, so `gspo train --help` prints them.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+OBJECTIVE_CHOICES = ("gspo", "grpo", "gspo_token", "cispo", "sapo")
+SCHEDULES = ("constant", "linear", "cosine")
+REPLAY_MODES = ("none", "old_policy", "rollout")
+
+
+@dataclass
+class ModelConfig:
+    """Fields shared by every command that loads a model."""
+
+    model: str = "tiny-dense"
+    """Preset name (`tiny-dense`, `tiny-moe`: built from config, random init) or a local path / hub name of a causal LM."""
+    model_overrides: dict | None = None
+    """Config fields patched into a preset before it is built, e.g. {num_hidden_layers: 2}."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16, float16 or auto."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda or cuda:<i>."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a checkpoint. Off unless you trust its source."""
+    seed: int = 0
+    """Seed for model init (presets), data order and sampling."""
+    output_dir: str = "runs/gspo"
+    """Where metrics, samples, plots and the final model are written."""
+    task: str | None = "add3"
+    """Built-in task (see `gspo.tasks.TASKS`) giving train and held-out prompts; set to null to use `dataset`."""
+    dataset: str | None = None
+    """Local data: a .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder with a `prompt` column."""
+    eval_dataset: str | None = None
+    """Held-out data in the same format; by default the task's test split, or a 10% split of `dataset`."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages rendered with the chat template."""
+    eval_num_prompts: int = 200
+    """How many held-out prompts each evaluation uses."""
+    eval_k: int = 4
+    """Samples per held-out prompt for the sampled metrics mean@k and pass@k."""
+    eval_temperature: float = 1.0
+    """Temperature of the sampled evaluation."""
+
+
+@dataclass
+class TrainConfig(ModelConfig):
+    """GRPO/GSPO training run. Field names follow TRL where TRL has one."""
+
+    output_dir: str = "runs/gspo"
+    """Where metrics, samples, plots and the final model are written."""
+    max_steps: int = 200
+    """RL steps; each samples a rollout batch and takes `num_minibatches * num_epochs` optimizer steps."""
+    per_device_batch_size: int = 8
+    """Prompts per rollout batch (B)."""
+    num_generations: int = 8
+    """Completions sampled per prompt (G); advantages are normalised within each group."""
+    max_prompt_length: int = 512
+    """Prompts longer than this (in tokens) are an error."""
+    max_completion_length: int = 64
+    """Maximum new tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling; below 1 the sampler's distribution is truncated and no longer the one trained on."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables it (transformers would otherwise apply 50)."""
+    reward_funcs: list = field(default_factory=lambda: ["answer_match"])
+    """Reward functions: built-in names (answer_match, format) or `module:function` import paths."""
+    reward_weights: list | None = None
+    """One weight per reward function; default all 1."""
+    objective: str = "gspo"
+    """Policy objective: gspo (sequence ratio), grpo (token ratio), gspo_token, cispo, sapo."""
+    clip_low: float | None = None
+    """Lower clip range: ratio >= 1 - clip_low. Default per objective: gspo 3e-4, grpo 0.2."""
+    clip_high: float | None = None
+    """Upper clip range: ratio <= 1 + clip_high. Default per objective: gspo 4e-4, grpo 0.2."""
+    aggregation: str | None = None
+    """Loss aggregation: seq_mean_token_mean, token_mean (DAPO) or seq_mean_token_sum_norm (Dr. GRPO); default per objective."""
+    advantage_scale: str = "group"
+    """Advantage normalisation: group (GRPO), batch, or none (Dr. GRPO)."""
+    num_minibatches: int = 4
+    """Optimizer steps per rollout batch (GSPO paper: 4); minibatches after the first are off-policy."""
+    num_epochs: int = 1
+    """Passes over each rollout batch (TRL's num_iterations, PPO epochs)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) model; 0 loads no reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3 (DeepSeekMath)."""
+    use_sampler_logprobs: bool = False
+    """Use the sampler's own log-probs as pi_old instead of recomputing them (GSPO sec. 5.4)."""
+    learning_rate: float = 1e-6
+    """AdamW peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.99
+    """AdamW beta2."""
+    warmup_steps: int = 0
+    """Linear warmup, in optimizer steps."""
+    lr_scheduler: str = "constant"
+    """Schedule after warmup: constant, linear (to 0) or cosine (to 0)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    logprob_chunk_size: int = 1024
+    """Rows of the output head computed at once when taking log-probs (memory vs speed)."""
+    routing_replay: str = "none"
+    """MoE routing replay: none, old_policy (record at pi_old, replay in training) or rollout (record at generation)."""
+    eval_steps: int = 0
+    """Evaluate on held-out prompts every this many steps (and before and after training); 0: only before and after."""
+    save_steps: int = 0
+    """Save the model every this many steps; 0: only at the end."""
+    log_samples_steps: int = 10
+    """Write sample completions with rewards to samples.jsonl every this many steps."""
+    log_samples_count: int = 4
+    """How many sample completions each time."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (needs `pip install tensorboard`)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`)."""
+    wandb_project: str | None = None
+    """Weights & Biases project name."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class SFTConfig(ModelConfig):
+    """Cold-start supervised fine-tuning on prompt/answer pairs (loss on answer tokens only)."""
+
+    output_dir: str = "runs/sft"
+    """Where metrics and the final model are written."""
+    answer_column: str = "solution"
+    """Column holding the target completion (built-in tasks: the worked solution)."""
+    num_examples: int = 0
+    """Demonstrations to train on; 0 uses all of `dataset` (built-in tasks need a number)."""
+    max_steps: int = 300
+    """Optimizer steps (upper bound when `target_accuracy` stops earlier)."""
+    batch_size: int = 32
+    """Examples per optimizer step."""
+    learning_rate: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    max_length: int = 512
+    """Longer prompt+answer sequences are an error."""
+    target_accuracy: float | None = None
+    """Stop once greedy held-out accuracy reaches this (a deliberately partial cold start)."""
+    eval_steps: int = 50
+    """Evaluate greedy held-out accuracy every this many steps."""
+    reward_funcs: list = field(default_factory=lambda: ["answer_match"])
+    """Reward functions used to score held-out answers (accuracy = mean reward)."""
+    max_completion_length: int = 64
+    """Maximum new tokens when evaluating."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+# ------------------------------------------------------------------------------- machinery
+def field_docs(cls) -> dict[str, str]:
+    """Field name -> the docstring written under it (searching base classes too)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def config_help(cls) -> str:
+    """One block per field: name, type, default and its docstring."""
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name} ({_type_name(hints[f.name])}, default {default!r})")
+        lines.append(textwrap.fill(docs.get(f.name, ""), width=96, initial_indent="      ", subsequent_indent="      "))
+    return "\n".join(lines)
+
+
+def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None):
+    """Build `cls` from an optional YAML file, then `key=value` overrides (which win)."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config: file not found: {path}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config: {path} must hold a mapping of field: value, got {type(loaded).__name__}")
+        values.update(loaded)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+    return make_config(cls, values)
+
+
+def make_config(cls, values: dict):
+    """Type-check a mapping against the dataclass and build it, then validate."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints or key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"config: unknown key {key!r}{hint}")
+        kwargs[key] = _coerce(key, value, hints[key])
+    cfg = cls(**kwargs)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _choice(cfg, name: str, choices) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ValueError(f"config: {name}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _positive(cfg, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ValueError(f"config: {name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg) -> None:
+    """Check choices, ranges and consistency before anything is loaded."""
+    _choice(cfg, "dtype", ("float32", "bfloat16", "float16", "auto"))
+    if not (cfg.device in ("auto", "cpu", "cuda", "mps") or cfg.device.startswith("cuda:")):
+        raise ValueError(f"config: device={cfg.device!r} is not one of auto, cpu, cuda, cuda:<i>, mps")
+    if cfg.task is None and cfg.dataset is None:
+        raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder)")
+    _positive(cfg, "eval_num_prompts", "eval_k", "eval_temperature")
+    if isinstance(cfg, TrainConfig):
+        _choice(cfg, "objective", OBJECTIVE_CHOICES)
+        _choice(cfg, "lr_scheduler", SCHEDULES)
+        _choice(cfg, "advantage_scale", ("group", "batch", "none"))
+        _choice(cfg, "kl_estimator", ("k1", "k2", "k3"))
+        _choice(cfg, "routing_replay", REPLAY_MODES)
+        if cfg.aggregation is not None:
+            _choice(cfg, "aggregation", ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"))
+            if cfg.objective in ("gspo", "gspo_token") and cfg.aggregation != "seq_mean_token_mean":
+                raise ValueError(f"config: aggregation={cfg.aggregation!r} would weight {cfg.objective} sequences by "
+                                 "length; use seq_mean_token_mean (the default)")
+        _positive(cfg, "max_steps", "per_device_batch_size", "num_generations", "max_prompt_length",
+                  "max_completion_length", "temperature", "num_minibatches", "num_epochs", "learning_rate",
+                  "logprob_chunk_size", "log_samples_count")
+        _positive(cfg, "kl_coef", "weight_decay", "warmup_steps", "max_grad_norm", "top_k", "eval_steps",
+                  "save_steps", "log_samples_steps", allow_zero=True)
+        if not 0 < cfg.top_p <= 1:
+            raise ValueError(f"config: top_p={cfg.top_p!r} must be in (0, 1]")
+        for name in ("clip_low", "clip_high"):
+            value = getattr(cfg, name)
+            if value is not None and value < 0:
+                raise ValueError(f"config: {name}={value!r} must be >= 0")
+        if cfg.num_generations < 2:
+            raise ValueError("config: num_generations must be >= 2: group advantages need at least two completions")
+        n = cfg.per_device_batch_size * cfg.num_generations
+        if n % cfg.num_minibatches:
+            raise ValueError(f"config: per_device_batch_size * num_generations = {n} is not divisible by "
+                             f"num_minibatches={cfg.num_minibatches}")
+        if not cfg.reward_funcs:
+            raise ValueError("config: reward_funcs is empty; give at least one reward function")
+        if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+            raise ValueError(f"config: reward_weights has {len(cfg.reward_weights)} entries but reward_funcs has "
+                             f"{len(cfg.reward_funcs)}")
+        if cfg.use_sampler_logprobs and (cfg.top_p < 1 or cfg.top_k):
+            raise ValueError("config: use_sampler_logprobs with top_p < 1 or top_k > 0 would train on a truncated "
+                             "distribution's log-probs; disable one of them")
+    if isinstance(cfg, SFTConfig):
+        _positive(cfg, "max_steps", "batch_size", "learning_rate", "max_length", "eval_steps", "max_completion_length")
+        _positive(cfg, "num_examples", "warmup_steps", "weight_decay", allow_zero=True)
+        if cfg.target_accuracy is not None and not 0 < cfg.target_accuracy <= 1:
+            raise ValueError(f"config: target_accuracy={cfg.target_accuracy!r} must be in (0, 1]")
+        if cfg.task is not None and cfg.dataset is None and cfg.num_examples == 0:
+            raise ValueError("config: num_examples must be > 0 for a built-in task (its generator is endless)")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value, tp):
+    """Check `value` against annotation `tp`; ints are accepted for floats."""
+    options = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ValueError(f"config: {key} may not be null (expected {_type_name(tp)})")
+    for option in options:
+        if option is type(None):
+            continue
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is str and isinstance(value, str):
+            return value
+        if option is list and isinstance(value, (list, tuple)):
+            return list(value)
+        if option is list and isinstance(value, str):
+            return [value]
+        if option is dict and isinstance(value, dict):
+            return value
+    raise ValueError(f"config: {key}={value!r} has the wrong type: expected {_type_name(tp)}")

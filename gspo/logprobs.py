@@ -1,0 +1,200 @@
+"""Per-token log-probs (and entropy) of completion tokens from a causal LM.
+
+Rollout layout: `input_ids` (N, P+T) = left-padded prompts (width P) followed by right-padded
+completions (width T); `attention_mask` (N, P+T) is 1 on real tokens. The log-prob of
+completion token j (position P+j) is read from the logits at position P+j-1.
+
+`completion_logprobs` never holds the full fp32 (N, T, V) logits: it runs the backbone once,
+keeps the T hidden states it needs, and applies the output head to `chunk_size` rows at a time.
+Under autograd each chunk is checkpointed, so the backward pass recomputes that chunk's logits
+instead of keeping them alive. `naive_completion_logprobs` is the plain full-logits reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["completion_logprobs", "naive_completion_logprobs", "position_ids_from_mask"]
+
+# Config fields of HF models whose forward modifies logits after the output head
+# (Gemma2/3 and NanoChat: softcapping; Cohere: logit_scale; Granite divides / HyperCLOVA X
+# multiplies by logits_scaling; MuseSpark: output_multiplier). The chunked path only computes
+# `lm_head(hidden)`, so for these models we fall back to the naive path rather than re-implement
+# each model's (sometimes contradictory) convention here.
+_LOGIT_POSTPROCESS_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids (N, L) that count only real tokens, as HF `generate` builds them.
+
+    Left padding then does not shift positions: a row's first real token gets position 0.
+    Padding slots get 0 (left) or repeat the last real position (right); they are masked anyway.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, L)
+
+
+def _validate(input_ids, attention_mask, completion_len, temperature, chunk_size) -> None:
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a 2-D tensor (N, P+T), got {_describe(input_ids)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must be a tensor with the shape of input_ids {tuple(input_ids.shape)}, "
+            f"got {_describe(attention_mask)}"
+        )
+    seq_len = input_ids.shape[1]
+    if isinstance(completion_len, bool) or not isinstance(completion_len, int):
+        raise ValueError(f"completion_len must be an int, got {type(completion_len).__name__}")
+    if not 1 <= completion_len <= seq_len - 1:
+        raise ValueError(
+            f"completion_len must be in 1..{seq_len - 1} (sequence length {seq_len} minus at least one "
+            f"prompt token), got {completion_len}"
+        )
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+
+
+def _token_logprobs(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+    """fp32 log-prob of `targets` (M,) under `logits` (M, V) / temperature, and entropy (M,)."""
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)  # (M, V)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (M,)
+    if not with_entropy:
+        return logp, None
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (M,)
+    return logp, entropy
+
+
+def naive_completion_logprobs(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_len: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Reference path: one full forward, full fp32 logits. Same contract as `completion_logprobs`.
+
+    `chunk_size` is accepted (and validated) only so both functions share a signature.
+    """
+    _validate(input_ids, attention_mask, completion_len, temperature, chunk_size)
+    seq_len, T = input_ids.shape[1], completion_len
+    P = seq_len - T
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    logits = out.logits[:, P - 1 : seq_len - 1]  # (N, T, V): position P+j-1 predicts token P+j
+    logp, entropy = _token_logprobs(logits, input_ids[:, P:], temperature, with_entropy)
+    return logp, entropy
+
+
+def _is_fsdp2(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _chunked_path_parts(model):
+    """(backbone, head) for the chunked path, or None when the model needs the naive path."""
+    get_decoder = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:  # e.g. a DDP wrapper or a plain nn.Module
+        return None
+    if _is_fsdp2(model):  # the root's pre-forward hook (which unshards its params) would be skipped
+        return None
+    backbone, head = get_decoder(), get_head()
+    if head is None or backbone is model or backbone is None:
+        return None
+    configs = [getattr(model, "config", None)]
+    if configs[0] is not None and hasattr(configs[0], "get_text_config"):
+        configs.append(configs[0].get_text_config())
+    for cfg in configs:
+        for field in _LOGIT_POSTPROCESS_FIELDS:
+            if getattr(cfg, field, None) not in (None, 1, 1.0):
+                return None
+    if getattr(backbone, "lm_head_multiplier", None) not in (None, 1, 1.0):  # Falcon-H1
+        return None
+    return backbone, head
+
+
+def completion_logprobs(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_len: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (N, T) fp32 of the completion tokens, and their entropy (N, T) fp32 or None.
+
+    input_ids, attention_mask: (N, P+T); completion_len: T. Logits are divided by `temperature`
+    before the softmax (match the sampler's temperature). Values at padded completion slots are
+    finite but meaningless: the caller masks them.
+
+    The output head runs on `chunk_size` rows of the (N*T, H) hidden states at a time; with grad
+    enabled each chunk is checkpointed so the backward recomputes its logits. Models whose forward
+    changes logits after the head (softcapping, logit scales) and models without
+    `get_decoder`/`get_output_embeddings` (e.g. wrapped in DDP) or sharded by FSDP2 at the root
+    take the naive path instead. Note: the chunked path calls the backbone module directly,
+    bypassing the top-level module's forward and its hooks.
+    """
+    _validate(input_ids, attention_mask, completion_len, temperature, chunk_size)
+    parts = _chunked_path_parts(model)
+    if parts is None:
+        return naive_completion_logprobs(
+            model, input_ids, attention_mask, completion_len,
+            temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+        )
+    backbone, head = parts
+    N, seq_len = input_ids.shape
+    T = completion_len
+    P = seq_len - T
+
+    # MoE backbones (Qwen3-MoE) return router logits only when asked; we do not ask.
+    out = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state[:, P - 1 : seq_len - 1]  # (N, T, H)
+    hidden = hidden.reshape(N * T, hidden.shape[-1])  # (N*T, H)
+    targets = input_ids[:, P:].reshape(N * T)  # (N*T,)
+
+    def chunk_fn(h: Tensor, tgt: Tensor):
+        return _token_logprobs(head(h), tgt, temperature, with_entropy)  # (M,), (M,) | None
+
+    use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
+    logps, ents = [], []
+    for start in range(0, N * T, chunk_size):
+        h, tgt = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        if use_ckpt:
+            # Saves only h (M, H); the (M, V) logits are rebuilt during backward.
+            logp, ent = checkpoint(chunk_fn, h, tgt, use_reentrant=False)
+        else:
+            logp, ent = chunk_fn(h, tgt)
+        logps.append(logp)
+        ents.append(ent)
+    logp = torch.cat(logps).view(N, T)  # (N, T)
+    entropy = torch.cat(ents).view(N, T) if with_entropy else None  # (N, T)
+    return logp, entropy

@@ -1,0 +1,216 @@
+"""Load any Hugging Face causal LM and its tokenizer, or build a tiny random one from a preset.
+
+    model, tok = load_model("tiny-moe", seed=0, overrides={"num_hidden_layers": 2})
+    model, tok = load_model("/path/to/checkpoint", dtype="bfloat16", device="cuda")
+
+Presets use the character tokenizer of `gspo.tasks`, are saved with `save_pretrained`, and
+reload with plain `AutoModelForCausalLM` / `AutoTokenizer`: nothing of ours is needed to read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",  # the checkpoint's own dtype; presets stay float32
+}
+
+# Shared by both presets: 601,600 (dense) / 998,912 (MoE) parameters with the 81-token vocabulary.
+_TINY = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
+def _special_ids(tokenizer) -> dict:
+    return dict(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def tiny_dense_config(tokenizer, **overrides):
+    """Qwen3 dense: hidden 128, 4 layers, 4 query / 2 kv heads of dim 32, MLP 256."""
+    from transformers import Qwen3Config
+
+    base = {**_TINY, "intermediate_size": 256, **_special_ids(tokenizer)}
+    return _build_config(Qwen3Config, base, overrides)
+
+
+def tiny_moe_config(tokenizer, **overrides):
+    """Qwen3-MoE: the dense shape with every MLP replaced by 8 experts of width 64, top-2."""
+    from transformers import Qwen3MoeConfig
+
+    base = {
+        **_TINY,
+        "intermediate_size": 256,  # only used by layers listed in mlp_only_layers (none)
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,  # every layer sparse
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,  # renormalise the top-k gate weights to sum to 1
+        **_special_ids(tokenizer),
+    }
+    return _build_config(Qwen3MoeConfig, base, overrides)
+
+
+def _build_config(config_cls, base: dict, overrides: dict):
+    # Configs accept unknown keys silently, so a typo would be a no-op: check names first.
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    known |= set(config_cls.attribute_map) | set(base)
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"overrides: unknown {config_cls.__name__} field(s) {unknown}")
+    # Passed to the constructor (not set afterwards) so derived fields such as
+    # Qwen3's layer_types follow a changed num_hidden_layers.
+    return config_cls(**{**base, **overrides})
+
+
+PRESETS = {"tiny-dense": tiny_dense_config, "tiny-moe": tiny_moe_config}
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    seed: int = 0,
+    overrides: dict | None = None,
+):
+    """Return `(model, tokenizer)` for a preset name, a local directory or a hub name.
+
+    Presets are randomly initialised from `seed` (the caller's RNG state is left untouched);
+    `overrides` patches their config fields. For checkpoints `seed` and `overrides` are unused.
+    Either way the tokenizer gets a pad token and the generation config samples from the
+    full distribution unless the caller asks for truncation.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if name_or_path in PRESETS:
+        model, tokenizer = _build_preset(name_or_path, seed, overrides or {})
+        if dtype != "auto":
+            model = model.to(DTYPES[dtype])
+    else:
+        if overrides:
+            raise ValueError(
+                f"overrides apply only to presets {list(PRESETS)}, not to {name_or_path!r}"
+            )
+        model, tokenizer = _load_pretrained(name_or_path, DTYPES[dtype], trust_remote_code)
+    model = model.to(device)
+    _fix_special_tokens(model, tokenizer)
+    _disable_truncated_sampling(model)
+    return model, tokenizer
+
+
+def _build_preset(name: str, seed: int, overrides: dict):
+    from transformers import AutoModelForCausalLM
+
+    from gspo.tasks import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config = PRESETS[name](tokenizer, **overrides)
+    # Built on CPU in fp32 under a forked RNG: the same seed gives the same weights on any
+    # device, and loading a model does not shift the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model, tokenizer
+
+
+def _looks_local(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else with a separator is meant as a path.
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return True
+    return os.sep != "/" and os.sep in name
+
+
+def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = os.path.expanduser(name_or_path)
+    if not os.path.exists(path) and _looks_local(name_or_path):
+        raise ValueError(
+            f"name_or_path {name_or_path!r}: no such directory (and not a preset: {list(PRESETS)})"
+        )
+    if os.path.exists(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"name_or_path {name_or_path!r}: no config.json there, not a saved model")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
+    except OSError as err:  # hub lookups offline, missing files: say what we were loading
+        raise ValueError(
+            f"name_or_path {name_or_path!r}: could not load model/tokenizer "
+            f"(presets are {list(PRESETS)}): {err}"
+        ) from err
+    return model, tokenizer
+
+
+def _fix_special_tokens(model, tokenizer) -> None:
+    """Give the tokenizer a pad token and copy pad/eos into the generation config."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError("tokenizer has neither a pad token nor an eos token; set one first")
+        logger.warning("tokenizer has no pad token; using eos %r as pad", tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    gen = model.generation_config
+    gen.pad_token_id = tokenizer.pad_token_id
+    # Keep a checkpoint's own eos list (e.g. chat models also stop on an end-of-turn token).
+    if gen.eos_token_id is None:
+        gen.eos_token_id = tokenizer.eos_token_id
+    if gen.bos_token_id is None:
+        gen.bos_token_id = tokenizer.bos_token_id
+
+
+def _disable_truncated_sampling(model) -> None:
+    """Make `generate(do_sample=True)` draw from the model's full softmax.
+
+    Policy-gradient ratios assume completions were sampled from the policy itself; top-k /
+    top-p truncation samples from a different distribution. transformers fills an unset
+    top_k with 50, so unset (None) is not enough: 0 skips its TopKLogitsWarper. Saving
+    refuses top_k=0 next to do_sample=False, so sampling becomes the default mode too;
+    greedy evaluation passes `do_sample=False` to `generate`.
+    """
+    gen = model.generation_config
+    knobs = {k: getattr(gen, k) for k in ("top_k", "top_p", "min_p")}
+    changed = {k: v for k, v in knobs.items() if v not in (None, 0, 1.0)}
+    if changed:
+        logger.info("resetting sampling truncation from the checkpoint %s to none", changed)
+    gen.do_sample = True
+    gen.top_k = 0
+    gen.top_p = 1.0
+    gen.min_p = None
+
+
+def is_moe(model) -> bool:
+    """True if the model's config declares routed experts (Qwen3-MoE, Mixtral, DeepSeek, ...)."""
+    config = model.config.get_text_config()
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 1:
+            return True
+    return False
+
+
+def count_parameters(model, trainable_only: bool = False) -> int:
+    """Number of parameters; tied weights are counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

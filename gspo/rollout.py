@@ -1,0 +1,159 @@
+"""Generation: sample G completions per prompt with HF `generate` into a `Rollout`.
+
+Layout: `input_ids` (N, P+T) are left-padded prompts (width P) followed by right-padded
+completions (width T), N = B*G, rows grouped by prompt. The completion mask covers each
+completion up to and including its first EOS.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled completions and what later stages attach to it."""
+
+    input_ids: Tensor  # (N, P+T)
+    attention_mask: Tensor  # (N, P+T)
+    completion_mask: Tensor  # (N, T) bool
+    prompts: list  # N prompt texts (each repeated G times)
+    completions: list  # N completion texts
+    sampler_logprobs: Tensor | None = None  # (N, T) log-probs under the sampling distribution
+    rewards: Tensor | None = None  # (N,)
+    advantages: Tensor | None = None  # (N,)
+    old_logprobs: Tensor | None = None  # (N, T)
+    ref_logprobs: Tensor | None = None  # (N, T)
+    routing: object | None = None  # MoE routing record aligned with input_ids (gspo.moe)
+
+    @property
+    def completion_len(self) -> int:
+        return self.completion_mask.shape[1]
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor) -> "Rollout":
+        """The rollout restricted to `rows`, with all-padding columns trimmed on both sides."""
+        T = self.completion_len
+        attn = self.attention_mask[rows]  # (n, P+T)
+        cmask = self.completion_mask[rows]  # (n, T)
+        left = int((attn[:, : attn.shape[1] - T].sum(0) > 0).nonzero()[0, 0])  # first prompt column in use
+        keep_t = int(cmask.any(0).nonzero()[-1, 0]) + 1  # last completion column in use
+        cut = attn.shape[1] - T + keep_t
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                v = v[rows]
+                if f.name in ("input_ids", "attention_mask"):
+                    v = v[:, left:cut]
+                elif v.dim() == 2:
+                    v = v[:, :keep_t]
+            elif isinstance(v, list):
+                v = [v[i] for i in rows.tolist()]
+            elif v is not None:  # a routing record: rows, then the same columns as input_ids
+                v = v.select(rows, slice(left, cut))
+            out[f.name] = v
+        return replace(self, **out)
+
+
+def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int]) -> Tensor:
+    """(N, T) bool: True up to and including the first EOS of each row (all True if none)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (N, T)
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+    return ~after_eos
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    ids = ids if isinstance(ids, list) else [ids]
+    if not ids or ids[0] is None:
+        raise ValueError("tokenizer: no eos token: completions could never end")
+    return ids
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int, device) -> tuple[Tensor, Tensor]:
+    """Left-padded prompt ids and mask (B, P)."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    lengths = enc["attention_mask"].sum(-1)
+    if int(lengths.max()) > max_prompt_length:
+        i = int(lengths.argmax())
+        raise ValueError(f"max_prompt_length: prompt {i} has {int(lengths[i])} tokens > {max_prompt_length}: {prompts[i]!r:.80}")
+    if int(lengths.min()) == 0:
+        raise ValueError(f"dataset: prompt {int(lengths.argmin())} encodes to no tokens")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    num_generations: int,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    max_prompt_length: int = 512,
+    with_logprobs: bool = False,
+    routing_recorder=None,
+) -> Rollout:
+    """Sample `num_generations` completions for each prompt (KV-cached HF generate).
+
+    No truncation of the distribution unless asked: top_k=0 and top_p=1 sample the full
+    softmax(logits / temperature), the distribution the trainer's log-probs are taken over.
+    `with_logprobs` keeps the sampler's own log-probs of the chosen tokens.
+    `routing_recorder`: a context manager from gspo.moe that records expert choices.
+    """
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device)  # (B, P)
+    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # (N, P)
+    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # (N, P)
+    eos = eos_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    was_training = model.training
+    model.eval()
+    with routing_recorder if routing_recorder is not None else nullcontext():
+        out = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            do_sample=not greedy,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            # neutralise distribution-changing defaults a checkpoint's generation_config may carry
+            repetition_penalty=1.0, min_p=None, typical_p=1.0, no_repeat_ngram_size=0,
+            return_dict_in_generate=True,
+            output_scores=with_logprobs,
+            **sampling,
+        )
+    model.train(was_training)
+    P = prompt_ids.shape[1]
+    completion_ids = out.sequences[:, P:]  # (N, T)
+    cmask = completion_mask_from_ids(completion_ids, eos)  # (N, T)
+    completion_ids = torch.where(cmask, completion_ids, torch.full_like(completion_ids, pad))
+    sampler_lp = None
+    if with_logprobs:
+        # out.scores are the processed logits each token was actually sampled from, one (N, V) per step
+        sampler_lp = torch.stack([
+            torch.log_softmax(s.float(), -1).gather(-1, completion_ids[:, j : j + 1]).squeeze(-1)
+            for j, s in enumerate(out.scores)], dim=1)  # (N, T)
+        sampler_lp = torch.where(cmask, sampler_lp, torch.zeros_like(sampler_lp))
+    texts = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(completion_ids, cmask)], skip_special_tokens=True)
+    return Rollout(
+        input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, cmask.long()], dim=1),
+        completion_mask=cmask,
+        prompts=[p for p in prompts for _ in range(num_generations)],
+        completions=texts,
+        sampler_logprobs=sampler_lp,
+    )

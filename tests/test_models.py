@@ -1,0 +1,238 @@
+"""Tests for gspo.models: presets, loading, pad/eos handling and untruncated sampling."""
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gspo.models import PRESETS, count_parameters, is_moe, load_model
+from gspo.tasks import build_char_tokenizer
+
+SMALL = {"num_hidden_layers": 2}  # fewer layers keep the slower tests quick
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls run ~30x slower when intra-op threads contend for a busy CPU.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _prompt(tok, text="12+34="):
+    return torch.tensor([tok.encode(text)])  # (1, T)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return load_model("tiny-dense")
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return load_model("tiny-moe")
+
+
+def test_presets_build_and_forward(dense, moe):
+    cases = [(dense, "Qwen3ForCausalLM", False), (moe, "Qwen3MoeForCausalLM", True)]
+    for (model, tok), cls, sparse in cases:
+        assert type(model).__name__ == cls
+        assert is_moe(model) is sparse
+        cfg = model.config
+        assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (128, 4, 4)
+        assert (cfg.num_key_value_heads, cfg.head_dim, cfg.max_position_embeddings) == (2, 32, 512)
+        assert cfg.vocab_size == len(tok) == 81
+        assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (0, 1, 2)
+        assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied
+        logits = model(_prompt(tok)).logits  # (1, 6, V)
+        assert logits.shape == (1, 6, 81)
+        assert torch.isfinite(logits).all()
+        assert next(model.parameters()).dtype == torch.float32
+    cfg = moe[0].config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 64)
+    assert cfg.norm_topk_prob is True and cfg.mlp_only_layers == [] and cfg.decoder_sparse_step == 1
+    blocks = {type(layer.mlp).__name__ for layer in moe[0].model.layers}
+    assert blocks == {"Qwen3MoeSparseMoeBlock"}
+
+
+def test_count_parameters_hand_derived(dense, moe):
+    V, H, I, E, Im = 81, 128, 256, 8, 64
+    attn = H * H + H * 64 + H * 64 + H * H + 32 + 32  # q, k, v (2 kv heads x 32), o, q_norm, k_norm
+    norms = 2 * H  # input and post-attention RMSNorm
+    dense_layer = attn + 3 * H * I + norms  # gate, up, down
+    moe_layer = attn + E * H + E * 3 * H * Im + norms  # router + 8 experts
+    embed_and_final_norm = V * H + H  # lm_head is tied, so counted once
+    assert count_parameters(dense[0]) == 4 * dense_layer + embed_and_final_norm == 601_600
+    assert count_parameters(moe[0]) == 4 * moe_layer + embed_and_final_norm == 998_912
+
+
+def test_count_parameters_trainable_only():
+    model, _ = load_model("tiny-dense", overrides=SMALL)
+    total = count_parameters(model)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    assert count_parameters(model, trainable_only=True) == total - 81 * 128
+    assert count_parameters(model) == total
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_seeded_builds(preset):
+    a, _ = load_model(preset, seed=1, overrides=SMALL)
+    b, _ = load_model(preset, seed=1, overrides=SMALL)
+    c, _ = load_model(preset, seed=2, overrides=SMALL)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert sa.keys() == sb.keys() == sc.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    # Every randomly initialised tensor (norm weights start at 1) differs between seeds.
+    random_keys = [k for k in sa if "norm" not in k]
+    assert random_keys and all(not torch.equal(sa[k], sc[k]) for k in random_keys)
+
+
+def test_build_leaves_caller_rng_alone():
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    load_model("tiny-dense", seed=9, overrides=SMALL)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_overrides():
+    model, _ = load_model("tiny-moe", overrides={"num_hidden_layers": 2, "num_experts": 4})
+    assert len(model.model.layers) == 2
+    assert model.config.num_experts == 4
+    assert model.model.layers[0].mlp.gate.weight.shape == (4, 128)  # router: (experts, hidden)
+    dense, _ = load_model("tiny-dense", overrides={"num_hidden_layers": 3, "intermediate_size": 32})
+    assert dense.config.layer_types == ["full_attention"] * 3  # derived field follows the override
+    assert dense.model.layers[0].mlp.up_proj.weight.shape == (32, 128)
+
+
+def test_bad_override_key():
+    with pytest.raises(ValueError, match="num_layerz"):
+        load_model("tiny-dense", overrides={"num_layerz": 2})
+    with pytest.raises(ValueError, match="num_expertz"):
+        load_model("tiny-moe", overrides={"num_expertz": 2})
+
+
+def test_dtype_validation_and_cast():
+    with pytest.raises(ValueError, match="dtype must be one of .*bfloat16"):
+        load_model("tiny-dense", dtype="fp32")
+    model, _ = load_model("tiny-dense", dtype="bfloat16", overrides=SMALL)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    model, _ = load_model("tiny-dense", dtype="auto", overrides=SMALL)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_save_and_reload_round_trip(preset, tmp_path):
+    model, tok = load_model(preset, overrides=SMALL)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    ids = _prompt(tok)
+    expected = model(ids).logits
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    plain_tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert plain_tok.encode("12+34=") == ids[0].tolist()
+    assert torch.equal(plain(ids).logits, expected)
+    assert plain.generation_config.top_k == 0  # the untruncated sampling default is saved too
+
+    ours, ours_tok = load_model(str(tmp_path))
+    assert torch.equal(ours(ids).logits, expected)
+    greedy = ours.generate(ids, max_new_tokens=5, do_sample=False)  # (1, 6 + 5)
+    assert greedy.shape == (1, 11) and torch.equal(greedy[:, :6], ids)
+    # Greedy continuation equals the argmax of the logits of the original model.
+    assert greedy[0, 6].item() == expected[0, -1].argmax().item()
+    assert ours_tok.decode(greedy[0, :6]) == "12+34="
+
+
+def test_load_from_path_with_dtype(tmp_path):
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    half, _ = load_model(str(tmp_path), dtype="bfloat16")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="overrides apply only to presets"):
+        load_model(str(tmp_path), overrides=SMALL)
+
+
+def test_missing_local_path(tmp_path):
+    with pytest.raises(ValueError, match="no such directory"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="no such directory"):
+        load_model("./not/a/checkpoint")
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(str(tmp_path))  # exists but is empty
+
+
+def test_tokenizer_without_pad_uses_eos(tmp_path, caplog):
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    model.save_pretrained(tmp_path)
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token is None
+    with caplog.at_level(logging.WARNING, logger="gspo.models"):
+        model, tok = load_model(str(tmp_path))
+    assert "no pad token" in caplog.text
+    assert tok.pad_token == "<eos>" and tok.pad_token_id == 2
+    assert model.generation_config.pad_token_id == 2
+    assert model.generation_config.eos_token_id == 2
+
+
+def test_generation_config_has_special_ids(dense):
+    gen = dense[0].generation_config
+    assert (gen.pad_token_id, gen.eos_token_id, gen.bos_token_id) == (0, 2, 1)
+
+
+def test_sampling_is_not_truncated():
+    model, tok = load_model("tiny-dense", overrides={"num_hidden_layers": 1})
+    assert model.generation_config.top_k == 0 and model.generation_config.top_p == 1.0
+    n = 600
+    ids = _prompt(tok).expand(n, -1)  # (n, 6)
+    mask = torch.ones_like(ids)
+    # A random init gives a near-uniform next-token distribution over all 81 tokens
+    # (every probability > 1/1000), so 600 draws see far more than 50 distinct tokens.
+    probs = model(ids[:1]).logits[0, -1].softmax(-1)  # (V,)
+    assert probs.min() > 1e-3
+    torch.manual_seed(0)
+    full = model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=True)[:, -1]  # (n,)
+    assert len(set(full.tolist())) > 60
+    # Control: transformers' old default top_k=50 can never produce more than 50.
+    torch.manual_seed(0)
+    top50 = model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=True, top_k=50)
+    top50 = top50[:, -1]  # (n,)
+    assert len(set(top50.tolist())) <= 50
+
+
+def test_default_generate_samples_and_greedy_is_explicit(dense):
+    model, tok = dense
+    ids = _prompt(tok)
+    greedy = [model.generate(ids, max_new_tokens=8, do_sample=False) for _ in range(2)]
+    assert torch.equal(greedy[0], greedy[1])
+    torch.manual_seed(0)
+    sampled = {tuple(model.generate(ids, max_new_tokens=8)[0].tolist()) for _ in range(4)}
+    assert len(sampled) > 1  # the default mode samples
+
+
+def test_is_moe_reads_common_config_names():
+    class Cfg:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+        def get_text_config(self):
+            return self
+
+    class M:
+        def __init__(self, **kw):
+            self.config = Cfg(**kw)
+
+    assert is_moe(M(num_local_experts=8))  # Mixtral / GPT-OSS naming
+    assert is_moe(M(n_routed_experts=64))  # DeepSeek naming
+    assert not is_moe(M(num_experts=1))
+    assert not is_moe(M())
+
+
+def test_presets_follow_tokenizer():
+    tok = build_char_tokenizer()
+    cfg = PRESETS["tiny-dense"](tok)
+    assert cfg.vocab_size == len(tok) and cfg.eos_token_id == tok.eos_token_id

@@ -1,0 +1,247 @@
+import math
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gspo.rewards import (
+    RewardModelReward,
+    _extract_answer,
+    answer_match,
+    format_reward,
+    get_reward_fn,
+    make_regex_reward,
+    score_completions,
+)
+
+
+# ---- answer extraction and answer_match ----------------------------------------------------
+
+def test_extract_answer():
+    assert _extract_answer("so 3+4 = 7\n#### 7") == "7"
+    assert _extract_answer("#### 1\nwait\n####  12 \nthe end") == "12"  # last marker, cut at newline
+    assert _extract_answer("####\n5") == "5"  # whitespace (even a newline) after the marker is skipped
+    assert _extract_answer("no marker: 7") is None
+    assert _extract_answer("empty ####   ") is None
+
+
+def test_answer_match_cases():
+    completions = [
+        "3 + 4 = 7\n#### 7",  # right
+        "#### 8",  # wrong
+        "the answer is 7",  # no marker
+        "#### 932.0",  # numerically equal to "932"
+        "#### 7\nno, actually\n#### 9",  # the last marker wins: 9
+        "#### 1,000",  # thousands separator
+        "#### abc ",  # exact string after stripping
+        "#### 7",  # expected answer is None: no opinion
+    ]
+    answers = ["7", "7", "7", "932", "9", 1000, "abc", None]
+    assert answer_match([""] * 8, completions, answer=answers) == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, None]
+    # the earlier marker's 7 does not count once a later marker exists
+    assert answer_match(["p"], ["#### 7\n#### 9"], answer=["7"]) == [0.0]
+    # "nan"/"inf" never compare equal as numbers
+    assert answer_match(["p"], ["#### inf"], answer=["infinity"]) == [0.0]
+
+
+def test_answer_match_length_mismatch():
+    with pytest.raises(ValueError, match="answer has 1 entries, expected 2"):
+        answer_match(["a", "b"], ["#### 1", "#### 2"], answer=["1"])
+
+
+# ---- format and regex rewards --------------------------------------------------------------
+
+def test_format_reward():
+    completions = [
+        "work\n#### 42",
+        "#### -3.5  \n",  # trailing whitespace is allowed
+        "#### 1,234",
+        "#### 42 then more text",  # does not END with the answer
+        "#### forty-two",
+        "42",
+        "work\n#### 4\nmore\n#### 5",
+    ]
+    assert format_reward(["p"] * 7, completions) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert format_reward.__name__ == "format"
+
+
+def test_make_regex_reward_full_match_semantics():
+    fn = make_regex_reward(r"<think>.*</think>\s*\d+", "think_format")
+    assert fn.__name__ == "think_format"
+    # full match: a match in the middle is not enough; "." does not cross newlines without (?s)
+    texts = ["<think>hm</think> 12", "x<think>hm</think> 12", "<think>a\nb</think>1", "<think></think>"]
+    assert fn(["p"] * 4, texts) == [1.0, 0.0, 0.0, 0.0]
+    dotall = make_regex_reward(r"(?s)<think>.*</think>\s*\d+", "think_dotall")
+    assert dotall(["p"], ["<think>a\nb</think>1"]) == [1.0]
+    with pytest.raises(ValueError, match="pattern"):
+        make_regex_reward("(", "broken")
+    with pytest.raises(ValueError, match="name"):
+        make_regex_reward("a", "")
+
+
+# ---- score_completions ---------------------------------------------------------------------
+
+def _const(name, values):
+    def fn(prompts, completions, **_):
+        return list(values)
+
+    fn.__name__ = name
+    return fn
+
+
+def test_weighted_scoring_with_none():
+    a = _const("a", [1.0, None, 0.5, None])
+    b = _const("b", [2.0, 3.0, None, None])
+    total, raw = score_completions([a, b], [0.5, 2.0], ["p"] * 4, ["c"] * 4, {})
+    # sample 0: 0.5*1 + 2*2 = 4.5; sample 1: only b: 2*3 = 6; sample 2: only a: 0.5*0.5 = 0.25;
+    # sample 3: nobody had an opinion: 0.0
+    assert total.dtype == torch.float32
+    assert total.tolist() == [4.5, 6.0, 0.25, 0.0]
+    assert list(raw) == ["a", "b"]
+    assert raw["a"][[0, 2]].tolist() == [1.0, 0.5] and raw["a"][[1, 3]].isnan().all()
+    assert raw["b"][:2].tolist() == [2.0, 3.0] and raw["b"][2:].isnan().all()
+
+
+def test_scoring_passes_columns_and_defaults_weights_and_dedups_names():
+    seen = {}
+
+    def uses_columns(prompts, completions, answer, level, **_):
+        seen.update(answer=answer, level=level)
+        return [float(lv) for lv in level]
+
+    dup = _const("uses_columns", [10.0, 20.0])
+    columns = {"answer": ["1", "2"], "level": [1, 2]}
+    total, raw = score_completions([uses_columns, dup, answer_match], None, ["p", "q"], ["#### 1", "#### 3"], columns)
+    assert seen == {"answer": ["1", "2"], "level": [1, 2]}
+    assert list(raw) == ["uses_columns", "uses_columns_2", "answer_match"]
+    # weights default to 1: [1 + 10 + 1, 2 + 20 + 0]
+    assert total.tolist() == [12.0, 22.0]
+
+
+def test_score_completions_errors():
+    prompts, completions = ["What is 2+2? " * 40, "q"], ["x" * 500, "y"]
+
+    def boom(prompts, completions, **_):
+        raise KeyError("missing column")
+
+    with pytest.raises(RuntimeError, match="reward function 'boom' raised KeyError") as info:
+        score_completions([boom], None, prompts, completions, {})
+    msg = str(info.value)
+    assert "What is 2+2?" in msg and "xxxx" in msg and "x" * 300 not in msg  # first sample, truncated
+
+    with pytest.raises(ValueError, match=r"'short' returned 1 values, expected 2"):
+        score_completions([_const("short", [1.0])], None, prompts, completions, {})
+    with pytest.raises(ValueError, match=r"'as_tensor' must return a list of 2 values, got Tensor"):
+        score_completions([_const_obj("as_tensor", torch.ones(2))], None, prompts, completions, {})
+    with pytest.raises(ValueError, match=r"'nan_fn' returned non-finite nan at sample 1"):
+        score_completions([_const("nan_fn", [0.0, math.nan])], None, prompts, completions, {})
+    with pytest.raises(ValueError, match=r"'inf_fn' returned non-finite inf at sample 0"):
+        score_completions([_const("inf_fn", [math.inf, 0.0])], None, prompts, completions, {})
+    with pytest.raises(ValueError, match=r"'str_fn' returned str at sample 0"):
+        score_completions([_const("str_fn", ["1", 0.0])], None, prompts, completions, {})
+    with pytest.raises(ValueError, match="weights has 1 entries but there are 2 reward functions"):
+        score_completions([_const("a", [1, 1]), _const("b", [1, 1])], [1.0], prompts, completions, {})
+    with pytest.raises(ValueError, match="column 'answer' has 1 entries, expected 2"):
+        score_completions([_const("a", [1, 1])], None, prompts, completions, {"answer": ["1"]})
+
+
+def _const_obj(name, obj):
+    def fn(prompts, completions, **_):
+        return obj
+
+    fn.__name__ = name
+    return fn
+
+
+# ---- get_reward_fn -------------------------------------------------------------------------
+
+def test_get_reward_fn_builtins_and_user_module(tmp_path, monkeypatch):
+    assert get_reward_fn("answer_match") is answer_match
+    assert get_reward_fn("format") is format_reward
+    (tmp_path / "my_rewards_mod.py").write_text(
+        textwrap.dedent(
+            """
+            def length_penalty(prompts, completions, **_):
+                return [-len(c) / 10 for c in completions]
+            NOT_CALLABLE = 3
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards_mod", raising=False)
+    fn = get_reward_fn("my_rewards_mod:length_penalty")
+    assert fn(["p", "p"], ["abcde", ""]) == [-0.5, 0.0]
+    total, raw = score_completions([fn, answer_match], [2.0, 1.0], ["p"], ["#### 4"], {"answer": ["4"]})
+    assert list(raw) == ["length_penalty", "answer_match"]
+    assert total.tolist() == [pytest.approx(2 * -0.6 + 1.0)]
+    with pytest.raises(ValueError, match="no attribute 'missing'"):
+        get_reward_fn("my_rewards_mod:missing")
+    with pytest.raises(ValueError, match="not callable"):
+        get_reward_fn("my_rewards_mod:NOT_CALLABLE")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+        get_reward_fn("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match=r"unknown reward 'acc'.*answer_match, format"):
+        get_reward_fn("acc")
+
+
+# ---- RewardModelReward ---------------------------------------------------------------------
+
+def _char_tokenizer():
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789 #+=?.\n"
+    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per char
+    # No pad token on purpose: RewardModelReward must fall back to eos.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>"), len(vocab)
+
+
+def _tiny_classifier(vocab_size, num_labels=1):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_labels=num_labels,
+    )
+    return Qwen3ForSequenceClassification(cfg).eval()
+
+
+def test_reward_model_reward_from_path(tmp_path):
+    tokenizer, vocab_size = _char_tokenizer()
+    model = _tiny_classifier(vocab_size)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+
+    rm = RewardModelReward(str(tmp_path), batch_size=2)  # 3 texts of different lengths: padding in batch 1
+    assert rm.__name__ == "reward_model"
+    assert rm.tokenizer.pad_token == "<eos>" and rm.model.config.pad_token_id == 0
+    prompts = ["what is 2+2? ", "q ", "what is 10+5? "]
+    completions = ["#### 4", "a much longer answer #### 7", "15"]
+    scores = rm(prompts, completions)
+    assert len(scores) == 3 and all(isinstance(s, float) and math.isfinite(s) for s in scores)
+
+    # Each score equals a direct, unpadded forward of the same model on the same text.
+    for p, c, s in zip(prompts, completions, scores):
+        ids = torch.tensor([tokenizer(p + c)["input_ids"]])  # (1, L)
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits[0, 0].item()
+        assert s == pytest.approx(expected, abs=1e-5)
+    assert len({round(s, 6) for s in scores}) == 3  # different texts, different scores
+
+    total, raw = score_completions([rm], None, prompts, completions, {})
+    assert list(raw) == ["reward_model"]
+    torch.testing.assert_close(total, torch.tensor(scores), atol=1e-6, rtol=0)
+
+
+def test_reward_model_reward_rejects_bad_setup():
+    tokenizer, vocab_size = _char_tokenizer()
+    with pytest.raises(ValueError, match="num_labels == 1, got num_labels=2"):
+        RewardModelReward(_tiny_classifier(vocab_size, num_labels=2), tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="tokenizer is required"):
+        RewardModelReward(_tiny_classifier(vocab_size))
+    with pytest.raises(ValueError, match="batch_size"):
+        RewardModelReward(_tiny_classifier(vocab_size), tokenizer=tokenizer, batch_size=0)
