@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(PY) examples/toy_losses.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/gspo demo
 
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest

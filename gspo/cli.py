@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    from transformers.utils import logging as hf_logging
+
     from gspo.config import load_config
+
+    hf_logging.disable_progress_bar()  # our own progress bar is enough
 
     if args.command == "train":
         from gspo.report import plot_run

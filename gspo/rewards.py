@@ -175,12 +175,21 @@ class RewardModelReward:
 _BUILTINS: dict[str, RewardFn] = {"answer_match": answer_match, "format": format_reward}
 
 
-def get_reward_fn(spec: str) -> RewardFn:
-    """A built-in reward by name ("answer_match", "format") or a user's "package.module:function"."""
+def get_reward_fn(spec) -> RewardFn:
+    """A reward function from a spec.
+
+    Specs: a built-in name ("answer_match", "format"); "rm:<path>", a sequence-classification
+    reward model saved at <path> (scored on the CPU, or pass a RewardModelReward object);
+    a user's "package.module:function"; or, from Python, the callable itself.
+    """
+    if callable(spec):
+        return spec
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"reward spec must be a non-empty str, got {spec!r}")
     if spec in _BUILTINS:
         return _BUILTINS[spec]
+    if spec.startswith("rm:"):
+        return RewardModelReward(spec[3:])
     if ":" not in spec:
         raise ValueError(
             f"unknown reward {spec!r}: use a built-in ({', '.join(sorted(_BUILTINS))}) "
