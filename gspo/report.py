@@ -139,7 +139,7 @@ GROUPS: tuple[PlotGroup, ...] = (
     PlotGroup("reward.png", "Reward", "reward", _prefix("reward")),
     PlotGroup("eval.png", "Evaluation", "value", _prefix("eval")),
     PlotGroup("groups.png", "Groups with zero reward spread", "fraction of groups", _prefix("groups")),
-    PlotGroup("clip.png", "Clipped token fraction", "fraction", _prefix("clip")),
+    PlotGroup("clip.png", "Clipped fraction (tokens: GRPO; sequences: GSPO)", "fraction", _prefix("clip")),
     PlotGroup("ratio.png", "Importance ratio", "ratio", _prefix("ratio")),
     PlotGroup("completion.png", "Completion length", "tokens", _prefix("completion")),
     PlotGroup("entropy.png", "Policy entropy", "nats / token", _prefix("entropy")),
