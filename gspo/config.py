@@ -121,6 +121,8 @@ class TrainConfig(ModelConfig):
     """Rows of the output head computed at once when taking log-probs (memory vs speed)."""
     routing_replay: str = "none"
     """MoE routing replay: none, old_policy (record at pi_old, replay in training) or rollout (record at generation)."""
+    log_routing_drift: bool = True
+    """MoE only: log moe/expert_change_frac, the experts an optimizer step changes; costs one extra no-grad forward per optimizer step (two under routing replay)."""
     eval_steps: int = 0
     """Evaluate on held-out prompts every this many steps (and before and after training); 0: only before and after."""
     save_steps: int = 0
@@ -294,6 +296,9 @@ def validate(cfg) -> None:
         if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
             raise ValueError(f"config: reward_weights has {len(cfg.reward_weights)} entries but reward_funcs has "
                              f"{len(cfg.reward_funcs)}")
+        if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
+            raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
+                             "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")
         if cfg.use_sampler_logprobs and (cfg.top_p < 1 or cfg.top_k):
             raise ValueError("config: use_sampler_logprobs with top_p < 1 or top_k > 0 would train on a truncated "
                              "distribution's log-probs; disable one of them")

@@ -156,15 +156,23 @@ class RoutingRecord:
     def top_k(self) -> int:
         return self.indices.shape[3]
 
-    def select(self, rows: Tensor | slice | Sequence[int]) -> RoutingRecord:
-        """The record of a subset of sequences (a minibatch): rows index N."""
+    def select(self, rows: Tensor | slice | Sequence[int], positions: slice | None = None) -> RoutingRecord:
+        """The record of a subset of sequences (a minibatch): rows index N, `positions` slices L.
+
+        `positions` follows a column trim of the matching input_ids (see `Rollout.select`).
+        """
         if not isinstance(rows, (Tensor, slice)):
             rows = torch.as_tensor(list(rows), dtype=torch.long)
         if isinstance(rows, Tensor):
             if rows.dtype == torch.bool and rows.shape != (self.shape[0],):
                 raise ValueError(f"boolean rows must have shape ({self.shape[0]},); got {tuple(rows.shape)}")
             rows = rows.to(self.indices.device)
-        return RoutingRecord(self.indices[:, rows], self.layers)
+        if positions is not None and not isinstance(positions, slice):
+            raise ValueError(f"positions must be a slice of the L axis or None; got {type(positions).__name__}")
+        indices = self.indices[:, rows]  # (R, n, L, k)
+        if positions is not None:
+            indices = indices[:, :, positions]  # (R, n, l, k)
+        return RoutingRecord(indices, self.layers)
 
     def pad_to(self, length: int, value: int = -1) -> RoutingRecord:
         """Right-pad positions to `length`; -1 (default) lets those tokens route freely.

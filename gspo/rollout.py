@@ -28,7 +28,7 @@ class Rollout:
     advantages: Tensor | None = None  # (N,)
     old_logprobs: Tensor | None = None  # (N, T)
     ref_logprobs: Tensor | None = None  # (N, T)
-    routing: object | None = None  # MoE routing record aligned with input_ids (gspo.moe)
+    routing: object | None = None  # gspo.moe.RoutingRecord (R, N, P+T, k) aligned with input_ids; -1 = route freely
 
     @property
     def completion_len(self) -> int:
@@ -38,14 +38,18 @@ class Rollout:
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, rows: Tensor) -> "Rollout":
-        """The rollout restricted to `rows`, with all-padding columns trimmed on both sides."""
+    def trim(self, rows: Tensor) -> tuple[int, int, int]:
+        """(left, cut, keep_t): `select(rows)` keeps input columns left:cut and completion columns :keep_t."""
         T = self.completion_len
         attn = self.attention_mask[rows]  # (n, P+T)
         cmask = self.completion_mask[rows]  # (n, T)
         left = int((attn[:, : attn.shape[1] - T].sum(0) > 0).nonzero()[0, 0])  # first prompt column in use
         keep_t = int(cmask.any(0).nonzero()[-1, 0]) + 1  # last completion column in use
-        cut = attn.shape[1] - T + keep_t
+        return left, attn.shape[1] - T + keep_t, keep_t
+
+    def select(self, rows: Tensor) -> "Rollout":
+        """The rollout restricted to `rows`, with all-padding columns trimmed on both sides."""
+        left, cut, keep_t = self.trim(rows)
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -111,7 +115,9 @@ def generate(
     No truncation of the distribution unless asked: top_k=0 and top_p=1 sample the full
     softmax(logits / temperature), the distribution the trainer's log-probs are taken over.
     `with_logprobs` keeps the sampler's own log-probs of the chosen tokens.
-    `routing_recorder`: a context manager from gspo.moe that records expert choices.
+    `routing_recorder`: `gspo.moe.record_routing(model)`; the experts chosen in the prefill and
+    every decode step are kept in `Rollout.routing`, padded to the (N, P+T) layout of `input_ids`
+    (the last column, never fed back, is -1: route freely).
     """
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device)  # (B, P)
@@ -122,7 +128,7 @@ def generate(
     sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     was_training = model.training
     model.eval()
-    with routing_recorder if routing_recorder is not None else nullcontext():
+    with routing_recorder if routing_recorder is not None else nullcontext() as recorder:
         out = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
@@ -149,11 +155,15 @@ def generate(
             for j, s in enumerate(out.scores)], dim=1)  # (N, T)
         sampler_lp = torch.where(cmask, sampler_lp, torch.zeros_like(sampler_lp))
     texts = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(completion_ids, cmask)], skip_special_tokens=True)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
+    # the record covers positions 0..P+T-2 (the last token is never fed back)
+    routing = recorder.record().pad_to(input_ids.shape[1]) if recorder is not None else None  # (R, N, P+T, k)
     return Rollout(
-        input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+        input_ids=input_ids,
         attention_mask=torch.cat([prompt_mask, cmask.long()], dim=1),
         completion_mask=cmask,
         prompts=[p for p in prompts for _ in range(num_generations)],
         completions=texts,
         sampler_logprobs=sampler_lp,
+        routing=routing,
     )

@@ -6,6 +6,10 @@ One RL step (DESIGN.md, "data flow"):
   (minibatches 2..M are off-policy: that is where the importance ratio matters)
   -> metrics -> (periodic) evaluation and saving.
 What we simplified: one process, HF `generate` as the sampler, the whole rollout in memory.
+
+MoE models (docs/moe.md): `routing_replay` fixes the experts of the training forwards to those
+recorded at pi_old (old_policy) or at generation (rollout); `moe/expert_change_frac` measures how
+many expert choices each optimizer step changes under free routing.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import copy
 import math
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +28,10 @@ from gspo.advantages import group_advantages, group_stats
 from gspo.config import TrainConfig, to_dict
 from gspo.data import PromptSampler, columns_of, load_splits
 from gspo.evaluation import evaluate
-from gspo.logprobs import completion_logprobs
+from gspo.logprobs import completion_logprobs, position_ids_from_mask
 from gspo.models import load_model
+from gspo.moe import (RoutingRecord, expert_change_frac, find_routers, record_routing, replay_routing,
+                      require_replay_support)
 from gspo.objectives import policy_loss
 from gspo.rewards import get_reward_fn, score_completions
 from gspo.rollout import Rollout, generate
@@ -38,6 +45,10 @@ def train(cfg: TrainConfig) -> dict:
     device = resolve_device(cfg.device)
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
                                   seed=cfg.seed, overrides=cfg.model_overrides)
+    replay = cfg.routing_replay != "none"
+    if replay:
+        require_replay_support(model)  # dense or unsupported MoE: a clear ValueError before any rollout
+    drift = cfg.log_routing_drift and bool(find_routers(model))  # MoE models only
     ref_model = frozen_copy(model) if cfg.kl_coef > 0 else None
     B, G, M = cfg.per_device_batch_size, cfg.num_generations, cfg.num_minibatches
     train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=max(1000, cfg.max_steps * B))
@@ -64,23 +75,30 @@ def train(cfg: TrainConfig) -> dict:
         t0 = time.perf_counter()
         rows = sampler.next(B)
         # 1. Rollout: G completions per prompt, sampled from the current policy (= pi_old).
+        #    Routing replay "rollout" (R3) keeps the experts the sampler used: rollout.routing.
         rollout = generate(model, tokenizer, [r["prompt"] for r in rows], G,
                            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                            top_p=cfg.top_p, top_k=cfg.top_k, max_prompt_length=cfg.max_prompt_length,
-                           with_logprobs=cfg.use_sampler_logprobs)
+                           with_logprobs=cfg.use_sampler_logprobs,
+                           routing_recorder=record_routing(model) if cfg.routing_replay == "rollout" else None)
         # 2. Rewards, then advantages normalised within each group of G.
         rewards, per_fn = score_completions(reward_fns, cfg.reward_weights, rollout.prompts, rollout.completions,
                                             columns_of(rows, G))
         rollout.rewards = rewards.to(device)  # (N,)
         rollout.advantages = group_advantages(rewards, G, scale=cfg.advantage_scale).to(device)  # (N,)
         # 3. pi_old log-probs, once per rollout, on the same minibatches (same shapes) the first
-        #    epoch trains on, so the first minibatch is exactly on-policy (ratio 1).
+        #    epoch trains on, so the first minibatch is exactly on-policy (ratio 1). Routing replay
+        #    "old_policy" (GSPO sec. 5.3) records the experts of this forward for every training forward.
         minibatches = torch.randperm(rollout.num_sequences, generator=shuffle).chunk(M)
         with torch.no_grad():
             if cfg.use_sampler_logprobs:  # GSPO sec. 5.4: the sampler's likelihoods serve as pi_old
                 rollout.old_logprobs = rollout.sampler_logprobs
             else:
-                rollout.old_logprobs = minibatch_logprobs(model, rollout, minibatches, logp_kwargs)
+                rollout.old_logprobs, recorded = minibatch_logprobs_and_routing(
+                    model, rollout, minibatches, logp_kwargs, replay=cfg.routing_replay == "rollout",
+                    record=cfg.routing_replay == "old_policy")
+                if cfg.routing_replay == "old_policy":
+                    rollout.routing = recorded
             if ref_model is not None:
                 rollout.ref_logprobs = minibatch_logprobs(ref_model, rollout, minibatches, logp_kwargs)
         t_rollout = time.perf_counter() - t0
@@ -92,16 +110,30 @@ def train(cfg: TrainConfig) -> dict:
                 minibatches = torch.randperm(rollout.num_sequences, generator=shuffle).chunk(M)
             for idx in minibatches:
                 mb = rollout.select(idx)
-                logp, entropy = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
-                                                    with_entropy=True, **logp_kwargs)  # (n, t), (n, t)
-                loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.completion_mask,
-                                          ref_logprobs=mb.ref_logprobs, **loss_kwargs)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                # Drift is measured with free routing: under replay that needs its own forward.
+                before = free_routing(model, mb) if drift and replay else None
+                # Replay spans forward and backward (a checkpointed recompute must see the same experts);
+                # the free-routing recorder only the forward.
+                with replay_routing(model, mb.routing) if replay else nullcontext() as replayer:
+                    with record_routing(model) if drift and not replay else nullcontext() as recorder:
+                        logp, entropy = completion_logprobs(model, mb.input_ids, mb.attention_mask,
+                                                            mb.completion_len, with_entropy=True,
+                                                            **logp_kwargs)  # (n, t), (n, t)
+                    loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.completion_mask,
+                                              ref_logprobs=mb.ref_logprobs, **loss_kwargs)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
                 stats["grad/norm"] = grad_norm(model, cfg.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 stats["entropy"] = (entropy.detach() * mb.completion_mask).sum() / mb.completion_mask.sum()
+                if drift:  # after the step, free routing again: which expert choices did it change?
+                    before = before if before is not None else recorder.record()
+                    stats.update(routing_stats("moe/expert_change_frac", before, free_routing(model, mb),
+                                               completion_positions(mb)))
+                if replay:  # how often the replayed experts overrule the routers' own choice
+                    stats["moe/replay_mismatch_frac"] = expert_change_frac(mb.routing, replayer.free_record(),
+                                                                          completion_positions(mb))[0]
                 step_stats.append(stats)
         t_train = time.perf_counter() - t0 - t_rollout
 
@@ -142,14 +174,73 @@ def train(cfg: TrainConfig) -> dict:
 
 
 # ------------------------------------------------------------------------------- helpers
-def minibatch_logprobs(model, rollout: Rollout, minibatches, logp_kwargs) -> torch.Tensor:
-    """(N, T) log-probs computed minibatch by minibatch, on the trimmed shapes training uses."""
+def minibatch_logprobs(model, rollout: Rollout, minibatches, logp_kwargs, *, replay: bool = False) -> torch.Tensor:
+    """(N, T) log-probs computed minibatch by minibatch, on the trimmed shapes training uses.
+
+    `replay`: route every forward by `rollout.routing` (gspo.moe.replay_routing).
+    """
+    return minibatch_logprobs_and_routing(model, rollout, minibatches, logp_kwargs, replay=replay)[0]
+
+
+def minibatch_logprobs_and_routing(model, rollout: Rollout, minibatches, logp_kwargs, *, replay: bool = False,
+                                   record: bool = False) -> tuple[torch.Tensor, RoutingRecord | None]:
+    """`minibatch_logprobs`, and with `record` the experts those forwards used.
+
+    The record is full width, (R, N, P+T, k) like `rollout.input_ids`: each minibatch's trimmed
+    columns are written back in place and the trimmed-away (all-padding) ones are -1, so a
+    later epoch's reshuffled minibatches can `select` and replay it.
+    """
     out = torch.zeros(rollout.completion_mask.shape, dtype=torch.float32, device=rollout.input_ids.device)
+    full = layers = None
     for idx in minibatches:
         mb = rollout.select(idx)
-        logp, _ = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len, **logp_kwargs)
+        with replay_routing(model, mb.routing) if replay else nullcontext():
+            with record_routing(model) if record else nullcontext() as recorder:
+                logp, _ = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
+                                              **logp_kwargs)
         out[idx, : mb.completion_len] = logp
-    return out
+        if record:
+            part = recorder.record()  # (R, n, l, k)
+            if full is None:
+                R, _, _, k = part.indices.shape
+                full = part.indices.new_full((R, *rollout.input_ids.shape, k), -1)  # (R, N, P+T, k)
+                layers = part.layers
+            left, cut, _ = rollout.trim(idx)
+            full[:, idx.to(full.device), left:cut] = part.indices
+    return out, RoutingRecord(full, layers) if record else None
+
+
+@torch.no_grad()
+def free_routing(model, mb: Rollout) -> RoutingRecord:
+    """(R, n, l, k) experts the routers pick on their own for `mb`: one no-grad backbone forward.
+
+    Same inputs as `completion_logprobs`, so at equal weights it matches the training forward's
+    free routing exactly; the output head is skipped (the logits do not matter here).
+    """
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model
+    with record_routing(model) as recorder:
+        backbone(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                 position_ids=position_ids_from_mask(mb.attention_mask), use_cache=False)
+    return recorder.record()
+
+
+def completion_positions(mb: Rollout) -> torch.Tensor:
+    """(n, l) bool: the positions whose hidden states give the completion log-probs.
+
+    Completion token j (column P+j) is predicted at column P+j-1, so these are the last prompt
+    token and every real completion token but the last (whose output predicts nothing we score).
+    """
+    n, width = mb.input_ids.shape
+    T = mb.completion_len
+    positions = torch.zeros(n, width, dtype=torch.bool, device=mb.input_ids.device)  # (n, P+T)
+    positions[:, width - T - 1 : width - 1] = mb.completion_mask  # (n, T) shifted left by one
+    return positions
+
+
+def routing_stats(name: str, before: RoutingRecord, after: RoutingRecord, positions: torch.Tensor) -> dict:
+    """`name` (all routers) and `name/layer_<i>` (decoder layer i): expert_change_frac at `positions`."""
+    overall, per_layer = expert_change_frac(before, after, positions)
+    return {name: overall, **{f"{name}/layer_{layer}": v for layer, v in zip(before.layers, per_layer)}}
 
 
 def reduce_stats(step_stats: list[dict]) -> dict[str, float]:

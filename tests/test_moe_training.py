@@ -1,0 +1,204 @@
+"""MoE routing replay and the routing-drift metric inside the training loop (tiny Qwen3-MoE, no downloads)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import gspo.trainer
+from gspo.config import TrainConfig, make_config
+from gspo.models import load_model
+from gspo.moe import expert_change_frac, find_routers, record_routing
+from gspo.rollout import generate
+from gspo.tasks import get_task
+from gspo.tracking import read_jsonl
+from gspo.trainer import free_routing, minibatch_logprobs, minibatch_logprobs_and_routing, train
+
+# 2 decoder layers, each a Qwen3-MoE block with 8 experts, top-2
+SMALL_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 32}
+SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32}
+DRIFT_KEYS = ["moe/expert_change_frac", "moe/expert_change_frac/layer_0", "moe/expert_change_frac/layer_1"]
+
+
+def text_hash(prompts, completions, **_):
+    # Spread within every group of distinct completions, so every step updates (answer_match is 0
+    # for a random model, and even starts_with_digit is often 0 for a whole small batch).
+    return [sum(map(ord, c)) % 5 / 4 for c in completions]
+
+
+def tiny_cfg(tmp_path, **kw):
+    base = dict(model="tiny-moe", model_overrides=SMALL_MOE, task="add3", max_steps=2, per_device_batch_size=2,
+                num_generations=4, num_minibatches=2, max_completion_length=6, learning_rate=1e-2,
+                reward_funcs=[text_hash], eval_num_prompts=1, eval_k=1, progress=False,
+                output_dir=str(tmp_path / "run"), log_samples_steps=0, device="cpu")
+    base.update(kw)
+    return make_config(TrainConfig, base)
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """Captures the model `train` loads (it is trained in place) and a copy of its initial weights."""
+    seen = {}
+
+    def capture(*args, **kwargs):
+        model, tok = load_model(*args, **kwargs)
+        seen["model"] = model
+        seen["initial"] = {k: v.clone() for k, v in model.state_dict().items()}
+        return model, tok
+
+    monkeypatch.setattr(gspo.trainer, "load_model", capture)
+    return seen
+
+
+def no_hooks(model):
+    """No gspo hook is left on any module (transformers may install its own)."""
+    return not any(getattr(hook, "__module__", "").startswith("gspo")
+                   for m in model.modules() for hooks in (m._forward_hooks, m._forward_pre_hooks)
+                   for hook in hooks.values())
+
+
+def perturb_routers(model, seed=1):
+    """Large random router weights: what a (big) training step could do to the routing."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for r in find_routers(model):
+            r.module.weight.copy_(torch.randn(r.module.weight.shape, generator=g))
+
+
+def tiny_rollout(model, tok, prompts=3, G=4, **kw):
+    rows = get_task("add3").dataset("train", prompts, 0)
+    torch.manual_seed(0)
+    return generate(model, tok, [r["prompt"] for r in rows], G, max_new_tokens=8, **kw)
+
+
+# ----------------------------------------------------------------------------- training runs
+
+@pytest.mark.parametrize("objective", ["gspo", "grpo"])
+@pytest.mark.parametrize("mode", ["none", "old_policy", "rollout"])
+def test_training_with_each_replay_mode_moves_weights_and_logs_drift(tmp_path, loaded, mode, objective):
+    # old_policy with 2 epochs: the reshuffled minibatches of epoch 2 replay the full-width record
+    cfg = tiny_cfg(tmp_path, routing_replay=mode, objective=objective, num_epochs=2 if mode == "old_policy" else 1)
+    train(cfg)
+    model, initial = loaded["model"], loaded["initial"]
+    changed = [n for n, p in model.state_dict().items() if not torch.equal(p, initial[n])]
+    assert len(changed) > len(initial) // 2, "most parameters should move"
+    routers = [r.name + ".weight" for r in find_routers(model)]
+    assert len(routers) == 2 and set(routers) <= set(changed), "replay must still train the routers"
+    assert no_hooks(model)
+    for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]:
+        for key in DRIFT_KEYS:
+            assert math.isfinite(r[key]) and 0 <= r[key] <= 1, (key, r[key])
+        # lr 1e-2 on random weights moves the routing a lot (about half the choices in practice)
+        assert r["moe/expert_change_frac"] > 0.01
+        # every layer counts the same tokens, so the overall fraction is the mean of the layers'
+        assert r["moe/expert_change_frac"] == pytest.approx((r[DRIFT_KEYS[1]] + r[DRIFT_KEYS[2]]) / 2, abs=1e-6)
+        if mode == "none":
+            assert "moe/replay_mismatch_frac" not in r
+        else:
+            assert 0 <= r["moe/replay_mismatch_frac"] <= 1
+
+
+@pytest.mark.parametrize("mode", ["old_policy", "rollout"])
+def test_single_minibatch_under_replay_is_exactly_on_policy(tmp_path, mode):
+    train(tiny_cfg(tmp_path, routing_replay=mode, num_minibatches=1))
+    for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]:
+        assert r["ratio/min"] == 1.0 and r["ratio/max"] == 1.0 and r["kl/approx"] == 0.0
+        if mode == "old_policy":  # pi_old's own free choices are replayed at the same weights
+            assert r["moe/replay_mismatch_frac"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["none", "old_policy"])
+def test_drift_is_exactly_zero_when_weights_do_not_move(tmp_path, loaded, mode):
+    # lr=0 is refused by config validation; set it past validation: AdamW then leaves every weight as is
+    cfg = dataclasses.replace(tiny_cfg(tmp_path, routing_replay=mode, max_steps=1), learning_rate=0.0)
+    train(cfg)
+    model, initial = loaded["model"], loaded["initial"]
+    assert all(torch.equal(p, initial[n]) for n, p in model.state_dict().items())
+    r = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]
+    assert [r[k] for k in DRIFT_KEYS] == [0.0, 0.0, 0.0]
+
+
+def test_dense_model_with_replay_is_a_clear_error_and_logs_no_moe_keys(tmp_path):
+    for mode in ("old_policy", "rollout"):
+        with pytest.raises(ValueError, match="routing replay needs a Mixture-of-Experts model"):
+            train(tiny_cfg(tmp_path, model="tiny-dense", model_overrides=SMALL, routing_replay=mode))
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()  # raised before anything ran
+    train(tiny_cfg(tmp_path, model="tiny-dense", model_overrides=SMALL, max_steps=1))
+    r = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]
+    assert math.isfinite(r["loss/policy"]) and not [k for k in r if k.startswith("moe/")]
+
+
+def test_drift_logging_can_be_turned_off(tmp_path):
+    train(tiny_cfg(tmp_path, routing_replay="rollout", log_routing_drift=False, max_steps=1))
+    r = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]
+    assert [k for k in r if k.startswith("moe/")] == ["moe/replay_mismatch_frac"]
+
+
+def test_old_policy_replay_needs_the_pi_old_forward():
+    with pytest.raises(ValueError, match="routing_replay=old_policy .* use_sampler_logprobs"):
+        make_config(TrainConfig, dict(task="add3", routing_replay="old_policy", use_sampler_logprobs=True))
+
+
+# ----------------------------------------------------------------------------- records and replay, directly
+
+def test_generation_record_replayed_in_pi_old_forward_reproduces_the_sampler():
+    model, tok = load_model("tiny-moe", overrides=SMALL_MOE)
+    rollout = tiny_rollout(model, tok, routing_recorder=record_routing(model), with_logprobs=True)
+    rec, mask = rollout.routing, rollout.attention_mask.bool()  # (R, N, P+T, k), (N, P+T)
+    assert rec.shape == tuple(rollout.input_ids.shape) and rec.layers == (0, 1) and rec.top_k == 2
+    assert (rec.indices[:, :, -1] == -1).all() and (rec.indices[:, :, :-1] >= 0).all()  # last token never fed back
+    minibatches = torch.randperm(12, generator=torch.Generator().manual_seed(0)).chunk(2)
+    with torch.no_grad():
+        old = minibatch_logprobs(model, rollout, minibatches, {"temperature": 1.0, "chunk_size": 1024}, replay=True)
+    cmask = rollout.completion_mask
+    torch.testing.assert_close(old[cmask], rollout.sampler_logprobs[cmask], rtol=0, atol=1e-5)
+    # Rollout.select trims the record's columns exactly as it trims input_ids
+    idx = minibatches[0]
+    left, cut, _ = rollout.trim(idx)
+    mb = rollout.select(idx)
+    assert mb.routing.shape == tuple(mb.input_ids.shape) == (6, cut - left)
+    assert torch.equal(mb.routing.indices, rec.indices[:, idx, left:cut])
+
+    perturb_routers(model)  # the policy moved: free routing now disagrees with the sampler's
+    with torch.no_grad():
+        _, replayed = minibatch_logprobs_and_routing(model, rollout, minibatches, {}, replay=True, record=True)
+        _, free = minibatch_logprobs_and_routing(model, rollout, minibatches, {}, record=True)
+    real = mask.clone()
+    real[:, -1] = False  # the last column routes freely under replay
+    assert torch.equal(replayed.indices[:, real], rec.indices[:, real])  # every real position, every layer
+    assert expert_change_frac(rec, free, real)[0] > 0.3
+
+
+def test_old_policy_record_is_full_width_and_replays_in_other_minibatches():
+    model, tok = load_model("tiny-moe", overrides=SMALL_MOE)
+    rollout = tiny_rollout(model, tok)
+    first = torch.randperm(12, generator=torch.Generator().manual_seed(0)).chunk(3)
+    with torch.no_grad():
+        old, rec = minibatch_logprobs_and_routing(model, rollout, first, {}, record=True)
+    assert rec.shape == tuple(rollout.input_ids.shape)
+    for idx in first:
+        left, cut, _ = rollout.trim(idx)
+        outside = torch.ones(rollout.input_ids.shape[1], dtype=torch.bool)
+        outside[left:cut] = False
+        assert (rec.indices[:, idx][:, :, outside] == -1).all()  # trimmed away: route freely
+        assert torch.equal(rec.indices[:, idx, left:cut], free_routing(model, rollout.select(idx)).indices)
+    real = rollout.attention_mask.bool()  # (N, P+T)
+    assert (rec.indices[:, real] >= 0).all()  # every real token lies inside its minibatch's trim
+    # A later epoch: other minibatches (other trims) select and replay the record. With unchanged
+    # weights the log-probs agree up to float noise from the other padding widths ...
+    later = torch.randperm(12, generator=torch.Generator().manual_seed(1)).chunk(2)
+    rollout.routing = rec
+    with torch.no_grad():
+        again = minibatch_logprobs(model, rollout, later, {}, replay=True)
+    cmask = rollout.completion_mask
+    torch.testing.assert_close(again[cmask], old[cmask], rtol=0, atol=1e-5)
+    # ... and after the routers moved, the experts used are still pi_old's at every real token.
+    perturb_routers(model, seed=2)
+    with torch.no_grad():
+        _, used = minibatch_logprobs_and_routing(model, rollout, later, {}, replay=True, record=True)
+        _, free = minibatch_logprobs_and_routing(model, rollout, later, {}, record=True)
+    assert torch.equal(used.indices[:, real], rec.indices[:, real])
+    assert expert_change_frac(rec, free, real)[0] > 0.3
