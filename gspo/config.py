@@ -327,6 +327,11 @@ def _coerce(key: str, value, tp):
             continue
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if option is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option is bool and isinstance(value, bool):

@@ -29,12 +29,14 @@ def gspo(*args, cwd):
 
 def test_train_from_yaml_with_override_and_plot_and_eval(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({**TINY, "max_steps": 3, "output_dir": "out"}))
-    done = gspo("train", "--config", "run.yaml", "max_steps=2", "objective=grpo", cwd=tmp_path)
+    done = gspo("train", "--config", "run.yaml", "max_steps=2", "objective=grpo", "learning_rate=1e-3", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     records = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]  # the override won over the file's 3 steps
+    assert records[1]["lr"] == pytest.approx(1e-3)
     config = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
     assert config["num_hidden_layers"] == 1
+    assert yaml.safe_load("x: 1e-3")["x"] == "1e-3"  # YAML 1.1 quirk the config loader must absorb
     summary = json.loads(done.stdout)
     assert any(p.endswith("eval.png") for p in summary["plots"])
 
@@ -115,3 +117,17 @@ def test_shipped_configs_validate_and_run_one_step(path, tmp_path):
 def test_config_errors(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_config(TrainConfig, None, overrides)
+
+
+def test_moe_replay_through_the_cli(tmp_path):
+    small_moe = ("model_overrides={num_hidden_layers: 2, hidden_size: 32, moe_intermediate_size: 16, "
+                 "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16}")
+    common = ["max_steps=1", "per_device_batch_size=2", "num_generations=2", "num_minibatches=2",
+              "max_completion_length=6", "eval_num_prompts=2", "eval_k=2", "progress=false", "output_dir=out"]
+    done = gspo("train", "model=tiny-moe", small_moe, "routing_replay=rollout", *common, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    step1 = read_jsonl(tmp_path / "out" / "metrics.jsonl")[1]
+    assert 0 <= step1["moe/expert_change_frac"] <= 1 and "moe/expert_change_frac/layer_1" in step1
+    assert "moe/replay_mismatch_frac" in step1
+    done = gspo("train", "model=tiny-dense", "routing_replay=old_policy", *common, cwd=tmp_path)
+    assert done.returncode == 2 and "routing replay needs a Mixture-of-Experts model" in done.stderr

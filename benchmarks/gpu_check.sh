@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Short CUDA check of the trainer (run on a GPU machine with torch + transformers installed):
+# the demo on the GPU, then a few tiny-MoE steps per routing-replay mode and a bf16 run.
+set -uo pipefail
+export PYTHONPATH="$PWD" HF_HUB_OFFLINE=1
+OUT="${OUT:-/tmp/gpu_check}"; mkdir -p "$OUT"
+nvidia-smi -L
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+python3 -m gspo demo --output-dir /tmp/gpu_demo 2>&1 | grep -v "━" | tail -12
+for mode in none old_policy rollout; do
+  python3 -m gspo train model=tiny-moe task=add3 max_steps=3 per_device_batch_size=4 num_generations=4 \
+    max_completion_length=16 eval_num_prompts=8 routing_replay=$mode device=cuda progress=false \
+    learning_rate=1e-3 output_dir=/tmp/gpu_moe_$mode > /tmp/gpu_moe_$mode.log 2>&1
+  echo "moe $mode rc=$?"; tail -n 1 /tmp/gpu_moe_$mode/metrics.jsonl | cut -c1-400
+done
+python3 -m gspo train model=tiny-dense dtype=bfloat16 task=add3 max_steps=2 per_device_batch_size=4 num_generations=4 \
+  max_completion_length=16 eval_num_prompts=8 device=cuda progress=false output_dir=/tmp/gpu_bf16 > /tmp/gpu_bf16.log 2>&1
+echo "bf16 rc=$?"; tail -n 3 /tmp/gpu_bf16.log
+cp /tmp/gpu_moe_*.log /tmp/gpu_bf16.log "$OUT"/ 2>/dev/null || true
