@@ -74,15 +74,13 @@ def _run(args) -> int:
         from gspo.config import make_config
         from gspo.data import load_splits
         from gspo.evaluation import evaluate
-        from gspo.models import load_model
-        from gspo.trainer import resolve_device, seed_everything
+        from gspo.trainer import seeded_model
 
         cfg = make_config(TrainConfig, {"model": args.model, "task": None if args.dataset else args.task,
                                         "dataset": args.dataset, "eval_num_prompts": args.num_prompts,
                                         "eval_k": args.k, "eval_temperature": args.temperature,
                                         "max_completion_length": args.max_completion_length, "seed": args.seed})
-        seed_everything(cfg.seed)
-        model, tokenizer = load_model(cfg.model, device=resolve_device(cfg.device))
+        _, model, tokenizer = seeded_model(cfg)
         _, rows = load_splits(cfg, tokenizer, num_train=0)
         print(json.dumps(evaluate(model, tokenizer, rows, cfg), indent=2))
     elif args.command == "plot":

@@ -14,11 +14,10 @@ from pathlib import Path
 import torch
 
 from gspo.config import SFTConfig, to_dict
-from gspo.data import load_rows, load_splits
+from gspo.data import load_splits
 from gspo.evaluation import evaluate
-from gspo.models import load_model
 from gspo.tracking import MetricsLogger
-from gspo.trainer import Progress, resolve_device, save_model, seed_everything
+from gspo.trainer import Progress, save_model, seeded_model
 
 
 def encode_pairs(tokenizer, rows: list[dict], answer_column: str, max_length: int) -> list[tuple[list[int], int]]:
@@ -53,10 +52,7 @@ def collate(pairs: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tens
 def sft(cfg: SFTConfig) -> dict:
     """Supervised fine-tuning as configured; saves the model to `output_dir/model`."""
     started = time.perf_counter()
-    seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                  seed=cfg.seed, overrides=cfg.model_overrides)
+    device, model, tokenizer = seeded_model(cfg)
     train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=cfg.num_examples)
     if cfg.dataset is not None and cfg.num_examples:
         train_rows = train_rows[: cfg.num_examples]

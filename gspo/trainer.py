@@ -41,10 +41,7 @@ from gspo.tracking import MetricsLogger
 def train(cfg: TrainConfig) -> dict:
     """Run GRPO/GSPO as configured; returns a summary (evaluations before/after, time)."""
     started = time.perf_counter()
-    seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                  seed=cfg.seed, overrides=cfg.model_overrides)
+    device, model, tokenizer = seeded_model(cfg)
     replay = cfg.routing_replay != "none"
     if replay:
         require_replay_support(model)  # dense or unsupported MoE: a clear ValueError before any rollout
@@ -303,6 +300,15 @@ def frozen_copy(model):
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def seeded_model(cfg) -> tuple[torch.device, torch.nn.Module, object]:
+    """Seed every RNG, then load the configured model and tokenizer onto the configured device."""
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
+                                  seed=cfg.seed, overrides=cfg.model_overrides)
+    return device, model, tokenizer
 
 
 def seed_everything(seed: int) -> None:
