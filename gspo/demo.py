@@ -1,6 +1,6 @@
 """The built-in demo: a partial cold start by SFT, then GSPO, then held-out evaluation.
 
-Everything is built locally: a ~0.8M-parameter Qwen3-style model with random init, a
+Everything is built locally: a 0.6M-parameter Qwen3-style model with random init, a
 character tokenizer, and 3-digit addition problems with a worked column-by-column solution.
 The cold start stops at a target greedy accuracy on purpose, so the gain after it comes from
 the reward, not from more supervised steps.
