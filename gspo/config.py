@@ -61,8 +61,6 @@ class ModelConfig:
 class TrainConfig(ModelConfig):
     """GRPO/GSPO training run. Field names follow TRL where TRL has one."""
 
-    output_dir: str = "runs/gspo"
-    """Where metrics, samples, plots and the final model are written."""
     max_steps: int = 200
     """RL steps; each samples a rollout batch and takes `num_minibatches * num_epochs` optimizer steps."""
     per_device_batch_size: int = 8

@@ -202,22 +202,6 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"kl_estimator: unknown {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str, norm_length: int | None = None) -> torch.Tensor:
-    """Reduce per-token values (N, T) to a scalar with a named rule.
-
-    seq_mean_token_mean: mean over each sequence's tokens, then over sequences.
-    token_mean: sum over all tokens / number of tokens (longer sequences weigh more).
-    seq_mean_token_sum_norm: each sequence's token sum / norm_length, then mean over
-        sequences (Dr. GRPO's constant normaliser).
-    """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation: unknown {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
-    if aggregation == "seq_mean_token_sum_norm" and (norm_length is None or norm_length <= 0):
-        raise ValueError("norm_length: seq_mean_token_sum_norm needs a positive constant (e.g. max completion length)")
-    maskf = mask.to(values.dtype)
-    return _aggregate(torch.where(mask.bool(), values, torch.zeros_like(values)), maskf, aggregation, norm_length)
-
-
 def _aggregate(values: torch.Tensor, maskf: torch.Tensor, aggregation: str, norm_length: int | None) -> torch.Tensor:
     # values are already zero on padding
     if aggregation == "seq_mean_token_mean":

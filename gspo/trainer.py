@@ -34,7 +34,7 @@ from gspo.moe import (RoutingRecord, expert_change_frac, find_routers, record_ro
                       require_replay_support)
 from gspo.objectives import policy_loss
 from gspo.rewards import get_reward_fn, score_completions
-from gspo.rollout import Rollout, generate
+from gspo.rollout import Rollout, eos_ids, generate
 from gspo.tracking import MetricsLogger
 
 
@@ -145,7 +145,7 @@ def train(cfg: TrainConfig) -> dict:
             **reduce_stats(step_stats),
             "completion/mean_len": lengths.mean().item(),
             "completion/max_len": lengths.max().item(),
-            "completion/truncated_frac": (~ended_with_eos(rollout, tokenizer)).float().mean().item(),
+            "completion/truncated_frac": (~ended_with_eos(rollout, eos_ids(tokenizer, model))).float().mean().item(),
             "lr": scheduler.get_last_lr()[0],
             "time/rollout_s": t_rollout,
             "time/train_s": t_train,
@@ -261,12 +261,13 @@ def grad_norm(model, max_norm: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
 
 
-def ended_with_eos(rollout: Rollout, tokenizer) -> torch.Tensor:
-    """(N,) True where the completion stopped on EOS rather than at the length limit."""
+def ended_with_eos(rollout: Rollout, stop_ids: list[int]) -> torch.Tensor:
+    """(N,) True where the completion stopped on a stop token rather than at the length limit."""
     T = rollout.completion_len
     completion = rollout.input_ids[:, -T:]  # (N, T)
     last = rollout.completion_mask.sum(-1) - 1  # (N,) index of the last real token
-    return completion.gather(1, last[:, None]).squeeze(1) == tokenizer.eos_token_id
+    final = completion.gather(1, last[:, None]).squeeze(1)  # (N,)
+    return torch.isin(final, torch.tensor(stop_ids, device=final.device))
 
 
 def sample_records(rollout: Rollout, count: int) -> list[dict]:
