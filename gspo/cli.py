@@ -1,4 +1,4 @@
-"""`gspo <command>`: train, sft, eval, plot, demo."""
+"""`gspo <command>`: train, sft, eval, plot, demo, lab."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from gspo.config import SFTConfig, TrainConfig, config_help
+from gspo.config import LabConfig, SFTConfig, TrainConfig, config_help
 
 
 def _config_parser(sub, name: str, cls, summary: str):
@@ -20,7 +20,9 @@ def _config_parser(sub, name: str, cls, summary: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gspo", description="Stable RL post-training: GSPO, GRPO, MoE routing replay.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _config_parser(sub, "train", TrainConfig, "RL training (GSPO by default) of a causal LM")
+    p = _config_parser(sub, "train", TrainConfig, "RL training (GSPO by default) of a causal LM")
+    p.add_argument("--resume", metavar="DIR|latest", help="continue exactly from a checkpoint folder, or the newest "
+                                                         "one under output_dir (same as resume_from_checkpoint=...)")
     _config_parser(sub, "sft", SFTConfig, "cold-start supervised fine-tuning on prompt/answer pairs")
     p = sub.add_parser("eval", help="held-out accuracy of a saved model on a built-in task or dataset")
     p.add_argument("--model", required=True, help="saved model directory or preset")
@@ -37,19 +39,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objective", default="gspo", help="gspo (default) or grpo, ...")
+    p = sub.add_parser("lab", help="stability lab: GRPO vs GSPO on dense and MoE models, claims report",
+                       description="Rerun the GSPO paper's claims in miniature; writes report.md with plots. "
+                                   "Rerunning continues an interrupted lab.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="config fields (YAML keys and key=value overrides):\n" + config_help(LabConfig))
+    p.add_argument("--quick", action="store_true", help="fewer objectives, seeds and steps (about 5 min on 2 cores)")
+    p.add_argument("--config", help="YAML file whose keys are lab config field names")
+    p.add_argument("--report-only", action="store_true", help="rebuild report.md from the finished runs, run nothing")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides; they win over the YAML file")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        return _run(args, argv)
     except ValueError as err:  # configuration and input errors: one clear line, no traceback
         print(f"gspo {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        from gspo.trainer import TrainingAborted, TrainingInterrupted
+
+        if isinstance(err, TrainingInterrupted):
+            print(f"gspo {args.command}: stopped: {err}", file=sys.stderr)
+            return 128 + err.signum  # the shell's convention for "ended by signal N"
+        if not isinstance(err, TrainingAborted):
+            raise
+        print(f"gspo {args.command}: aborted: {err}", file=sys.stderr)
+        return 3
 
 
-def _run(args) -> int:
+def _run(args, argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from gspo.config import load_config
@@ -60,7 +81,8 @@ def _run(args) -> int:
         from gspo.report import plot_run
         from gspo.trainer import train
 
-        cfg = load_config(TrainConfig, args.config, args.overrides)
+        overrides = args.overrides + ([f"resume_from_checkpoint={args.resume}"] if args.resume else [])
+        cfg = load_config(TrainConfig, args.config, overrides)
         summary = train(cfg)
         plots = plot_run(cfg.output_dir)
         print(json.dumps({"evals": summary["evals"], "seconds": round(summary["seconds"], 1),
@@ -92,6 +114,16 @@ def _run(args) -> int:
         from gspo.demo import run_demo
 
         run_demo(args.output_dir, seed=args.seed, objective=args.objective)
+    elif args.command == "lab":
+        from gspo.lab import load_lab_config, run_lab
+        from gspo.lab_report import write_report
+
+        cfg = load_lab_config(args.quick, args.config, args.overrides)
+        command = "gspo " + " ".join(sys.argv[1:] if argv is None else argv)
+        if args.report_only:
+            print(write_report(cfg.output_dir))
+        else:
+            run_lab(cfg, command=command, log=lambda line: print(line, flush=True))
     return 0
 
 

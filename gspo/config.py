@@ -41,6 +41,8 @@ class ModelConfig:
     """Seed for model init (presets), data order and sampling."""
     output_dir: str = "runs/gspo"
     """Where metrics, samples, plots and the final model are written."""
+    overwrite_output_dir: bool = False
+    """Start afresh in an output_dir that already holds a run (its metrics and checkpoints are deleted); off: that is an error."""
     task: str | None = "add3"
     """Built-in task (see `gspo.tasks.TASKS`) giving train and held-out prompts; set to null to use `dataset`."""
     dataset: str | None = None
@@ -78,7 +80,7 @@ class TrainConfig(ModelConfig):
     top_k: int = 0
     """Top-k sampling; 0 disables it (transformers would otherwise apply 50)."""
     reward_funcs: list = field(default_factory=lambda: ["answer_match"])
-    """Reward functions: built-in names (answer_match, format) or `module:function` import paths."""
+    """Reward functions: built-in names (answer_match, format, code_tests: sandboxed Python against a `tests` column) or `module:function` import paths."""
     reward_weights: list | None = None
     """One weight per reward function; default all 1."""
     objective: str = "gspo"
@@ -101,6 +103,10 @@ class TrainConfig(ModelConfig):
     """KL estimator: k1, k2 or k3 (DeepSeekMath)."""
     use_sampler_logprobs: bool = False
     """Use the sampler's own log-probs as pi_old instead of recomputing them (GSPO sec. 5.4)."""
+    drop_bad_rewards: bool = False
+    """A sample whose reward function raises or returns NaN/inf is dropped (advantage 0, counted in reward/dropped) instead of stopping the run."""
+    max_consecutive_skips: int = 5
+    """Non-finite guard: an optimizer step with a NaN/inf loss or gradient is skipped (guard/skipped_steps); this many in a row abort the run."""
     learning_rate: float = 1e-6
     """AdamW peak learning rate."""
     weight_decay: float = 0.0
@@ -124,7 +130,11 @@ class TrainConfig(ModelConfig):
     eval_steps: int = 0
     """Evaluate on held-out prompts every this many steps (and before and after training); 0: only before and after."""
     save_steps: int = 0
-    """Save the model every this many steps; 0: only at the end."""
+    """Write a checkpoint (model, optimizer, scheduler, RNG states, data position) every this many steps; 0: only at the end."""
+    save_total_limit: int = 2
+    """Keep the newest this many checkpoints (older ones are deleted)."""
+    resume_from_checkpoint: str | None = None
+    """Continue a run exactly: a checkpoint folder, or `latest` (the newest under output_dir). `gspo train --resume`."""
     log_samples_steps: int = 10
     """Write sample completions with rewards to samples.jsonl every this many steps."""
     log_samples_count: int = 4
@@ -173,6 +183,78 @@ class SFTConfig(ModelConfig):
     """Show a progress bar."""
 
 
+@dataclass
+class LabConfig:
+    """Stability lab (`gspo lab`): a grid of short RL runs comparing objectives on dense and MoE models."""
+
+    output_dir: str = "runs/lab"
+    """Lab folder: cold starts, one folder per run, report.md and plots. Rerunning continues where it stopped."""
+    task: str = "add3"
+    """Built-in task every run trains and evaluates on."""
+    objectives: list = field(default_factory=lambda: ["grpo", "gspo", "gspo_token"])
+    """Objectives compared in the main grid."""
+    models: list = field(default_factory=lambda: ["dense", "moe"])
+    """Architectures: dense (tiny-dense preset) and/or moe (tiny-moe preset), at depth `num_layers`."""
+    routing_replay: list = field(default_factory=lambda: ["none", "old_policy"])
+    """Routing replay modes tried on MoE runs (dense runs use none); replay runs use GRPO only unless `replay_all_objectives`."""
+    replay_all_objectives: bool = False
+    """Also run GSPO variants with routing replay (the paper's claim needs GRPO with replay only)."""
+    seeds: list = field(default_factory=lambda: [0, 1, 2])
+    """RL seeds; every seed starts from the same cold-start model, so the spread is the RL's own."""
+    num_layers: int = 4
+    """Decoder layers of the main grid's models."""
+    max_steps: int = 40
+    """RL steps per run."""
+    per_device_batch_size: int = 8
+    """Prompts per rollout batch (B)."""
+    num_generations: int = 8
+    """Completions per prompt (G)."""
+    num_minibatches: int = 4
+    """Optimizer steps per rollout batch: the off-policy degree (GSPO paper: 4)."""
+    max_completion_length: int = 48
+    """Maximum new tokens per completion."""
+    learning_rate: float = 1e-4
+    """AdamW learning rate of the RL runs."""
+    warmup_steps: int = 4
+    """Linear warmup of the RL runs, in optimizer steps."""
+    eval_steps: int = 10
+    """Held-out evaluation every this many RL steps (and before and after)."""
+    eval_num_prompts: int = 100
+    """Held-out prompts per evaluation."""
+    eval_k: int = 4
+    """Samples per held-out prompt (mean@k, pass@k)."""
+    depths: list = field(default_factory=lambda: [2, 4, 8])
+    """MoE depths of the routing-drift sweep (claim C3); empty skips it."""
+    depth_steps: int = 10
+    """RL steps of each depth-sweep run (GRPO, no replay)."""
+    search: dict = field(default_factory=lambda: {
+        "minibatches_16": {"num_minibatches": 16},
+        "lr_3e-4": {"learning_rate": 3e-4},
+        "sampler_logprobs": {"use_sampler_logprobs": True},
+    })
+    """Search for a regime where the objectives differ: label -> TrainConfig overrides, run for `search_objectives` on `search_model`."""
+    search_objectives: list = field(default_factory=lambda: ["grpo", "gspo"])
+    """Objectives run under each search setting."""
+    search_model: str = "moe"
+    """Architecture of the search runs (the paper's instability is an MoE one), no routing replay."""
+    search_seeds: list | None = field(default_factory=lambda: [0, 1])
+    """Seeds of the search runs; null: `seeds`."""
+    sft_max_steps: int = 400
+    """Cold-start SFT steps (upper bound; it stops at `sft_target_accuracy`)."""
+    sft_target_accuracy: float = 0.4
+    """Greedy held-out accuracy at which the cold start stops, leaving room for RL."""
+    train_overrides: dict | None = None
+    """Extra TrainConfig fields applied to every RL run, e.g. {max_completion_length: 96}."""
+    device: str = "cpu"
+    """Device of every run: cpu (the lab's timings are CPU ones), cuda or auto."""
+
+
+QUICK_LAB = dict(objectives=["grpo", "gspo"], seeds=[0, 1], num_layers=2, max_steps=20, eval_steps=10,
+                 eval_num_prompts=50, depths=[2, 4], depth_steps=5, search={"lr_3e-4": {"learning_rate": 3e-4}},
+                 search_seeds=[0], sft_max_steps=300)
+"""`gspo lab --quick`: 2-layer main grid, fewer objectives, seeds, steps and held-out prompts; one search setting."""
+
+
 # ------------------------------------------------------------------------------- machinery
 def field_docs(cls) -> dict[str, str]:
     """Field name -> the docstring written under it (searching base classes too)."""
@@ -201,9 +283,9 @@ def config_help(cls) -> str:
     return "\n".join(lines)
 
 
-def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None):
-    """Build `cls` from an optional YAML file, then `key=value` overrides (which win)."""
-    values: dict = {}
+def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None, defaults: dict | None = None):
+    """Build `cls` from `defaults`, then an optional YAML file, then `key=value` overrides (which win)."""
+    values: dict = dict(defaults or {})
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -255,6 +337,8 @@ def _positive(cfg, *names: str, allow_zero: bool = False) -> None:
 
 def validate(cfg) -> None:
     """Check choices, ranges and consistency before anything is loaded."""
+    if isinstance(cfg, LabConfig):
+        return _validate_lab(cfg)
     _choice(cfg, "dtype", ("float32", "bfloat16", "float16", "auto"))
     if not (cfg.device in ("auto", "cpu", "cuda", "mps") or cfg.device.startswith("cuda:")):
         raise ValueError(f"config: device={cfg.device!r} is not one of auto, cpu, cuda, cuda:<i>, mps")
@@ -274,7 +358,7 @@ def validate(cfg) -> None:
                                  "length; use seq_mean_token_mean (the default)")
         _positive(cfg, "max_steps", "per_device_batch_size", "num_generations", "max_prompt_length",
                   "max_completion_length", "temperature", "num_minibatches", "num_epochs", "learning_rate",
-                  "logprob_chunk_size", "log_samples_count")
+                  "logprob_chunk_size", "log_samples_count", "max_consecutive_skips", "save_total_limit")
         _positive(cfg, "kl_coef", "weight_decay", "warmup_steps", "max_grad_norm", "top_k", "eval_steps",
                   "save_steps", "log_samples_steps", allow_zero=True)
         if not 0 < cfg.top_p <= 1:
@@ -307,6 +391,35 @@ def validate(cfg) -> None:
             raise ValueError(f"config: target_accuracy={cfg.target_accuracy!r} must be in (0, 1]")
         if cfg.task is not None and cfg.dataset is None and cfg.num_examples == 0:
             raise ValueError("config: num_examples must be > 0 for a built-in task (its generator is endless)")
+
+
+def _validate_lab(cfg: LabConfig) -> None:
+    for name, choices in (("objectives", OBJECTIVE_CHOICES), ("models", ("dense", "moe")),
+                          ("routing_replay", REPLAY_MODES), ("search_objectives", OBJECTIVE_CHOICES)):
+        values = getattr(cfg, name)
+        if not values:
+            raise ValueError(f"config: {name} is empty")
+        for value in values:
+            if value not in choices:
+                raise ValueError(f"config: {name} entry {value!r} is not one of {', '.join(choices)}")
+    _choice(cfg, "search_model", ("dense", "moe"))
+    for name in ("seeds", "search_seeds", "depths"):
+        values = getattr(cfg, name) or []
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise ValueError(f"config: {name}={values!r} must be a list of integers")
+    if not cfg.seeds:
+        raise ValueError("config: seeds is empty")
+    if any(d < 1 for d in cfg.depths):
+        raise ValueError(f"config: depths={cfg.depths!r} must be >= 1")
+    _positive(cfg, "num_layers", "max_steps", "per_device_batch_size", "num_generations", "num_minibatches",
+              "max_completion_length", "learning_rate", "eval_num_prompts", "eval_k", "depth_steps", "sft_max_steps")
+    _positive(cfg, "warmup_steps", "eval_steps", allow_zero=True)
+    if not 0 < cfg.sft_target_accuracy <= 1:
+        raise ValueError(f"config: sft_target_accuracy={cfg.sft_target_accuracy!r} must be in (0, 1]")
+    for label, overrides in cfg.search.items():
+        if not isinstance(overrides, dict):
+            raise ValueError(f"config: search[{label!r}] must be a mapping of TrainConfig fields, got {overrides!r}")
+    # Every run's TrainConfig is built (and so checked) by gspo.lab.expand_grid before anything runs.
 
 
 def _type_name(tp) -> str:

@@ -32,11 +32,13 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0, objective: str = "gsp
     out = Path(output_dir)
     print(f"[1/3] cold-start SFT of a tiny model on 3-digit addition (until greedy accuracy >= "
           f"{DEMO_SFT['target_accuracy']:.0%})")
-    sft_cfg = make_config(SFTConfig, {**DEMO_SFT, "seed": seed, "output_dir": str(out / "sft")})
+    sft_cfg = make_config(SFTConfig, {**DEMO_SFT, "seed": seed, "output_dir": str(out / "sft"),
+                                      "overwrite_output_dir": True})  # the demo always starts afresh
     sft_summary = sft(sft_cfg)
     print(f"[2/3] {objective.upper()} RL from the cold-start model")
     rl_cfg = make_config(TrainConfig, {**DEMO_RL, "objective": objective, "seed": seed,
-                                       "model": sft_summary["model_dir"], "output_dir": str(out / "rl")})
+                                       "model": sft_summary["model_dir"], "output_dir": str(out / "rl"),
+                                       "overwrite_output_dir": True})
     rl = train(rl_cfg)
     print("[3/3] plots")
     plots = plot_run(out / "rl")

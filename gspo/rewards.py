@@ -172,13 +172,28 @@ class RewardModelReward:
         return scores
 
 
-_BUILTINS: dict[str, RewardFn] = {"answer_match": answer_match, "format": format_reward}
+def code_tests(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+    """1.0 where the completion's Python program passes the `tests` column in a sandbox, else 0.0.
+
+    See gspo.sandbox (imported on first use, so importing this module stays light).
+    """
+    from gspo.sandbox import code_tests as sandboxed
+
+    return sandboxed(prompts, completions, **columns)
+
+
+_BUILTINS: dict[str, RewardFn] = {
+    "answer_match": answer_match,
+    "format": format_reward,
+    "code_tests": code_tests,
+}
 
 
 def get_reward_fn(spec) -> RewardFn:
     """A reward function from a spec.
 
-    Specs: a built-in name ("answer_match", "format"); "rm:<path>", a sequence-classification
+    Specs: a built-in name ("answer_match", "format", "code_tests": sandboxed Python run against
+    the `tests` column, see gspo.sandbox); "rm:<path>", a sequence-classification
     reward model saved at <path> (scored on the CPU, or pass a RewardModelReward object);
     a user's "package.module:function"; or, from Python, the callable itself.
     """
@@ -223,12 +238,19 @@ def score_completions(
     prompts: list[str],
     completions: list[str],
     columns: dict[str, list],
+    *,
+    drop_bad: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Run every reward fn; return total rewards (N,) float32 and each fn's raw values (N,).
 
     total[i] = sum_k weights[k] * r_k[i] over the functions that gave a value for sample i (None is
     skipped; a sample every function skipped gets 0.0). Raw values hold NaN for None and are keyed
     by `__name__`, with "_2", "_3", ... added when names clash.
+
+    A function that raises is rerun sample by sample to find the offending prompt/completion.
+    By default that, or a NaN/inf value, is an error naming the function and the sample; with
+    `drop_bad` the sample's total is NaN instead (the trainer then leaves it out, and counts it).
+    A wrong number or type of values is always an error: that is a bug in the function.
     """
     n = len(completions)
     if len(prompts) != n:
@@ -249,6 +271,7 @@ def score_completions(
 
     raw: dict[str, Tensor] = {}
     weighted = []
+    dropped = torch.zeros(n, dtype=torch.bool)  # (N,)
     for fn, weight in zip(reward_fns, weights):
         base = name = _fn_name(fn)
         suffix = 2
@@ -257,10 +280,7 @@ def score_completions(
         try:
             out = fn(prompts, completions, **columns)
         except Exception as err:
-            first = f"prompt={_short(prompts[0])}, completion={_short(completions[0])}" if n else "(empty)"
-            raise RuntimeError(
-                f"reward function {name!r} raised {type(err).__name__}: {err}; first sample: {first}"
-            ) from err
+            out = _one_by_one(fn, name, err, prompts, completions, columns, drop_bad)
         if not isinstance(out, (list, tuple)):
             raise ValueError(
                 f"reward function {name!r} must return a list of {n} values, got {type(out).__name__}"
@@ -273,19 +293,52 @@ def score_completions(
         for i, value in enumerate(out):
             if value is None:
                 values.append(math.nan)
+            elif isinstance(value, _Failed):
+                values.append(math.nan)
+                dropped[i] = True
             elif not isinstance(value, numbers.Real):
                 raise ValueError(
                     f"reward function {name!r} returned {type(value).__name__} at sample {i}; "
                     "expected a float or None"
                 )
             elif not math.isfinite(value):
-                raise ValueError(
-                    f"reward function {name!r} returned non-finite {value} at sample {i}; "
-                    "return None for 'no opinion'"
-                )
+                if not drop_bad:
+                    raise ValueError(
+                        f"reward function {name!r} returned non-finite {value} at sample {i} "
+                        f"(prompt={_short(prompts[i])}, completion={_short(completions[i])}); "
+                        "return None for 'no opinion', or set drop_bad_rewards to drop such samples"
+                    )
+                values.append(math.nan)
+                dropped[i] = True
             else:
                 values.append(float(value))
         raw[name] = torch.tensor(values, dtype=torch.float32)  # (N,) NaN where None
         weighted.append(torch.tensor(values, dtype=torch.float64) * float(weight))  # (N,)
     total = torch.nansum(torch.stack(weighted), dim=0).float()  # (N,) all-None samples sum to 0.0
+    total[dropped] = math.nan
     return total, raw
+
+
+class _Failed:
+    """Marks a sample on which a reward function raised (dropped under `drop_bad`)."""
+
+
+def _one_by_one(fn, name, err, prompts, completions, columns, drop_bad: bool) -> list:
+    """Rerun `fn` per sample after it raised on the batch: find the offending sample(s)."""
+    out = []
+    for i in range(len(completions)):
+        try:
+            value = fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()})
+            out.append(value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else _Failed())
+        except Exception as sample_err:
+            if not drop_bad:
+                raise RuntimeError(
+                    f"reward function {name!r} raised {type(sample_err).__name__}: {sample_err}; on sample {i}: "
+                    f"prompt={_short(prompts[i])}, completion={_short(completions[i])}"
+                ) from sample_err
+            out.append(_Failed())
+    if not drop_bad or all(isinstance(v, _Failed) for v in out):
+        # It raised on the batch but not on any single sample (or on every one): report the batch error.
+        raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err} "
+                           f"(on the batch of {len(completions)} samples)") from err
+    return out

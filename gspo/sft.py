@@ -17,7 +17,7 @@ from gspo.config import SFTConfig, to_dict
 from gspo.data import load_splits
 from gspo.evaluation import evaluate
 from gspo.tracking import MetricsLogger
-from gspo.trainer import Progress, save_model, seeded_model
+from gspo.trainer import Progress, prepare_output_dir, save_model, seeded_model
 
 
 def encode_pairs(tokenizer, rows: list[dict], answer_column: str, max_length: int) -> list[tuple[list[int], int]]:
@@ -52,6 +52,7 @@ def collate(pairs: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tens
 def sft(cfg: SFTConfig) -> dict:
     """Supervised fine-tuning as configured; saves the model to `output_dir/model`."""
     started = time.perf_counter()
+    out_dir = prepare_output_dir(cfg)
     device, model, tokenizer = seeded_model(cfg)
     train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=cfg.num_examples)
     if cfg.dataset is not None and cfg.num_examples:
@@ -59,7 +60,7 @@ def sft(cfg: SFTConfig) -> dict:
     pairs = encode_pairs(tokenizer, train_rows, cfg.answer_column, cfg.max_length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
-    logger = MetricsLogger(Path(cfg.output_dir), config=to_dict(cfg))
+    logger = MetricsLogger(out_dir, config=to_dict(cfg))
     rng = random.Random(cfg.seed)
     progress = Progress(cfg.max_steps, enabled=cfg.progress, label="sft", show=("loss/sft", "eval/accuracy"))
     accuracy, step = None, 0

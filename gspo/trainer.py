@@ -17,6 +17,10 @@ from __future__ import annotations
 import copy
 import math
 import random
+import shutil
+import signal
+import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from gspo.advantages import group_advantages, group_stats
+from gspo.checkpoint import clean_stale, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from gspo.config import TrainConfig, to_dict
 from gspo.data import PromptSampler, columns_of, load_splits
 from gspo.evaluation import evaluate
@@ -35,12 +40,15 @@ from gspo.moe import (RoutingRecord, expert_change_frac, find_routers, record_ro
 from gspo.objectives import policy_loss
 from gspo.rewards import get_reward_fn, score_completions
 from gspo.rollout import Rollout, eos_ids, generate
-from gspo.tracking import MetricsLogger
+from gspo.tracking import METRICS_FILE, SAMPLES_FILE, MetricsLogger
 
 
 def train(cfg: TrainConfig) -> dict:
     """Run GRPO/GSPO as configured; returns a summary (evaluations before/after, time)."""
     started = time.perf_counter()
+    resuming = cfg.resume_from_checkpoint is not None
+    out_dir = prepare_output_dir(cfg, resuming)  # before anything loads: an earlier run there is an error
+    checkpoint = resolve_resume(cfg.resume_from_checkpoint, out_dir) if resuming else None
     device, model, tokenizer = seeded_model(cfg)
     replay = cfg.routing_replay != "none"
     if replay:
@@ -55,20 +63,42 @@ def train(cfg: TrainConfig) -> dict:
                                   weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * M * cfg.num_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.lr_scheduler, cfg.warmup_steps, total_updates))
-    out_dir = Path(cfg.output_dir)
-    logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
-                           config=to_dict(cfg))
+    guard = NonFiniteGuard(cfg.max_consecutive_skips)
     shuffle = torch.Generator().manual_seed(cfg.seed)
     loss_kwargs = dict(objective=cfg.objective, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                        aggregation=cfg.aggregation, norm_length=cfg.max_completion_length,
                        kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
     logp_kwargs = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
 
-    evals = {0: evaluate(model, tokenizer, eval_rows, cfg)}
-    logger.log(0, evals[0])
+    def save_checkpoint_now(step: int) -> Path:
+        return save_checkpoint(out_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
+                               scheduler=scheduler, config=saved_config(cfg), rng_generators={"shuffle": shuffle},
+                               keep=cfg.save_total_limit, trainer_state={
+                                   "sampler": sampler.state_dict(), "guard": guard.state_dict(),
+                                   "evals": {str(k): v for k, v in evals.items()}})
+
+    if checkpoint is None:
+        logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                               wandb_project=cfg.wandb_project, config=to_dict(cfg))
+        evals = {0: evaluate(model, tokenizer, eval_rows, cfg)}
+        logger.log(0, evals[0])
+        first = 1
+    else:  # exact resume: weights, optimizer, schedule, data position and RNG states as they were
+        state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler,
+                                rng_generators={"shuffle": shuffle})  # restores the RNGs last: draw nothing before
+        check_resumable(state["config"], cfg, state["step"])
+        discard_newer_checkpoints(out_dir, state["step"], cfg.overwrite_output_dir)
+        sampler.load_state_dict(state["trainer_state"]["sampler"])
+        guard.load_state_dict(state["trainer_state"]["guard"])
+        evals = {int(k): v for k, v in state["trainer_state"]["evals"].items()}
+        logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
+                               config=to_dict(cfg), truncate_after_step=state["step"])  # drop lines past it
+        first = state["step"] + 1
     progress = Progress(cfg.max_steps, enabled=cfg.progress)
+    progress.update(first - 1, {})
     model.train()
-    for step in range(1, cfg.max_steps + 1):
+    stop = StopSignals()
+    for step in range(first, cfg.max_steps + 1):
         t0 = time.perf_counter()
         rows = sampler.next(B)
         # 1. Rollout: G completions per prompt, sampled from the current policy (= pi_old).
@@ -79,10 +109,12 @@ def train(cfg: TrainConfig) -> dict:
                            with_logprobs=cfg.use_sampler_logprobs,
                            routing_recorder=record_routing(model) if cfg.routing_replay == "rollout" else None)
         # 2. Rewards, then advantages normalised within each group of G.
+        #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
         rewards, per_fn = score_completions(reward_fns, cfg.reward_weights, rollout.prompts, rollout.completions,
-                                            columns_of(rows, G))
+                                            columns_of(rows, G), drop_bad=cfg.drop_bad_rewards)
+        valid = torch.isfinite(rewards)  # (N,)
         rollout.rewards = rewards.to(device)  # (N,)
-        rollout.advantages = group_advantages(rewards, G, scale=cfg.advantage_scale).to(device)  # (N,)
+        rollout.advantages = group_advantages(rewards, G, scale=cfg.advantage_scale, valid=valid).to(device)  # (N,)
         # 3. pi_old log-probs, once per rollout, on the same minibatches (same shapes) the first
         #    epoch trains on, so the first minibatch is exactly on-policy (ratio 1). Routing replay
         #    "old_policy" (GSPO sec. 5.3) records the experts of this forward for every training forward.
@@ -121,8 +153,13 @@ def train(cfg: TrainConfig) -> dict:
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                 stats["grad/norm"] = grad_norm(model, cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
+                if torch.isfinite(loss) and torch.isfinite(stats["grad/norm"]):
+                    optimizer.step()
+                    scheduler.step()
+                    guard.ok()
+                else:  # non-finite guard: weights are never updated with NaN/inf (nor the schedule advanced)
+                    optimizer.zero_grad(set_to_none=True)
+                    guard.skip(step, loss, stats["grad/norm"])
                 stats["entropy"] = (entropy.detach() * mb.completion_mask).sum() / mb.completion_mask.sum()
                 if drift:  # after the step, free routing again: which expert choices did it change?
                     before = before if before is not None else recorder.record()
@@ -137,11 +174,13 @@ def train(cfg: TrainConfig) -> dict:
         # 5. Metrics.
         lengths = rollout.completion_mask.sum(-1).float()  # (N,)
         metrics = {
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item(),
+            "reward/mean": rewards[valid].mean().item(),
+            "reward/std": rewards[valid].std().item(),
             **{f"reward/{name}": float(np.nanmean(v.numpy())) if not torch.isnan(v).all() else float("nan")
                for name, v in per_fn.items()},
-            **group_stats(rewards, G),
+            **group_stats(rewards, G, valid),
+            **({"reward/dropped": int((~valid).sum())} if cfg.drop_bad_rewards else {}),
+            "guard/skipped_steps": guard.skipped,
             **reduce_stats(step_stats),
             "completion/mean_len": lengths.mean().item(),
             "completion/max_len": lengths.max().item(),
@@ -160,10 +199,16 @@ def train(cfg: TrainConfig) -> dict:
         logger.log(step, metrics)
         if cfg.log_samples_steps and (step % cfg.log_samples_steps == 0 or step == 1):
             logger.log_samples(step, sample_records(rollout, cfg.log_samples_count))
-        if cfg.save_steps and step % cfg.save_steps == 0 and step != cfg.max_steps:
-            save_model(model, tokenizer, out_dir / f"checkpoint-{step}")
         progress.update(step, metrics)
+        if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.max_steps or stop.requested:
+            saved = save_checkpoint_now(step)
+            if stop.requested and step < cfg.max_steps:  # SIGINT / SIGTERM: stop cleanly, resumable
+                progress.close()
+                logger.close()
+                stop.restore()
+                raise TrainingInterrupted(stop.requested, step, saved)
 
+    stop.restore()
     progress.close()
     save_model(model, tokenizer, out_dir / "model")
     logger.close()
@@ -241,7 +286,11 @@ def routing_stats(name: str, before: RoutingRecord, after: RoutingRecord, positi
 
 
 def reduce_stats(step_stats: list[dict]) -> dict[str, float]:
-    """Average minibatch stats over the step; extremes of the ratio keep their extremes."""
+    """Average minibatch stats over the step; extremes of the ratio keep their extremes.
+
+    `grad/norm_std` is the spread of the gradient norm across the step's minibatches (GSPO
+    sec. 4: token-level ratios make gradients noisier); 0 with a single minibatch.
+    """
     out = {}
     for key in step_stats[0]:
         values = torch.stack([torch.as_tensor(s[key]).float() for s in step_stats])
@@ -251,6 +300,8 @@ def reduce_stats(step_stats: list[dict]) -> dict[str, float]:
             out[key] = values.max().item()
         else:
             out[key] = values.mean().item()
+        if key == "grad/norm":
+            out["grad/norm_std"] = values.std().item() if len(values) > 1 else 0.0
     return out
 
 
@@ -296,6 +347,57 @@ def save_model(model, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
+def prepare_output_dir(cfg, resuming: bool = False) -> Path:
+    """The run's folder; an earlier run's files there are an error unless overwriting or resuming."""
+    out = Path(cfg.output_dir)
+    clean_stale(out) if out.is_dir() else None  # half-written checkpoints of a killed run
+    old = [out / METRICS_FILE, out / SAMPLES_FILE, *sorted(out.glob("checkpoint-*"))]
+    old = [p for p in old if p.exists()]
+    if old and not resuming:
+        if not cfg.overwrite_output_dir:
+            raise ValueError(f"output_dir {out} already holds a run ({old[0].name}); continue it with --resume latest, "
+                             "choose another output_dir, or set overwrite_output_dir=true to delete it")
+        for path in old:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return out
+
+
+# Settings that may change when resuming: where and how much is logged, not what is computed.
+RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "progress",
+                     "save_steps", "save_total_limit", "eval_steps", "log_samples_steps", "log_samples_count",
+                     "tensorboard", "wandb", "wandb_project", "max_consecutive_skips")
+
+
+def saved_config(cfg) -> dict:
+    """The config as JSON: reward functions passed as Python callables become "module:name"."""
+    out = to_dict(cfg)
+    out["reward_funcs"] = [f if isinstance(f, str) else f"{f.__module__}:{getattr(f, '__qualname__', type(f).__name__)}"
+                           for f in out["reward_funcs"]]
+    return out
+
+
+def check_resumable(saved: dict, cfg, step: int) -> None:
+    """A resumed run must compute what the checkpointed one did: same settings, and steps left to run."""
+    now = saved_config(cfg)
+    changed = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
+    if changed:
+        raise ValueError("resume: the checkpoint was made with other settings: " +
+                         ", ".join(f"{k}={saved.get(k)!r} (now {now.get(k)!r})" for k in changed))
+    if step >= cfg.max_steps:
+        raise ValueError(f"resume: the checkpoint is at step {step} and max_steps={cfg.max_steps}: nothing left to "
+                         "run (raise max_steps to train further)")
+
+
+def discard_newer_checkpoints(out_dir: Path, step: int, allowed: bool) -> None:
+    """Resuming from an older checkpoint abandons the newer ones: only with overwrite_output_dir."""
+    newer = [c for c in list_checkpoints(out_dir) if int(c.name.rsplit("-", 1)[1]) > step]
+    if newer and not allowed:
+        raise ValueError(f"resume: {newer[-1].name} is newer than checkpoint-{step}; resume from latest, or set "
+                         "overwrite_output_dir=true to delete the newer checkpoints")
+    for path in newer:
+        shutil.rmtree(path)
+
+
 def frozen_copy(model):
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
@@ -324,6 +426,72 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"config: device={device!r} but CUDA is not available here")
     return torch.device(device)
+
+
+class TrainingAborted(RuntimeError):
+    """The run cannot go on (e.g. every recent update was non-finite); the message says why."""
+
+
+class TrainingInterrupted(TrainingAborted):
+    """SIGINT/SIGTERM arrived; the step in flight was finished and checkpointed."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"{signal.Signals(signum).name} at step {step}; checkpoint saved to {checkpoint}; "
+                         "continue with --resume latest")
+
+
+class StopSignals:
+    """Turns SIGINT/SIGTERM into a request to stop after the current step (a second one stops at once).
+
+    Installed only in the main thread (Python delivers signals there); `restore` puts back the
+    previous handlers.
+    """
+
+    def __init__(self):
+        self.requested, self.previous = 0, {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # second signal: do what the previous handler would have done
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.requested = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+
+class NonFiniteGuard:
+    """Counts optimizer steps skipped for a non-finite loss or gradient; aborts after `limit` in a row."""
+
+    def __init__(self, limit: int):
+        self.limit, self.skipped, self.in_a_row = limit, 0, 0
+
+    def ok(self) -> None:
+        self.in_a_row = 0
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped, "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped, self.in_a_row = state["skipped"], state["in_a_row"]
+
+    def skip(self, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise TrainingAborted(
+                f"step {step}: {self.in_a_row} optimizer steps in a row had a non-finite loss ({loss.item()}) or "
+                f"gradient norm ({float(norm)}); the weights were not updated by them. Lower learning_rate, check "
+                "rewards and inputs, or raise max_consecutive_skips")
 
 
 class Progress:

@@ -55,3 +55,31 @@ def test_group_stats():
 def test_bad_input(rewards, group_size, scale, message):
     with pytest.raises(ValueError, match=message):
         group_advantages(rewards, group_size, scale=scale)
+
+
+def test_dropped_samples_get_zero_advantage_and_leave_the_group_stats():
+    # Group 0: [1, NaN(dropped), 0, 0] -> valid [1, 0, 0]: mean 1/3, population std sqrt(2)/3 = 0.4714
+    # A = (2/3) / 0.4715 = 1.4139, (-1/3) / 0.4715 = -0.7070. Group 1 all valid: [1, 1, 0, 0] -> +-1/(0.5+eps).
+    rewards = torch.tensor([1.0, float("nan"), 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    valid = torch.isfinite(rewards)
+    adv = group_advantages(rewards, 4, valid=valid)
+    expected = torch.tensor([1.4139, 0.0, -0.7070, -0.7070, 0.9998, 0.9998, -0.9998, -0.9998])
+    assert torch.allclose(adv, expected, atol=2e-4)
+    assert torch.equal(adv[4:], group_advantages(rewards[4:], 4))  # untouched group: same as without a mask
+    # scale="none" centres on the valid mean only; a group with no valid sample is all zero.
+    assert torch.allclose(group_advantages(rewards, 4, scale="none", valid=valid)[:4],
+                          torch.tensor([2 / 3, 0.0, -1 / 3, -1 / 3]))
+    none_valid = torch.tensor([False] * 4 + [True] * 4)
+    assert torch.equal(group_advantages(rewards, 4, valid=none_valid)[:4], torch.zeros(4))
+    with pytest.raises(ValueError, match="non-finite value at index 1"):
+        group_advantages(rewards, 4)  # without the mask a NaN is an error
+    with pytest.raises(ValueError, match="valid: expected a bool tensor"):
+        group_advantages(rewards, 4, valid=valid.float())
+
+
+def test_group_stats_ignore_dropped_samples():
+    # Group 0 valid [1, 1] (NaN dropped): zero spread. Group 1 [1, 0, 0]: std sqrt(2)/3 = 0.4714.
+    rewards = torch.tensor([1.0, float("nan"), 1.0, float("nan"), 1.0, 0.0, 0.0, float("nan")])
+    stats = group_stats(rewards, 4, valid=torch.isfinite(rewards))
+    assert stats["groups/zero_std_frac"] == 0.5
+    assert stats["groups/reward_std_mean"] == pytest.approx(math.sqrt(2) / 3 / 2)

@@ -129,5 +129,5 @@ def test_moe_replay_through_the_cli(tmp_path):
     step1 = read_jsonl(tmp_path / "out" / "metrics.jsonl")[1]
     assert 0 <= step1["moe/expert_change_frac"] <= 1 and "moe/expert_change_frac/layer_1" in step1
     assert "moe/replay_mismatch_frac" in step1
-    done = gspo("train", "model=tiny-dense", "routing_replay=old_policy", *common, cwd=tmp_path)
+    done = gspo("train", "model=tiny-dense", "routing_replay=old_policy", *common, "output_dir=dense", cwd=tmp_path)
     assert done.returncode == 2 and "routing replay needs a Mixture-of-Experts model" in done.stderr

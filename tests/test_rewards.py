@@ -146,6 +146,30 @@ def test_score_completions_errors():
         score_completions([_const("a", [1, 1])], None, prompts, completions, {"answer": ["1"]})
 
 
+def test_bad_reward_names_the_offending_sample_or_drops_it():
+    prompts, completions = ["p0", "p1", "p2"], ["fine", "BAD", "fine too"]
+
+    def picky(prompts, completions, **_):
+        if "BAD" in completions:
+            raise ValueError("cannot parse")
+        return [1.0] * len(completions)
+
+    with pytest.raises(RuntimeError, match=r"'picky' raised ValueError: cannot parse; on sample 1: prompt='p1', "
+                                           r"completion='BAD'"):
+        score_completions([picky], None, prompts, completions, {})
+    total, raw = score_completions([picky, _const("half", [0.5, 0.5, math.inf])], None, prompts, completions, {},
+                                   drop_bad=True)
+    # sample 1: picky raised; sample 2: half returned inf -> both dropped (NaN); sample 0: 1.0 + 0.5
+    assert total[0].item() == 1.5 and torch.isnan(total[1:]).all()
+    assert raw["picky"].tolist()[0] == 1.0 and math.isnan(raw["picky"][1])
+
+    def always(prompts, completions, **_):
+        raise OSError("disk gone")
+
+    with pytest.raises(RuntimeError, match=r"'always' raised OSError: disk gone \(on the batch of 3 samples\)"):
+        score_completions([always], None, prompts, completions, {}, drop_bad=True)  # nothing left to keep
+
+
 def _const_obj(name, obj):
     def fn(prompts, completions, **_):
         return obj
@@ -181,7 +205,7 @@ def test_get_reward_fn_builtins_and_user_module(tmp_path, monkeypatch):
         get_reward_fn("my_rewards_mod:NOT_CALLABLE")
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
         get_reward_fn("no_such_module_xyz:f")
-    with pytest.raises(ValueError, match=r"unknown reward 'acc'.*answer_match, format"):
+    with pytest.raises(ValueError, match=r"unknown reward .acc.*answer_match, code_tests, format"):
         get_reward_fn("acc")
 
 

@@ -1,0 +1,213 @@
+"""The stability lab: GSPO paper claims rerun in miniature, side by side (`gspo lab`).
+
+A lab is a folder of short RL runs from shared cold-start models:
+  main grid   objectives x {dense, moe} x routing replay (MoE only) x seeds   (claims C1, C2, C4, C5)
+  depth sweep GRPO on MoE models of several depths                         (claim C3)
+  search      GRPO vs GSPO under settings that might separate them         (where do they differ?)
+Every run is an ordinary `gspo.trainer.train` run with its own metrics.jsonl; a run is complete
+when its `done.json` exists, so rerunning the same command skips finished runs and restarts
+the one that was interrupted. `gspo.lab_report` turns the folder into report.md with plots.
+
+What we simplified: one cold start per architecture (seed 0), so the spread over seeds is the
+RL's own; every run uses the same task (3-digit addition by default) and CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gspo.config import LabConfig, SFTConfig, TrainConfig, make_config, to_dict
+
+PRESETS = {"dense": "tiny-dense", "moe": "tiny-moe"}
+DONE = "done.json"
+# Keys of a run's TrainConfig that may differ between two invocations of the same lab (paths, display).
+_VOLATILE = ("output_dir", "model", "progress")
+
+
+@dataclass
+class RunSpec:
+    """One RL run of the lab: what distinguishes it from its neighbours in the grid."""
+
+    group: str  # main | depth | search
+    objective: str
+    model: str  # dense | moe
+    layers: int
+    replay: str  # none | old_policy | rollout
+    seed: int
+    label: str = ""  # the search setting's name
+    overrides: dict = field(default_factory=dict)  # TrainConfig fields the search setting changes
+
+    @property
+    def name(self) -> str:
+        head = {"main": "", "depth": f"depth{self.layers}-", "search": f"search-{self.label}-"}[self.group]
+        return f"{head}{self.objective}-{self.model}-{self.replay}-s{self.seed}"
+
+    @property
+    def config_key(self) -> tuple:
+        """Runs that differ only by seed share this key (they are averaged in the report)."""
+        return (self.group, self.label, self.objective, self.model, self.layers, self.replay)
+
+
+def expand_grid(cfg: LabConfig) -> list[RunSpec]:
+    """Every run of the lab, in the order they are run (cheapest claims first)."""
+    runs = []
+    for model in cfg.models:
+        replays = [r for r in cfg.routing_replay if model == "moe" or r == "none"] or ["none"]
+        for replay in replays:
+            for objective in cfg.objectives:
+                if replay != "none" and objective != "grpo" and not cfg.replay_all_objectives:
+                    continue  # C4 compares GRPO with replay against both objectives without it
+                runs += [RunSpec("main", objective, model, cfg.num_layers, replay, s) for s in cfg.seeds]
+    runs += [RunSpec("depth", "grpo", "moe", depth, "none", s) for depth in cfg.depths for s in cfg.seeds]
+    for label, overrides in cfg.search.items():
+        for objective in cfg.search_objectives:
+            seeds = cfg.search_seeds if cfg.search_seeds is not None else cfg.seeds
+            runs += [RunSpec("search", objective, cfg.search_model, cfg.num_layers, "none", s, label, dict(overrides))
+                     for s in seeds]
+    return runs
+
+
+def coldstart_dir(lab_dir: Path, model: str, layers: int) -> Path:
+    return Path(lab_dir) / "coldstart" / f"{model}-L{layers}"
+
+
+def sft_config(cfg: LabConfig, model: str, layers: int) -> SFTConfig:
+    """The cold start: the demo's partial SFT (stops at `sft_target_accuracy`), one per architecture."""
+    return make_config(SFTConfig, dict(
+        model=PRESETS[model], model_overrides={"num_hidden_layers": layers}, task=cfg.task, num_examples=2000,
+        max_steps=cfg.sft_max_steps, batch_size=32, learning_rate=2e-3, warmup_steps=20,
+        target_accuracy=cfg.sft_target_accuracy, eval_steps=20, eval_num_prompts=100,
+        max_completion_length=cfg.max_completion_length, seed=0, device=cfg.device, progress=False,
+        output_dir=str(coldstart_dir(cfg.output_dir, model, layers))))
+
+
+def train_config(cfg: LabConfig, spec: RunSpec) -> TrainConfig:
+    """The run's full TrainConfig (validated): lab settings, then the search overrides, then `train_overrides`."""
+    values = dict(
+        model=str(coldstart_dir(cfg.output_dir, spec.model, spec.layers) / "model"), task=cfg.task,
+        objective=spec.objective, routing_replay=spec.replay, seed=spec.seed, device=cfg.device,
+        max_steps=cfg.depth_steps if spec.group == "depth" else cfg.max_steps,
+        per_device_batch_size=cfg.per_device_batch_size, num_generations=cfg.num_generations,
+        num_minibatches=cfg.num_minibatches, max_completion_length=cfg.max_completion_length,
+        learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps, eval_steps=cfg.eval_steps,
+        eval_num_prompts=cfg.eval_num_prompts, eval_k=cfg.eval_k, log_samples_steps=0, progress=False,
+        output_dir=str(run_dir(cfg.output_dir, spec)))
+    values.update(spec.overrides)
+    values.update(cfg.train_overrides or {})
+    try:
+        return make_config(TrainConfig, values)
+    except ValueError as err:
+        raise ValueError(f"lab run {spec.name}: {err}") from err
+
+
+def run_dir(lab_dir, spec: RunSpec) -> Path:
+    return Path(lab_dir) / "runs" / spec.name
+
+
+def is_done(path: Path) -> bool:
+    return (Path(path) / DONE).is_file()
+
+
+def _comparable(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in _VOLATILE}
+
+
+def _check_same_settings(spec: RunSpec, path: Path, expected: TrainConfig) -> None:
+    """A finished run found on disk must have been made with the settings asked for now."""
+    stored = _comparable(json.loads((path / DONE).read_text())["config"])
+    wanted = _comparable(json.loads(json.dumps(to_dict(expected))))
+    changed = sorted(k for k in set(stored) | set(wanted) if stored.get(k) != wanted.get(k))
+    if changed:
+        raise ValueError(f"lab run {spec.name} in {path} was made with other settings ({', '.join(changed)}); "
+                         "use a new output_dir, or delete that run to redo it")
+
+
+class _Clock:
+    """ETA for the remaining runs, from the time per unit of work of the runs done so far.
+
+    A unit is one RL step on one dense layer; MoE layers cost about twice as much.
+    """
+
+    def __init__(self):
+        self.units = self.seconds = 0.0
+
+    @staticmethod
+    def cost(spec: RunSpec, tcfg: TrainConfig) -> float:
+        return tcfg.max_steps * spec.layers * (2.0 if spec.model == "moe" else 1.0)
+
+    def add(self, units: float, seconds: float) -> None:
+        self.units += units
+        self.seconds += seconds
+
+    def eta(self, units_left: float) -> str:
+        if not self.units:
+            return "?"
+        left = self.seconds / self.units * units_left
+        return f"{left / 60:.1f} min"
+
+
+def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
+    """Run (or continue) the lab in `cfg.output_dir`, then write its report. Returns a summary."""
+    from gspo.lab_report import write_report
+    from gspo.sft import sft
+    from gspo.trainer import train
+
+    started = time.perf_counter()
+    lab_dir = Path(cfg.output_dir)
+    specs = expand_grid(cfg)
+    configs = {spec.name: train_config(cfg, spec) for spec in specs}  # every setting checked before any run
+    lab_dir.mkdir(parents=True, exist_ok=True)
+    (lab_dir / "lab.json").write_text(json.dumps({"command": command, "config": to_dict(cfg)}, indent=2))
+
+    # Cold starts, one per architecture the runs use.
+    for model, layers in sorted({(s.model, s.layers) for s in specs}):
+        out = coldstart_dir(lab_dir, model, layers)
+        if is_done(out):
+            continue
+        log(f"cold start {model}-L{layers}: SFT until greedy accuracy {cfg.sft_target_accuracy:.0%}")
+        shutil.rmtree(out, ignore_errors=True)  # an interrupted cold start is redone from scratch
+        summary = sft(sft_config(cfg, model, layers))
+        (out / DONE).write_text(json.dumps(summary, indent=2, default=str))
+
+    clock = _Clock()
+    todo = [s for s in specs if not is_done(run_dir(lab_dir, s))]
+    for spec in specs:
+        if is_done(run_dir(lab_dir, spec)):
+            _check_same_settings(spec, run_dir(lab_dir, spec), configs[spec.name])
+    skipped = len(specs) - len(todo)
+    if skipped:
+        log(f"{skipped} of {len(specs)} runs already complete: skipped")
+    units_left = sum(clock.cost(s, configs[s.name]) for s in todo)
+    for i, spec in enumerate(todo, 1):
+        tcfg, out = configs[spec.name], run_dir(lab_dir, spec)
+        if out.exists():
+            log(f"  {spec.name}: interrupted earlier, restarting it")
+            shutil.rmtree(out)
+        t0 = time.perf_counter()
+        result = train(tcfg)
+        seconds = time.perf_counter() - t0
+        first, last = result["evals"][0], result["evals"][max(result["evals"])]
+        (out / DONE).write_text(json.dumps({"spec": asdict(spec), "config": to_dict(tcfg), "seconds": seconds,
+                                            "evals": {str(k): v for k, v in result["evals"].items()}}, indent=2))
+        for path in [out / "model", *out.glob("checkpoint-*")]:  # the lab keeps metrics, not 42 model copies
+            shutil.rmtree(path, ignore_errors=True)
+        units = clock.cost(spec, tcfg)
+        clock.add(units, seconds)
+        units_left -= units
+        log(f"[{skipped + i}/{len(specs)}] {spec.name}: {seconds:.0f} s, held-out mean@{tcfg.eval_k} "
+            f"{first['eval/mean_at_k']:.1%} -> {last['eval/mean_at_k']:.1%}   ETA {clock.eta(units_left)}")
+    report = write_report(lab_dir)
+    seconds = time.perf_counter() - started
+    log(f"report: {report}  ({len(todo)} runs in {seconds / 60:.1f} min)")
+    return {"report": str(report), "runs": len(specs), "ran": len(todo), "skipped": skipped, "seconds": seconds}
+
+
+def load_lab_config(quick: bool = False, path=None, overrides: list[str] | None = None) -> LabConfig:
+    """`gspo lab` settings: the full lab or `--quick`, then a YAML file, then key=value overrides."""
+    from gspo.config import QUICK_LAB, load_config
+
+    return load_config(LabConfig, path, overrides, defaults={**QUICK_LAB, "output_dir": "runs/lab-quick"} if quick else None)

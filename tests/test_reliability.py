@@ -1,0 +1,226 @@
+"""Reliability: non-finite guard, bad rewards dropped or named, checkpoints and exact resume, signals."""
+
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+import torch
+from transformers import AutoModelForCausalLM
+
+import gspo.trainer
+from gspo.cli import main
+from gspo.models import load_model
+from gspo.tracking import read_jsonl
+from gspo.trainer import TrainingAborted, train
+from tests.test_trainer import SMALL, starts_with_digit, tiny_cfg
+
+
+class NanGrad(torch.autograd.Function):
+    """Identity forward, NaN backward: a finite loss whose gradient is poisoned."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.nan
+
+
+def poison(monkeypatch, kinds: list[str]):
+    """Make the trainer's i-th policy loss NaN ("loss"), give it a NaN gradient ("grad"), or leave it ("ok")."""
+    real, calls = gspo.trainer.policy_loss, []
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        kind = kinds[len(calls)] if len(calls) < len(kinds) else "ok"
+        calls.append(kind)
+        if kind == "loss":
+            loss = loss + math.nan
+        elif kind == "grad":
+            loss = NanGrad.apply(loss)
+        return loss, stats
+
+    monkeypatch.setattr(gspo.trainer, "policy_loss", poisoned)
+    return calls
+
+
+def params_equal(a, b) -> bool:
+    sb = b.state_dict()
+    return all(torch.equal(p, sb[n]) for n, p in a.state_dict().items())
+
+
+def test_nonfinite_loss_and_gradient_skip_the_step(tmp_path, monkeypatch):
+    calls = poison(monkeypatch, ["loss", "grad"])  # the run's only two optimizer steps
+    cfg = tiny_cfg(tmp_path, max_steps=1, num_minibatches=2, reward_funcs=[starts_with_digit],
+                   per_device_batch_size=4)
+    train(cfg)
+    assert calls == ["loss", "grad"]
+    initial, _ = load_model("tiny-dense", seed=cfg.seed, overrides=SMALL)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    assert params_equal(trained, initial)  # neither NaN update touched the weights
+    record = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]
+    assert record["guard/skipped_steps"] == 2
+    assert all(math.isfinite(v) for v in trained.state_dict()["model.embed_tokens.weight"].flatten().tolist())
+
+
+def test_a_good_step_after_a_skip_updates_and_resets_the_streak(tmp_path, monkeypatch):
+    poison(monkeypatch, ["loss", "ok", "grad", "ok"])
+    cfg = tiny_cfg(tmp_path, max_steps=2, num_minibatches=2, reward_funcs=[starts_with_digit], max_consecutive_skips=2,
+                   per_device_batch_size=4)
+    train(cfg)  # never two in a row: no abort
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["guard/skipped_steps"] for r in records[1:]] == [1, 2]  # cumulative count
+
+
+def test_consecutive_nonfinite_steps_abort_with_a_clear_message(tmp_path, monkeypatch):
+    poison(monkeypatch, ["loss"] * 10)
+    cfg = tiny_cfg(tmp_path, max_steps=3, num_minibatches=2, max_consecutive_skips=3)
+    with pytest.raises(TrainingAborted, match="step 2: 3 optimizer steps in a row had a non-finite loss"):
+        train(cfg)
+    # Through the CLI: one line on stderr, exit status 3.
+    poison(monkeypatch, ["loss"] * 10)
+    code = main(["train", "model=tiny-dense", f"output_dir={tmp_path / 'cli'}", "max_steps=2", "num_minibatches=2",
+                 "per_device_batch_size=2", "num_generations=2", "max_completion_length=4", "eval_num_prompts=2",
+                 "eval_k=2", "max_consecutive_skips=2", "progress=false", "device=cpu"])
+    assert code == 3
+
+
+def nan_for_first(prompts, completions, **_):
+    """NaN for the first completion of every batch, else 1 if it starts with a digit."""
+    return [math.nan if i == 0 else float(c[:1].isdigit()) for i, c in enumerate(completions)]
+
+
+def test_bad_rewards_stop_the_run_or_are_dropped_and_counted(tmp_path):
+    with pytest.raises(ValueError, match="'nan_for_first' returned non-finite nan at sample 0"):
+        train(tiny_cfg(tmp_path, max_steps=1, reward_funcs=[nan_for_first]))
+    cfg = tiny_cfg(tmp_path, max_steps=2, reward_funcs=[nan_for_first], drop_bad_rewards=True, log_samples_count=2,
+                   output_dir=str(tmp_path / "drop"))
+    train(cfg)
+    records = read_jsonl(tmp_path / "drop" / "metrics.jsonl")
+    assert [r["reward/dropped"] for r in records[1:]] == [1, 1]
+    assert all(math.isfinite(r["reward/mean"]) and math.isfinite(r["loss/policy"]) for r in records[1:])
+    samples = read_jsonl(tmp_path / "drop" / "samples.jsonl", null_as_nan=False)
+    first = [s for s in samples if s["step"] == 1]
+    assert first[0]["reward"] is None and first[0]["advantage"] == 0.0  # dropped: no reward, no advantage
+
+
+# ------------------------------------------------------------------------------- kill, interrupt, resume
+SLOW_REWARD = '''
+import time
+
+
+def slow_digit(prompts, completions, **_):
+    time.sleep(0.25)  # makes every step last long enough to be killed in the middle of the run
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+'''
+
+
+def run_args(tmp_path, out: str, *extra: str) -> list[str]:
+    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "model": "tiny-dense", "model_overrides": SMALL, "task": "add3", "max_steps": 8, "per_device_batch_size": 4,
+        "num_generations": 4, "num_minibatches": 2, "max_completion_length": 8, "learning_rate": 1e-3,
+        "eval_num_prompts": 4, "eval_k": 2, "eval_steps": 3, "progress": False, "device": "cpu", "save_steps": 1,
+        "reward_funcs": ["slow_reward:slow_digit"], "log_samples_steps": 1}))
+    return [sys.executable, "-m", "gspo", "train", "--config", str(tmp_path / "run.yaml"), f"output_dir={out}", *extra]
+
+
+def launch(tmp_path, out: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tmp_path)}
+    return subprocess.Popen(run_args(tmp_path, out, *extra), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if metrics.exists() and any(r["step"] >= step for r in read_jsonl(metrics)):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} never logged")
+
+
+def comparable(path: Path) -> list[dict]:
+    """Metrics lines without wall-clock timings (the only values allowed to differ)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in read_jsonl(path)]
+
+
+def final_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model" / "model.safetensors")
+
+
+def test_killed_or_interrupted_runs_resume_exactly(tmp_path):
+    full = launch(tmp_path, "full")
+    assert full.wait(timeout=300) == 0, full.communicate()
+    expected = comparable(tmp_path / "full" / "metrics.jsonl")
+    assert [r["step"] for r in expected] == list(range(9))
+    # Checkpoints every step, the newest 2 kept; the last one is the final step.
+    assert sorted(p.name for p in (tmp_path / "full").glob("checkpoint-*")) == ["checkpoint-7", "checkpoint-8"]
+
+    # SIGKILL at a random step: no chance to save, so resume from the newest complete checkpoint.
+    kill_at = random.randint(2, 5)
+    proc = launch(tmp_path, "killed")
+    wait_for_step(tmp_path / "killed" / "metrics.jsonl", kill_at, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    resumed = subprocess.run(run_args(tmp_path, "killed", "--resume", "latest"), cwd=tmp_path, capture_output=True,
+                             text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tmp_path)},
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(tmp_path / "killed" / "metrics.jsonl") == expected, f"killed at step {kill_at}"
+    want = final_weights(tmp_path / "full")
+    got = final_weights(tmp_path / "killed")
+    assert all(torch.equal(got[k], want[k]) for k in want), f"killed at step {kill_at}: weights differ"  # bitwise
+    samples = read_jsonl(tmp_path / "killed" / "samples.jsonl")
+    assert [s["step"] for s in samples] == [s["step"] for s in read_jsonl(tmp_path / "full" / "samples.jsonl")]
+
+    # SIGTERM: the step in flight finishes, a checkpoint is saved, exit status 128 + 15.
+    proc = launch(tmp_path, "termed")
+    wait_for_step(tmp_path / "termed" / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    stopped_at = int(re.search(r"SIGTERM at step (\d+)", err).group(1))
+    assert stopped_at < 8 and (tmp_path / "termed" / f"checkpoint-{stopped_at}").is_dir()
+    assert max(r["step"] for r in read_jsonl(tmp_path / "termed" / "metrics.jsonl")) == stopped_at
+    resumed = subprocess.run(run_args(tmp_path, "termed", "--resume", "latest"), cwd=tmp_path, capture_output=True,
+                             text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tmp_path)},
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(tmp_path / "termed" / "metrics.jsonl") == expected
+    got = final_weights(tmp_path / "termed")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_resume_and_output_dir_errors(tmp_path):
+    cfg = tiny_cfg(tmp_path, max_steps=2, save_steps=1, save_total_limit=3)
+    train(cfg)
+    with pytest.raises(ValueError, match="already holds a run .*--resume latest.*overwrite_output_dir=true"):
+        train(cfg)
+    with pytest.raises(ValueError, match="checkpoint is at step 2 and max_steps=2: nothing left to run"):
+        train(tiny_cfg(tmp_path, max_steps=2, resume_from_checkpoint="latest"))
+    with pytest.raises(ValueError, match=r"other settings: learning_rate=0.001 \(now 0.01\)"):
+        train(tiny_cfg(tmp_path, max_steps=4, learning_rate=1e-2, resume_from_checkpoint="latest"))
+    with pytest.raises(ValueError, match="checkpoint-2 is newer than checkpoint-1"):
+        train(tiny_cfg(tmp_path, max_steps=4, resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1")))
+    with pytest.raises(ValueError, match="resume='latest': no complete checkpoint"):
+        train(tiny_cfg(tmp_path, output_dir=str(tmp_path / "empty"), resume_from_checkpoint="latest"))
+    # Extending a finished run: more steps from its final checkpoint.
+    train(tiny_cfg(tmp_path, max_steps=3, resume_from_checkpoint="latest"))
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
+    # overwrite_output_dir starts afresh: old metrics and checkpoints gone.
+    train(tiny_cfg(tmp_path, max_steps=1, overwrite_output_dir=True))
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]
