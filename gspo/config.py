@@ -247,6 +247,8 @@ class LabConfig:
     """Extra TrainConfig fields applied to every RL run, e.g. {max_completion_length: 96}."""
     device: str = "cpu"
     """Device of every run: cpu (the lab's timings are CPU ones), cuda or auto."""
+    workers: int = 0
+    """Runs at a time, each in its own process on one CPU thread; 0: one per CPU core."""
 
 
 QUICK_LAB = dict(objectives=["grpo", "gspo"], seeds=[0, 1], num_layers=2, max_steps=20, eval_steps=10,
@@ -413,7 +415,7 @@ def _validate_lab(cfg: LabConfig) -> None:
         raise ValueError(f"config: depths={cfg.depths!r} must be >= 1")
     _positive(cfg, "num_layers", "max_steps", "per_device_batch_size", "num_generations", "num_minibatches",
               "max_completion_length", "learning_rate", "eval_num_prompts", "eval_k", "depth_steps", "sft_max_steps")
-    _positive(cfg, "warmup_steps", "eval_steps", allow_zero=True)
+    _positive(cfg, "warmup_steps", "eval_steps", "workers", allow_zero=True)
     if not 0 < cfg.sft_target_accuracy <= 1:
         raise ValueError(f"config: sft_target_accuracy={cfg.sft_target_accuracy!r} must be in (0, 1]")
     for label, overrides in cfg.search.items():

@@ -15,6 +15,7 @@ RL's own; every run uses the same task (3-digit addition by default) and CPU.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -151,10 +152,12 @@ class _Clock:
 
 
 def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
-    """Run (or continue) the lab in `cfg.output_dir`, then write its report. Returns a summary."""
+    """Run (or continue) the lab in `cfg.output_dir`, then write its report. Returns a summary.
+
+    Runs go to `cfg.workers` processes, each on one CPU thread: small models use a core best
+    this way, and one thread makes every run's numbers independent of how many cores there are.
+    """
     from gspo.lab_report import write_report
-    from gspo.sft import sft
-    from gspo.trainer import train
 
     started = time.perf_counter()
     lab_dir = Path(cfg.output_dir)
@@ -162,48 +165,116 @@ def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
     configs = {spec.name: train_config(cfg, spec) for spec in specs}  # every setting checked before any run
     lab_dir.mkdir(parents=True, exist_ok=True)
     (lab_dir / "lab.json").write_text(json.dumps({"command": command, "config": to_dict(cfg)}, indent=2))
-
-    # Cold starts, one per architecture the runs use.
-    for model, layers in sorted({(s.model, s.layers) for s in specs}):
-        out = coldstart_dir(lab_dir, model, layers)
-        if is_done(out):
-            continue
-        log(f"cold start {model}-L{layers}: SFT until greedy accuracy {cfg.sft_target_accuracy:.0%}")
-        shutil.rmtree(out, ignore_errors=True)  # an interrupted cold start is redone from scratch
-        summary = sft(sft_config(cfg, model, layers))
-        (out / DONE).write_text(json.dumps(summary, indent=2, default=str))
-
-    clock = _Clock()
-    todo = [s for s in specs if not is_done(run_dir(lab_dir, s))]
     for spec in specs:
         if is_done(run_dir(lab_dir, spec)):
             _check_same_settings(spec, run_dir(lab_dir, spec), configs[spec.name])
-    skipped = len(specs) - len(todo)
-    if skipped:
-        log(f"{skipped} of {len(specs)} runs already complete: skipped")
-    units_left = sum(clock.cost(s, configs[s.name]) for s in todo)
-    for i, spec in enumerate(todo, 1):
-        tcfg, out = configs[spec.name], run_dir(lab_dir, spec)
-        if out.exists():
-            log(f"  {spec.name}: interrupted earlier, restarting it")
-            shutil.rmtree(out)
-        t0 = time.perf_counter()
-        result = train(tcfg)
-        seconds = time.perf_counter() - t0
-        first, last = result["evals"][0], result["evals"][max(result["evals"])]
-        (out / DONE).write_text(json.dumps({"spec": asdict(spec), "config": to_dict(tcfg), "seconds": seconds,
-                                            "evals": {str(k): v for k, v in result["evals"].items()}}, indent=2))
-        for path in [out / "model", *out.glob("checkpoint-*")]:  # the lab keeps metrics, not 42 model copies
-            shutil.rmtree(path, ignore_errors=True)
-        units = clock.cost(spec, tcfg)
-        clock.add(units, seconds)
-        units_left -= units
-        log(f"[{skipped + i}/{len(specs)}] {spec.name}: {seconds:.0f} s, held-out mean@{tcfg.eval_k} "
-            f"{first['eval/mean_at_k']:.1%} -> {last['eval/mean_at_k']:.1%}   ETA {clock.eta(units_left)}")
+    workers = cfg.workers or os.cpu_count() or 1
+
+    with _pool(workers) as pool:
+        # Cold starts, one per architecture the runs use; the costliest first.
+        colds = sorted({(s.model, s.layers) for s in specs}, key=lambda ml: -ml[1] * (2 if ml[0] == "moe" else 1))
+        colds = [ml for ml in colds if not is_done(coldstart_dir(lab_dir, *ml))]
+        for model, layers in colds:
+            log(f"cold start {model}-L{layers}: SFT until greedy accuracy {cfg.sft_target_accuracy:.0%}")
+        for future in [pool.submit(_cold_start, sft_config(cfg, model, layers)) for model, layers in colds]:
+            future.result()
+
+        clock = _Clock()
+        todo = [s for s in specs if not is_done(run_dir(lab_dir, s))]
+        skipped = len(specs) - len(todo)
+        if skipped:
+            log(f"{skipped} of {len(specs)} runs already complete: skipped")
+        for spec in todo:
+            if run_dir(lab_dir, spec).exists():
+                log(f"  {spec.name}: interrupted earlier, restarting it")
+        units_left = sum(clock.cost(s, configs[s.name]) for s in todo)
+        futures = {pool.submit(_run_one, configs[s.name], asdict(s)): s for s in todo}
+        for i, future in enumerate(_as_completed(futures), 1):
+            spec, done = futures[future], future.result()
+            units = clock.cost(spec, configs[spec.name])
+            clock.add(units, done["seconds"] / min(workers, len(todo)))  # wall time per unit, with runs in parallel
+            units_left -= units
+            log(f"[{skipped + i}/{len(specs)}] {spec.name}: {done['seconds']:.0f} s, held-out mean@{cfg.eval_k} "
+                f"{done['first']:.1%} -> {done['last']:.1%}   ETA {clock.eta(units_left)}")
     report = write_report(lab_dir)
     seconds = time.perf_counter() - started
-    log(f"report: {report}  ({len(todo)} runs in {seconds / 60:.1f} min)")
+    log(f"report: {report}  ({len(todo)} runs in {seconds / 60:.1f} min, {workers} at a time)")
     return {"report": str(report), "runs": len(specs), "ran": len(todo), "skipped": skipped, "seconds": seconds}
+
+
+def _one_thread(fn, *args):
+    """Run fn on one intra-op thread (restored after): lab numbers must not depend on the core count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cold_start(scfg: SFTConfig) -> None:
+    from gspo.sft import sft
+
+    out = Path(scfg.output_dir)
+    shutil.rmtree(out, ignore_errors=True)  # an interrupted cold start is redone from scratch
+    summary = _one_thread(sft, scfg)
+    (out / DONE).write_text(json.dumps(summary, indent=2, default=str))
+
+
+def _run_one(tcfg: TrainConfig, spec: dict) -> dict:
+    """One lab run, from scratch (an interrupted one is deleted first); writes its done.json."""
+    from gspo import trainer
+
+    out = Path(tcfg.output_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    result = _one_thread(trainer.train, tcfg)
+    seconds = time.perf_counter() - t0
+    (out / DONE).write_text(json.dumps({"spec": spec, "config": to_dict(tcfg), "seconds": seconds,
+                                        "evals": {str(k): v for k, v in result["evals"].items()}}, indent=2))
+    for path in [out / "model", *out.glob("checkpoint-*")]:  # the lab keeps metrics, not 42 model copies
+        shutil.rmtree(path, ignore_errors=True)
+    evals = result["evals"]
+    return {"seconds": seconds, "first": evals[0]["eval/mean_at_k"], "last": evals[max(evals)]["eval/mean_at_k"]}
+
+
+class _Inline:
+    """A one-worker pool that runs tasks in this process (no start-up cost; monkeypatching works)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
+            if not isinstance(err, Exception):
+                raise
+            future.set_exception(err)
+        return future
+
+
+def _pool(workers: int):
+    if workers == 1:
+        return _Inline()
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _as_completed(futures):
+    from concurrent.futures import as_completed
+
+    return as_completed(futures)
 
 
 def load_lab_config(quick: bool = False, path=None, overrides: list[str] | None = None) -> LabConfig:

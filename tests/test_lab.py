@@ -8,7 +8,7 @@ import pytest
 
 import gspo.sft
 import gspo.trainer
-from gspo.config import LabConfig, make_config
+from gspo.config import LabConfig, make_config, to_dict
 from gspo.lab import expand_grid, run_dir, run_lab, train_config
 from gspo.lab_report import claims, detect_collapse, load_lab, stat, write_report
 from gspo.tracking import MetricsLogger, read_jsonl
@@ -86,7 +86,7 @@ def fake_sft(cfg):
 
 
 def test_completed_runs_are_skipped_and_an_interrupted_lab_resumes(tmp_path, monkeypatch):
-    cfg = lab(tmp_path, objectives=["grpo", "gspo"], models=["dense"], seeds=[0, 1], depths=[], search={})
+    cfg = lab(tmp_path, objectives=["grpo", "gspo"], models=["dense"], seeds=[0, 1], depths=[], search={}, workers=1)
     monkeypatch.setattr(gspo.sft, "sft", fake_sft)
     crashing = FakeTrainer(crash_on=3)
     monkeypatch.setattr(gspo.trainer, "train", crashing)
@@ -111,7 +111,7 @@ def test_completed_runs_are_skipped_and_an_interrupted_lab_resumes(tmp_path, mon
     monkeypatch.setattr(gspo.trainer, "train", again)
     assert run_lab(cfg, log=lambda _: None)["ran"] == 0 and again.calls == []
     changed = lab(tmp_path, objectives=["grpo", "gspo"], models=["dense"], seeds=[0, 1], depths=[], search={},
-                  learning_rate=5e-4)
+                  learning_rate=5e-4, workers=1)
     with pytest.raises(ValueError, match="grpo-dense-none-s0 .* other settings \\(learning_rate\\)"):
         run_lab(changed, log=lambda _: None)
 
@@ -216,8 +216,8 @@ def test_stat_handles_nan_and_single_values():
 def test_micro_lab_end_to_end(tmp_path):
     cfg = lab(tmp_path, objectives=["grpo", "gspo"], models=["dense"], seeds=[0], depths=[], search={},
               num_layers=1, max_steps=2, eval_steps=1, per_device_batch_size=2, num_generations=4, num_minibatches=2,
-              max_completion_length=8, eval_num_prompts=4, eval_k=2, sft_max_steps=3, learning_rate=1e-3)
-    lines = []
+              max_completion_length=8, eval_num_prompts=4, eval_k=2, sft_max_steps=3, learning_rate=1e-3, workers=2)
+    lines = []  # two worker processes, one thread each
     summary = run_lab(cfg, log=lines.append)
     assert (summary["runs"], summary["ran"]) == (2, 2)
     for name in ("grpo-dense-none-s0", "gspo-dense-none-s0"):
@@ -228,5 +228,15 @@ def test_micro_lab_end_to_end(tmp_path):
     assert coldstart["num_hidden_layers"] == 1
     report = Path(summary["report"]).read_text()
     assert report.count("| C") == 5 and "| grpo | dense-L1 | none | 1 |" in report
-    assert any(line.startswith("[2/2] gspo-dense-none-s0") and "ETA" in line for line in lines)
+    assert sorted(line.split(":")[0] for line in lines if line.startswith("[")) == ["[1/2] gspo-dense-none-s0",
+                                                                                  "[2/2] grpo-dense-none-s0"] or \
+        sorted(line.split(":")[0] for line in lines if line.startswith("[")) == ["[1/2] grpo-dense-none-s0",
+                                                                               "[2/2] gspo-dense-none-s0"]
     assert run_lab(cfg, log=lambda _: None)["ran"] == 0
+    # The same lab run in this process (one worker) gives the same numbers: one thread everywhere.
+    inline = make_config(LabConfig, {**to_dict(cfg), "workers": 1, "output_dir": str(tmp_path / "inline")})
+    run_lab(inline, log=lambda _: None)
+    for name in ("grpo-dense-none-s0", "gspo-dense-none-s0"):
+        a, b = (read_jsonl(tmp_path / d / "runs" / name / "metrics.jsonl") for d in ("lab", "inline"))
+        assert [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in a] == \
+            [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in b]
