@@ -83,6 +83,22 @@ class TrainConfig(ModelConfig):
     """Reward functions: built-in names (answer_match, format, code_tests: sandboxed Python against a `tests` column) or `module:function` import paths."""
     reward_weights: list | None = None
     """One weight per reward function; default all 1."""
+    tasks: list | None = None
+    """Multi-task run (docs/multitask.md): entries {name, task or dataset, eval_dataset, reward_funcs, reward_weights, weight}; each batch draws its prompts from them by weight. Null: the single `task`/`dataset`."""
+    task_weighting: str = "static"
+    """Task sampling weights: static (the entries' `weight`, normalised) or dynamic (follows each task's share of groups with reward spread, with a floor)."""
+    task_weight_floor: float = 0.05
+    """Dynamic weighting: every task keeps at least this sampling weight (at most 1 / number of tasks)."""
+    task_weight_smoothing: float = 0.8
+    """Dynamic weighting: EMA factor in [0, 1) of each task's learning signal; higher moves the weights more slowly."""
+    task_progress_coef: float = 0.0
+    """Dynamic weighting: weight of a task's recent progress (|EMA of the change in its mean reward|) added to its signal; 0: off."""
+    sft_coef: float = 0.0
+    """Add sft_coef * NLL(reference | prompt) to each minibatch's policy loss, for rows with a `sft_column` text (logged as loss/sft); 0: off."""
+    sft_schedule: str = "constant"
+    """Schedule of sft_coef over the run: constant, linear (to 0) or cosine (to 0)."""
+    sft_column: str = "solution"
+    """Column holding the reference completion of the supervised term (built-in tasks: the worked solution)."""
     objective: str = "gspo"
     """Policy objective: gspo (sequence ratio), grpo (token ratio), gspo_token, cispo, sapo."""
     clip_low: float | None = None
@@ -123,6 +139,12 @@ class TrainConfig(ModelConfig):
     """Gradient clipping by global norm; 0 disables it."""
     logprob_chunk_size: int = 1024
     """Rows of the output head computed at once when taking log-probs (memory vs speed)."""
+    seeded_sampling: bool = False
+    """Sample every completion from its own seeded generator (Gumbel-max): the tokens then do not depend on the batch layout or the number of ranks. Always on under torchrun."""
+    distributed: str = "ddp"
+    """Under torchrun: ddp (a replica per rank, gradients averaged) or fsdp (FSDP2: parameters, gradients and optimizer state sharded)."""
+    dist_timeout_s: float = 600.0
+    """Under torchrun: how long a rank waits in a collective before giving up (a dead rank must not hang the others)."""
     routing_replay: str = "none"
     """MoE routing replay: none, old_policy (record at pi_old, replay in training) or rollout (record at generation)."""
     log_routing_drift: bool = True
@@ -344,7 +366,7 @@ def validate(cfg) -> None:
     _choice(cfg, "dtype", ("float32", "bfloat16", "float16", "auto"))
     if not (cfg.device in ("auto", "cpu", "cuda", "mps") or cfg.device.startswith("cuda:")):
         raise ValueError(f"config: device={cfg.device!r} is not one of auto, cpu, cuda, cuda:<i>, mps")
-    if cfg.task is None and cfg.dataset is None:
+    if cfg.task is None and cfg.dataset is None and getattr(cfg, "tasks", None) is None:
         raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder)")
     _positive(cfg, "eval_num_prompts", "eval_k", "eval_temperature")
     if isinstance(cfg, TrainConfig):
@@ -353,6 +375,10 @@ def validate(cfg) -> None:
         _choice(cfg, "advantage_scale", ("group", "batch", "none"))
         _choice(cfg, "kl_estimator", ("k1", "k2", "k3"))
         _choice(cfg, "routing_replay", REPLAY_MODES)
+        _choice(cfg, "distributed", ("ddp", "fsdp"))
+        _positive(cfg, "dist_timeout_s")
+        if cfg.seeded_sampling and (cfg.top_p < 1 or cfg.top_k):
+            raise ValueError("config: seeded_sampling draws from the full softmax; set top_p=1 and top_k=0")
         if cfg.aggregation is not None:
             _choice(cfg, "aggregation", ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"))
             if cfg.objective in ("gspo", "gspo_token") and cfg.aggregation != "seq_mean_token_mean":
@@ -386,6 +412,15 @@ def validate(cfg) -> None:
         if cfg.use_sampler_logprobs and (cfg.top_p < 1 or cfg.top_k):
             raise ValueError("config: use_sampler_logprobs with top_p < 1 or top_k > 0 would train on a truncated "
                              "distribution's log-probs; disable one of them")
+        _choice(cfg, "task_weighting", ("static", "dynamic"))
+        _choice(cfg, "sft_schedule", ("constant", "linear", "cosine"))
+        _positive(cfg, "task_weight_floor", "task_progress_coef", "sft_coef", allow_zero=True)
+        if not 0 <= cfg.task_weight_smoothing < 1:
+            raise ValueError(f"config: task_weight_smoothing={cfg.task_weight_smoothing!r} must be in [0, 1)")
+        if cfg.tasks is not None:  # the entries are checked where they are parsed (imported only when used)
+            from gspo.multitask import check_tasks
+
+            check_tasks(cfg)
     if isinstance(cfg, SFTConfig):
         _positive(cfg, "max_steps", "batch_size", "learning_rate", "max_length", "eval_steps", "max_completion_length")
         _positive(cfg, "num_examples", "warmup_steps", "weight_decay", allow_zero=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
+from transformers import LogitsProcessorList
 
 
 @dataclass
@@ -109,6 +110,7 @@ def generate(
     max_prompt_length: int = 512,
     with_logprobs: bool = False,
     routing_recorder=None,
+    row_seeds: list[int] | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions for each prompt (KV-cached HF generate).
 
@@ -118,6 +120,9 @@ def generate(
     `routing_recorder`: `gspo.moe.record_routing(model)`; the experts chosen in the prefill and
     every decode step are kept in `Rollout.routing`, padded to the (N, P+T) layout of `input_ids`
     (the last column, never fed back, is -1: route freely).
+    `row_seeds`: one seed per completion (N = len(prompts) * num_generations): each row draws from
+    its own generator (`SeededSampler`), so a completion does not depend on which other rows share
+    the batch, or the process: the same run on 1 or 8 ranks samples the same tokens.
     """
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device)  # (B, P)
@@ -126,20 +131,30 @@ def generate(
     eos = eos_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    seeded = None
+    if row_seeds is not None and not greedy:
+        if len(row_seeds) != prompt_ids.shape[0]:
+            raise ValueError(f"row_seeds: {len(row_seeds)} seeds for {prompt_ids.shape[0]} completions")
+        if top_p < 1 or top_k:
+            raise ValueError("row_seeds: seeded sampling draws from the full softmax; top_p/top_k are not supported")
+        seeded = SeededSampler(row_seeds, temperature, device)
+        sampling = {"logits_processor": LogitsProcessorList([seeded])}  # argmax of logits/T + Gumbel noise
     was_training = model.training
     model.eval()
     with routing_recorder if routing_recorder is not None else nullcontext() as recorder:
         out = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
-            do_sample=not greedy,
+            do_sample=not greedy and seeded is None,
             max_new_tokens=max_new_tokens,
             pad_token_id=pad,
             eos_token_id=eos,
             # neutralise distribution-changing defaults a checkpoint's generation_config may carry
             repetition_penalty=1.0, min_p=None, typical_p=1.0, no_repeat_ngram_size=0,
             return_dict_in_generate=True,
-            output_scores=with_logprobs,
+            output_scores=with_logprobs and seeded is None,
+            output_logits=with_logprobs and seeded is not None,
+            synced_gpus=_sharded(model),  # FSDP: every rank runs the same number of forwards
             **sampling,
         )
     model.train(was_training)
@@ -149,10 +164,12 @@ def generate(
     completion_ids = torch.where(cmask, completion_ids, torch.full_like(completion_ids, pad))
     sampler_lp = None
     if with_logprobs:
-        # out.scores are the processed logits each token was actually sampled from, one (N, V) per step
+        # out.scores are the processed logits each token was actually sampled from, one (N, V) per step;
+        # seeded sampling adds noise to them, so take the raw logits over the temperature instead
+        steps = out.scores if seeded is None else [logits.float() / temperature for logits in out.logits]
         sampler_lp = torch.stack([
             torch.log_softmax(s.float(), -1).gather(-1, completion_ids[:, j : j + 1]).squeeze(-1)
-            for j, s in enumerate(out.scores)], dim=1)  # (N, T)
+            for j, s in enumerate(steps)], dim=1)  # (N, T)
         sampler_lp = torch.where(cmask, sampler_lp, torch.zeros_like(sampler_lp))
     texts = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(completion_ids, cmask)], skip_special_tokens=True)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
@@ -167,3 +184,36 @@ def generate(
         sampler_logprobs=sampler_lp,
         routing=routing,
     )
+
+
+class SeededSampler:
+    """Samples each row from its own generator: the Gumbel-max trick, argmax(logits / T + G).
+
+    With G_v = -log(-log(U_v)), U_v uniform, argmax_v(l_v + G_v) is an exact sample from
+    softmax(l) (Gumbel 1954; e.g. Maddison et al. 2014, "A* sampling"). HF runs the argmax (greedy
+    decoding) after this processor. Row i draws V uniforms per step from generator i only.
+    """
+
+    def __init__(self, seeds: list[int], temperature: float, device):
+        self.temperature = temperature
+        self.generators = [torch.Generator(device=device).manual_seed(int(s) % 2**63) for s in seeds]
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        V = scores.shape[-1]
+        uniform = torch.stack([torch.rand(V, generator=g, device=scores.device) for g in self.generators])  # (N, V)
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-12, max=1 - 1e-7)))  # (N, V)
+        return scores.float() / self.temperature + gumbel
+
+
+def row_seeds(seed: int, step: int, first_row: int, count: int) -> list[int]:
+    """Seeds of rows first_row .. first_row+count-1 of a run's rollout at `step` (global row numbers)."""
+    base = (seed * 1_000_003 + step) * 1_000_003
+    return [base + first_row + i for i in range(count)]
+
+
+def _sharded(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gspo import dist
 from gspo.advantages import group_advantages, group_stats
 from gspo.checkpoint import clean_stale, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from gspo.config import TrainConfig, to_dict
@@ -37,28 +38,55 @@ from gspo.logprobs import completion_logprobs, position_ids_from_mask
 from gspo.models import load_model
 from gspo.moe import (RoutingRecord, expert_change_frac, find_routers, record_routing, replay_routing,
                       require_replay_support)
-from gspo.objectives import policy_loss
+from gspo.multitask import (TaskMixture, reference_chunks, require_references, saved_tasks, sft_backward,
+                            sft_coef_at)
+from gspo.objectives import DEFAULT_AGGREGATION, policy_loss
 from gspo.rewards import get_reward_fn, score_completions
-from gspo.rollout import Rollout, eos_ids, generate
+from gspo.rollout import Rollout, eos_ids, generate, row_seeds
 from gspo.tracking import METRICS_FILE, SAMPLES_FILE, MetricsLogger
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run GRPO/GSPO as configured; returns a summary (evaluations before/after, time)."""
+    """Run GRPO/GSPO as configured; returns a summary (evaluations before/after, time).
+
+    Under torchrun every rank calls this; see gspo/dist.py for how the work is split.
+    """
+    d = dist.setup(dist.device_for(cfg.device) or resolve_device(cfg.device), cfg.distributed, cfg.dist_timeout_s)
+    try:
+        return _train(cfg, d)
+    finally:
+        dist.teardown(d)
+
+
+def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
     started = time.perf_counter()
     resuming = cfg.resume_from_checkpoint is not None
-    out_dir = prepare_output_dir(cfg, resuming)  # before anything loads: an earlier run there is an error
+    out_dir = prepare_output_dir(cfg, resuming) if d.is_main else Path(cfg.output_dir)  # an earlier run there: error
+    dist.barrier(d)
     checkpoint = resolve_resume(cfg.resume_from_checkpoint, out_dir) if resuming else None
     device, model, tokenizer = seeded_model(cfg)
     replay = cfg.routing_replay != "none"
     if replay:
         require_replay_support(model)  # dense or unsupported MoE: a clear ValueError before any rollout
-    drift = cfg.log_routing_drift and bool(find_routers(model))  # MoE models only
-    ref_model = frozen_copy(model) if cfg.kl_coef > 0 else None
+        if d.enabled:
+            raise ValueError("config: routing_replay under torchrun is not supported yet; use routing_replay=none")
+    drift = cfg.log_routing_drift and bool(find_routers(model)) and not d.enabled  # MoE models, one process
+    ref_model = dist.wrap(frozen_copy(model), d) if cfg.kl_coef > 0 else None
+    model = dist.wrap(model, d)
     B, G, M = cfg.per_device_batch_size, cfg.num_generations, cfg.num_minibatches
-    train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=max(1000, cfg.max_steps * B))
+    W, seeded, fsdp = d.world_size, cfg.seeded_sampling or d.enabled, d.enabled and d.mode == "fsdp"
+    if fsdp and (cfg.save_steps or resuming):
+        raise ValueError("config: checkpoints under distributed=fsdp are not supported yet (the final model is "
+                         "saved); use distributed=ddp to checkpoint and resume, or save_steps=0")
+    units = "tokens" if (cfg.aggregation or DEFAULT_AGGREGATION[cfg.objective]) == "token_mean" else "sequences"
+    # Several tasks (gspo/multitask.py): the mixture samples, scores and evaluates task by task.
+    mixture = TaskMixture.from_config(cfg, tokenizer, max(1000, cfg.max_steps * B * W)) if cfg.tasks else None
+    train_rows, eval_rows = (load_splits(cfg, tokenizer, num_train=max(1000, cfg.max_steps * B * W))
+                             if mixture is None else ([], []))
     reward_fns = [get_reward_fn(spec) for spec in cfg.reward_funcs]
-    sampler = PromptSampler(train_rows, cfg.seed)
+    sampler = PromptSampler(train_rows, cfg.seed) if mixture is None else mixture
+    if cfg.sft_coef > 0:
+        require_references([train_rows] if mixture is None else mixture.train_rows, cfg.sft_column)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * M * cfg.num_epochs
@@ -70,75 +98,102 @@ def train(cfg: TrainConfig) -> dict:
                        kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
     logp_kwargs = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
 
-    def save_checkpoint_now(step: int) -> Path:
-        return save_checkpoint(out_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                               scheduler=scheduler, config=saved_config(cfg), rng_generators={"shuffle": shuffle},
-                               keep=cfg.save_total_limit, trainer_state={
-                                   "sampler": sampler.state_dict(), "guard": guard.state_dict(),
-                                   "evals": {str(k): v for k, v in evals.items()}})
+    def save_checkpoint_now(step: int) -> Path | None:
+        # Every rank holds the same state (replicas, same RNG draws): rank 0 writes it.
+        path = out_dir / f"checkpoint-{step}"
+        if fsdp:  # sharded optimizer state: not checkpointed yet (validated: no save_steps, no resume)
+            return None
+        if d.is_main:
+            path = save_checkpoint(out_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
+                                   scheduler=scheduler, config=saved_config(cfg, W), rng_generators={"shuffle": shuffle},
+                                   keep=cfg.save_total_limit, trainer_state={
+                                       "sampler": sampler.state_dict(), "guard": guard.state_dict(),
+                                       "evals": {str(k): v for k, v in evals.items()}, "world_size": W})
+        dist.barrier(d)
+        return path
+
+    def evaluate_now() -> dict:  # several tasks: per-task metrics and their means
+        return evaluate(model, tokenizer, eval_rows, cfg) if mixture is None else mixture.evaluate(model, tokenizer, cfg)
 
     if checkpoint is None:
         logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
-                               wandb_project=cfg.wandb_project, config=to_dict(cfg))
-        evals = {0: evaluate(model, tokenizer, eval_rows, cfg)}
+                               wandb_project=cfg.wandb_project, config=to_dict(cfg), enabled=d.is_main)
+        evals = {0: evaluate_now()}
         logger.log(0, evals[0])
         first = 1
     else:  # exact resume: weights, optimizer, schedule, data position and RNG states as they were
         state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler,
                                 rng_generators={"shuffle": shuffle})  # restores the RNGs last: draw nothing before
-        check_resumable(state["config"], cfg, state["step"])
-        discard_newer_checkpoints(out_dir, state["step"], cfg.overwrite_output_dir)
+        check_resumable(state["config"], cfg, state["step"], W)
+        if d.is_main:
+            discard_newer_checkpoints(out_dir, state["step"], cfg.overwrite_output_dir)
         sampler.load_state_dict(state["trainer_state"]["sampler"])
         guard.load_state_dict(state["trainer_state"]["guard"])
         evals = {int(k): v for k, v in state["trainer_state"]["evals"].items()}
         logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
-                               config=to_dict(cfg), truncate_after_step=state["step"])  # drop lines past it
+                               config=to_dict(cfg), truncate_after_step=state["step"],  # drop lines past it
+                               enabled=d.is_main)
         first = state["step"] + 1
-    progress = Progress(cfg.max_steps, enabled=cfg.progress)
+    progress = Progress(cfg.max_steps, enabled=cfg.progress and d.is_main)
     progress.update(first - 1, {})
     model.train()
     stop = StopSignals()
     for step in range(first, cfg.max_steps + 1):
         t0 = time.perf_counter()
-        rows = sampler.next(B)
+        rows = sampler.next(B * W)[d.rank * B : (d.rank + 1) * B]  # every rank draws the global batch, keeps its share
         # 1. Rollout: G completions per prompt, sampled from the current policy (= pi_old).
         #    Routing replay "rollout" (R3) keeps the experts the sampler used: rollout.routing.
         rollout = generate(model, tokenizer, [r["prompt"] for r in rows], G,
                            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                            top_p=cfg.top_p, top_k=cfg.top_k, max_prompt_length=cfg.max_prompt_length,
                            with_logprobs=cfg.use_sampler_logprobs,
-                           routing_recorder=record_routing(model) if cfg.routing_replay == "rollout" else None)
+                           routing_recorder=record_routing(model) if cfg.routing_replay == "rollout" else None,
+                           row_seeds=row_seeds(cfg.seed, step, d.rank * B * G, B * G) if seeded else None)
         # 2. Rewards, then advantages normalised within each group of G.
         #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
-        rewards, per_fn = score_completions(reward_fns, cfg.reward_weights, rollout.prompts, rollout.completions,
-                                            columns_of(rows, G), drop_bad=cfg.drop_bad_rewards)
+        if mixture is None:
+            rewards, per_fn = score_completions(reward_fns, cfg.reward_weights, rollout.prompts, rollout.completions,
+                                                columns_of(rows, G), drop_bad=cfg.drop_bad_rewards)
+        else:  # each task's own reward functions; this rank's rows start at row d.rank * B of the batch
+            rewards, per_fn = mixture.score(rows, rollout.prompts, rollout.completions, G,
+                                            drop_bad=cfg.drop_bad_rewards, offset=d.rank * B)
+        if d.enabled:  # every rank gets the whole rollout (N = B * G * world) and every reward
+            rollout, rewards = dist.gather_rollout(rollout, rewards, pad_id(tokenizer, model), d)
+            per_fn = {k: torch.cat([part[k] for part in dist.gather_objects(per_fn, d)]) for k in per_fn}
         valid = torch.isfinite(rewards)  # (N,)
+        task_metrics = mixture.observe(rewards, valid, G) if mixture is not None else {}  # and dynamic weights
         rollout.rewards = rewards.to(device)  # (N,)
         rollout.advantages = group_advantages(rewards, G, scale=cfg.advantage_scale, valid=valid).to(device)  # (N,)
         # 3. pi_old log-probs, once per rollout, on the same minibatches (same shapes) the first
         #    epoch trains on, so the first minibatch is exactly on-policy (ratio 1). Routing replay
         #    "old_policy" (GSPO sec. 5.3) records the experts of this forward for every training forward.
+        #    Under torchrun each rank computes its part of every minibatch; the rows are summed across ranks.
         minibatches = torch.randperm(rollout.num_sequences, generator=shuffle).chunk(M)
+        mine = [idx.chunk(W)[d.rank] for idx in minibatches]
         with torch.no_grad():
             if cfg.use_sampler_logprobs:  # GSPO sec. 5.4: the sampler's likelihoods serve as pi_old
                 rollout.old_logprobs = rollout.sampler_logprobs
             else:
                 rollout.old_logprobs, recorded = minibatch_logprobs_and_routing(
-                    model, rollout, minibatches, logp_kwargs, replay=cfg.routing_replay == "rollout",
+                    model, rollout, mine, logp_kwargs, replay=cfg.routing_replay == "rollout",
                     record=cfg.routing_replay == "old_policy")
+                rollout.old_logprobs = dist.all_sum(rollout.old_logprobs, d)  # (N, T)
                 if cfg.routing_replay == "old_policy":
                     rollout.routing = recorded
             if ref_model is not None:
-                rollout.ref_logprobs = minibatch_logprobs(ref_model, rollout, minibatches, logp_kwargs)
+                rollout.ref_logprobs = dist.all_sum(minibatch_logprobs(ref_model, rollout, mine, logp_kwargs), d)
         t_rollout = time.perf_counter() - t0
 
-        # 4. One optimizer step per minibatch.
+        # 4. One optimizer step per minibatch (with sft_coef, minibatch i also fits references part i).
         step_stats: list[dict] = []
+        sft_coef = sft_coef_at(step, cfg.max_steps, cfg.sft_coef, cfg.sft_schedule)
+        refs = reference_chunks(rows, tokenizer, M, cfg.sft_column, max_prompt_length=cfg.max_prompt_length,
+                                device=device) if sft_coef > 0 else None
         for epoch in range(cfg.num_epochs):
             if epoch > 0:
                 minibatches = torch.randperm(rollout.num_sequences, generator=shuffle).chunk(M)
-            for idx in minibatches:
-                mb = rollout.select(idx)
+            for i, idx in enumerate(minibatches):
+                mb = rollout.select(idx.chunk(W)[d.rank])  # the whole minibatch in one process
                 # Drift is measured with free routing: under replay that needs its own forward.
                 before = free_routing(model, mb) if drift and replay else None
                 # Replay spans forward and backward (a checkpointed recompute must see the same experts);
@@ -151,7 +206,16 @@ def train(cfg: TrainConfig) -> dict:
                     loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.completion_mask,
                                               ref_logprobs=mb.ref_logprobs, **loss_kwargs)
                     optimizer.zero_grad(set_to_none=True)
+                    if d.enabled:  # this rank's share of the global minibatch's loss
+                        loss = loss * dist.grad_scale(d, *share(rollout, idx, mb, units))
                     loss.backward()
+                if refs is not None:  # supervised term: its own forward and backward, outside routing replay
+                    term, stats["loss/sft"] = sft_backward(model, refs[i], sft_coef, **logp_kwargs)
+                    loss, stats["sft/coef"] = loss.detach() + term, sft_coef
+                if d.enabled:
+                    dist.average_gradients(model, d)
+                    stats, entropy, mb = global_stats(rollout, idx, mb, logp, entropy, loss_kwargs, d)
+                    loss = torch.tensor(math.nan if dist.flag_any(not torch.isfinite(loss), d) else 0.0)
                 stats["grad/norm"] = grad_norm(model, cfg.max_grad_norm)
                 if torch.isfinite(loss) and torch.isfinite(stats["grad/norm"]):
                     optimizer.step()
@@ -179,6 +243,7 @@ def train(cfg: TrainConfig) -> dict:
             **{f"reward/{name}": float(np.nanmean(v.numpy())) if not torch.isnan(v).all() else float("nan")
                for name, v in per_fn.items()},
             **group_stats(rewards, G, valid),
+            **task_metrics,
             **({"reward/dropped": int((~valid).sum())} if cfg.drop_bad_rewards else {}),
             "guard/skipped_steps": guard.skipped,
             **reduce_stats(step_stats),
@@ -191,15 +256,17 @@ def train(cfg: TrainConfig) -> dict:
             "throughput/tokens_per_s": lengths.sum().item() / (t_rollout + t_train),
         }
         if cfg.eval_steps and step % cfg.eval_steps == 0 and step != cfg.max_steps:
-            evals[step] = evaluate(model, tokenizer, eval_rows, cfg)
+            evals[step] = evaluate_now()
             metrics.update(evals[step])
         if step == cfg.max_steps:
-            evals[step] = evaluate(model, tokenizer, eval_rows, cfg)
+            evals[step] = evaluate_now()
             metrics.update(evals[step])
         logger.log(step, metrics)
         if cfg.log_samples_steps and (step % cfg.log_samples_steps == 0 or step == 1):
             logger.log_samples(step, sample_records(rollout, cfg.log_samples_count))
         progress.update(step, metrics)
+        if d.enabled and dist.flag_any(bool(stop.requested), d):  # one rank's signal stops them all
+            stop.requested = stop.requested or signal.SIGTERM
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.max_steps or stop.requested:
             saved = save_checkpoint_now(step)
             if stop.requested and step < cfg.max_steps:  # SIGINT / SIGTERM: stop cleanly, resumable
@@ -210,7 +277,10 @@ def train(cfg: TrainConfig) -> dict:
 
     stop.restore()
     progress.close()
-    save_model(model, tokenizer, out_dir / "model")
+    full = dist.full_state_dict(model, d) if fsdp else None  # every rank takes part in gathering the shards
+    if d.is_main:
+        save_model(model, tokenizer, out_dir / "model", state_dict=full)
+    dist.barrier(d)
     logger.close()
     return {"evals": evals, "seconds": time.perf_counter() - started, "output_dir": str(out_dir)}
 
@@ -308,8 +378,35 @@ def reduce_stats(step_stats: list[dict]) -> dict[str, float]:
 def grad_norm(model, max_norm: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+
+
+def share(rollout: Rollout, idx: torch.Tensor, mb: Rollout, units: str) -> tuple[float, float]:
+    """(this rank's, the global minibatch's) count of the units the loss averages over."""
+    if units == "tokens":
+        return float(mb.completion_mask.sum()), float(rollout.completion_mask[idx].sum())
+    return float(mb.num_sequences), float(len(idx))
+
+
+def global_stats(rollout: Rollout, idx, mb: Rollout, logp, entropy, loss_kwargs, d) -> tuple[dict, torch.Tensor, Rollout]:
+    """Statistics of the global minibatch from every rank's rows: the single-process values."""
+    N, T = rollout.completion_mask.shape
+    mine = idx.chunk(d.world_size)[d.rank]
+    logp_all = dist.fill_rows(logp.detach(), mine, (N, T), d)  # (N, T)
+    ent_all = dist.fill_rows(entropy.detach(), mine, (N, T), d)  # (N, T)
+    whole = rollout.select(idx)
+    t = whole.completion_len
+    with torch.no_grad():
+        _, stats = policy_loss(logp_all[idx, :t], whole.old_logprobs, whole.advantages, whole.completion_mask,
+                               ref_logprobs=whole.ref_logprobs, **loss_kwargs)
+    return stats, ent_all[idx, :t], whole
+
+
+def pad_id(tokenizer, model) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, model)[0]
 
 
 def ended_with_eos(rollout: Rollout, stop_ids: list[int]) -> torch.Tensor:
@@ -341,9 +438,9 @@ def lr_schedule(kind: str, warmup: int, total: int):
     return factor
 
 
-def save_model(model, tokenizer, path: Path) -> None:
+def save_model(model, tokenizer, path: Path, state_dict: dict | None = None) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(path)
 
 
@@ -365,20 +462,27 @@ def prepare_output_dir(cfg, resuming: bool = False) -> Path:
 # Settings that may change when resuming: where and how much is logged, not what is computed.
 RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "progress",
                      "save_steps", "save_total_limit", "eval_steps", "log_samples_steps", "log_samples_count",
-                     "tensorboard", "wandb", "wandb_project", "max_consecutive_skips")
+                     "tensorboard", "wandb", "wandb_project", "max_consecutive_skips", "dist_timeout_s")
 
 
-def saved_config(cfg) -> dict:
-    """The config as JSON: reward functions passed as Python callables become "module:name"."""
+def saved_config(cfg, world_size: int = 1) -> dict:
+    """The config as JSON: reward functions passed as Python callables become "module:name".
+
+    Two settings are stored as they act: the global batch (per-device batch x world size), and
+    seeded_sampling (always on under torchrun), so a run can resume on another number of ranks.
+    """
     out = to_dict(cfg)
+    out["per_device_batch_size"] *= world_size
+    out["seeded_sampling"] = cfg.seeded_sampling or world_size > 1
     out["reward_funcs"] = [f if isinstance(f, str) else f"{f.__module__}:{getattr(f, '__qualname__', type(f).__name__)}"
                            for f in out["reward_funcs"]]
+    out["tasks"] = saved_tasks(out["tasks"])  # the same for each task's reward functions
     return out
 
 
-def check_resumable(saved: dict, cfg, step: int) -> None:
+def check_resumable(saved: dict, cfg, step: int, world: int = 1) -> None:
     """A resumed run must compute what the checkpointed one did: same settings, and steps left to run."""
-    now = saved_config(cfg)
+    now = saved_config(cfg, world)
     changed = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
     if changed:
         raise ValueError("resume: the checkpoint was made with other settings: " +

@@ -1,0 +1,91 @@
+"""Helpers shared by the benchmark scripts: machine description, medians, tables, JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def machine() -> dict:
+    """Cores, CPU model, memory and library versions: every figure says where it was measured."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    info = {
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu": cpu,
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # the machine may be shared: the 1/5/15-minute load averages when the result was written
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def command_line() -> str:
+    """The command that produced a result, as one would type it from the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(REPO)
+    except ValueError:
+        pass
+    return " ".join(["python", str(script), *map(shlex.quote, sys.argv[1:])])
+
+
+def median(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table; floats get 3 significant digits unless already formatted."""
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e5 else f"{v:.3e}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_result(name: str, payload: dict, out: str | None = None) -> Path:
+    """Write `payload` plus machine, command and date to benchmarks/results/<name>.json (or `out`)."""
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "command": command_line(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "machine": machine(), **payload}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path

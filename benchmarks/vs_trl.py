@@ -1,0 +1,371 @@
+"""GSPO step throughput and learning: gspo's trainer against TRL's GRPOTrainer at equal settings.
+
+    pip install '.[bench]'            # TRL is a benchmark-only dependency
+    python benchmarks/vs_trl.py       # defaults: 3 repetitions per side, 20 RL steps each, CPU
+
+Both sides load the same saved model (a cold start made by gspo's SFT, cached under
+--work-dir), the same tokenizer, the same prompts in the same order, the same reward function
+(`gspo.rewards.answer_match`) and the same GSPO settings; the mapping of every setting is in
+`trl_args` and in BENCHMARKS.md. Runs alternate gspo, TRL, gspo, TRL, ... each in a fresh
+subprocess; repetition i of both sides uses seed i.
+
+Timed region: one RL step = one rollout of B*G completions and M optimizer steps (TRL: M
+`global_step`s), wall clock from the end of the previous step to the end of this one. gspo: time
+between consecutive `MetricsLogger.log` calls (the final step, which also evaluates, is
+excluded); TRL: time between `on_step_end` callbacks at multiples of M (logging, saving and
+evaluation are off). The first step of each run is dropped as warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, median, table, write_result  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# ------------------------------------------------------------------------------- shared setup
+def rl_config(spec: dict):
+    """gspo's TrainConfig for one run; TRL's arguments are derived from the same spec."""
+    from gspo.config import TrainConfig, make_config
+
+    return make_config(TrainConfig, dict(
+        model=spec["model_dir"], task="add3", seed=spec["seed"], output_dir=spec["output_dir"],
+        max_steps=spec["steps"], per_device_batch_size=spec["B"], num_generations=spec["G"],
+        num_minibatches=spec["M"], num_epochs=1, max_completion_length=spec["T"], temperature=1.0,
+        top_k=0, top_p=1.0, objective="gspo", clip_low=3e-4, clip_high=4e-4, advantage_scale="group",
+        kl_coef=0.0, learning_rate=spec["lr"], lr_scheduler="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0, eval_num_prompts=spec["eval_prompts"],
+        eval_k=spec["eval_k"], eval_steps=0, save_steps=0, log_samples_steps=0, progress=False,
+        overwrite_output_dir=True, device="cpu", dtype="float32"))
+
+
+def ordered_prompts(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
+    """The prompt rows gspo's trainer will draw, in order (B per step), and the held-out rows.
+
+    Mirrors `gspo.trainer.train`: the same `load_splits` call and `PromptSampler`, so TRL can be
+    given the identical sequence as an unshuffled dataset.
+    """
+    from gspo.data import PromptSampler, load_splits
+
+    train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=max(1000, cfg.max_steps * cfg.per_device_batch_size))
+    sampler = PromptSampler(train_rows, cfg.seed)
+    rows = [r for _ in range(cfg.max_steps) for r in sampler.next(cfg.per_device_batch_size)]
+    return rows, eval_rows
+
+
+def cold_start(work_dir: Path, sft_steps: int) -> tuple[str, dict]:
+    """A partially trained model (gspo's demo SFT stage), saved once with save_pretrained and reused."""
+    model_dir = work_dir / "cold_start" / "model"
+    info_path = work_dir / "cold_start" / "info.json"
+    if (model_dir / "config.json").is_file() and info_path.is_file():
+        return str(model_dir), json.loads(info_path.read_text())
+    from gspo.config import SFTConfig, make_config
+    from gspo.demo import DEMO_SFT
+    from gspo.sft import sft
+
+    cfg = make_config(SFTConfig, {**DEMO_SFT, "max_steps": sft_steps, "seed": 0, "progress": False,
+                                  "overwrite_output_dir": True, "output_dir": str(work_dir / "cold_start")})
+    summary = sft(cfg)
+    info = {"sft_steps": summary["steps"], "greedy_accuracy": summary["eval/accuracy"], "settings": DEMO_SFT}
+    info_path.write_text(json.dumps(info, indent=2))
+    return summary["model_dir"], info
+
+
+# ------------------------------------------------------------------------------- workers
+def run_gspo(spec: dict) -> dict:
+    """One gspo run; per-step wall time, generation time, rollout and train time, tokens, rewards."""
+    import torch
+
+    import gspo.trainer as trainer
+    import gspo.tracking as tracking
+
+    stamps, records, gen_s, first_prompts = {}, {}, [], []
+    original_log, original_generate = tracking.MetricsLogger.log, trainer.generate
+
+    def log(self, step, metrics):
+        stamps[step] = time.perf_counter()
+        records[step] = dict(metrics)
+        return original_log(self, step, metrics)
+
+    def generate(model, tokenizer, prompts, *args, **kwargs):  # the trainer's rollout sampler only
+        if not first_prompts:
+            first_prompts.extend(prompts[:4])
+        t0 = time.perf_counter()
+        out = original_generate(model, tokenizer, prompts, *args, **kwargs)
+        gen_s.append(time.perf_counter() - t0)
+        return out
+
+    tracking.MetricsLogger.log, trainer.generate = log, generate
+    cfg = rl_config(spec)
+    summary = trainer.train(cfg)
+    N = spec["B"] * spec["G"]
+    steps = []
+    for s in range(1, cfg.max_steps + 1):
+        m = records[s]
+        steps.append({
+            "step": s,
+            # the last step also runs the final evaluation before it logs: wall time not comparable
+            "wall_s": stamps[s] - stamps[s - 1] if s < cfg.max_steps else None,
+            "generate_s": gen_s[s - 1],
+            "rollout_s": m["time/rollout_s"],  # generate + rewards + advantages + pi_old log-probs
+            "train_s": m["time/train_s"],  # M optimizer steps
+            "tokens": m["completion/mean_len"] * N,
+            "reward": m["reward/mean"],
+            "mean_len": m["completion/mean_len"],
+        })
+    final = summary["evals"][cfg.max_steps]
+    return {"side": "gspo", "steps": steps, "eval": final, "first_prompts": first_prompts,
+            "torch_threads": torch.get_num_threads()}
+
+
+def trl_args(spec: dict, output_dir: str):
+    """TRL GRPOConfig equal to `rl_config(spec)`: field by field, see BENCHMARKS.md."""
+    from trl import GRPOConfig
+
+    B, G, M = spec["B"], spec["G"], spec["M"]
+    return GRPOConfig(
+        output_dir=output_dir,
+        # one rollout of B*G completions feeds M optimizer steps of B*G/M completions each
+        per_device_train_batch_size=B * G // M, gradient_accumulation_steps=1, steps_per_generation=M,
+        num_generations=G, num_iterations=1, max_steps=spec["steps"] * M,
+        max_completion_length=spec["T"], temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
+        # GSPO: sequence-level, length-normalised ratio; loss_type grpo averages each sequence's
+        # (constant) token losses, then sequences: the GSPO paper's objective, as gspo computes it
+        importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4,
+        scale_rewards="group", beta=0.0, mask_truncated_completions=False,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, optim="adamw_torch", max_grad_norm=1.0,
+        seed=spec["seed"], data_seed=spec["seed"], shuffle_dataset=False,
+        # CPU, fp32, no activation checkpointing (TRL's defaults are bf16 and checkpointing on)
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        # nothing logged, saved or evaluated inside the timed region
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        log_completions=False, dataloader_num_workers=0,
+    )
+
+
+def run_trl(spec: dict) -> dict:
+    """One TRL GRPOTrainer run with the same model, prompts, reward and settings."""
+    import datasets
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from gspo.evaluation import evaluate
+    from gspo.rewards import answer_match
+
+    cfg = rl_config(spec)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    rows, eval_rows = ordered_prompts(cfg, tokenizer)
+    dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    M = spec["M"]
+
+    rewards = []
+
+    def reward(prompts, completions, answer, **kwargs):
+        out = answer_match(prompts, completions, answer)
+        rewards.append(sum(out) / len(out))
+        return out
+
+    reward.__name__ = "answer_match"
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    clock = Clock()
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=[reward], args=trl_args(spec, spec["output_dir"]),
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+    gen_s, rollout_s, tokens, lengths, first_prompts = [], [], [], [], []
+    original_generate, original_score = trainer._generate, trainer._generate_and_score_completions
+
+    def generate(prompts):
+        if not first_prompts:
+            first_prompts.extend(prompts[:: spec["G"]][:4])
+        t0 = time.perf_counter()
+        out = original_generate(prompts)
+        gen_s.append(time.perf_counter() - t0)
+        return out
+
+    def generate_and_score(inputs):  # generate + rewards + advantages + pi_old log-probs
+        t0 = time.perf_counter()
+        out = original_score(inputs)
+        rollout_s.append(time.perf_counter() - t0)
+        n = out["completion_mask"].sum().item()
+        tokens.append(n)
+        lengths.append(n / out["completion_mask"].shape[0])
+        return out
+
+    trainer._generate, trainer._generate_and_score_completions = generate, generate_and_score
+    trainer.train()
+    ends = [clock.start] + clock.ends[M - 1 :: M]  # end of each RL step (M optimizer steps)
+    steps = []
+    for s in range(1, spec["steps"] + 1):
+        wall = ends[s] - ends[s - 1]
+        steps.append({"step": s, "wall_s": wall, "generate_s": gen_s[s - 1], "rollout_s": rollout_s[s - 1],
+                      "train_s": wall - rollout_s[s - 1], "tokens": tokens[s - 1], "reward": rewards[s - 1],
+                      "mean_len": lengths[s - 1]})
+    model = trainer.model
+    torch.manual_seed(spec["seed"])
+    final = evaluate(model, tokenizer, eval_rows, cfg)
+    return {"side": "trl", "steps": steps, "eval": final, "first_prompts": first_prompts,
+            "torch_threads": torch.get_num_threads()}
+
+
+# ------------------------------------------------------------------------------- driver
+def summarise(run: dict, skip_first: int) -> dict:
+    """Medians over the timed steps of one run; reward over its last 5 steps."""
+    timed = [s for s in run["steps"] if s["step"] > skip_first and s["wall_s"] is not None]
+    last = run["steps"][-5:]
+    return {
+        "s_per_step": median(s["wall_s"] for s in timed),
+        "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["wall_s"] for s in timed),
+        "generate_s": median(s["generate_s"] for s in timed),
+        "rollout_s": median(s["rollout_s"] for s in timed),
+        "train_s": median(s["train_s"] for s in timed),
+        "mean_len": median(s["mean_len"] for s in timed),
+        "timed_steps": len(timed),
+        "reward_first": run["steps"][0]["reward"],
+        "reward_last5": sum(s["reward"] for s in last) / len(last),
+        "eval_accuracy": run["eval"].get("eval/accuracy"),
+        "eval_mean_at_k": run["eval"].get("eval/mean_at_k"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3, help="runs per side, alternating gspo/TRL; run i uses seed i")
+    parser.add_argument("--steps", type=int, default=20, help="RL steps per run (each: 1 rollout, M optimizer steps)")
+    parser.add_argument("--B", type=int, default=16, help="prompts per rollout")
+    parser.add_argument("--G", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--M", type=int, default=4, help="optimizer steps (minibatches) per rollout")
+    parser.add_argument("--T", type=int, default=48, help="max completion tokens")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts evaluated after each run")
+    parser.add_argument("--eval-k", type=int, default=4)
+    parser.add_argument("--sft-steps", type=int, default=400, help="cold-start SFT steps (stops at 40%% accuracy)")
+    parser.add_argument("--skip-first", type=int, default=1, help="warm-up RL steps left out of the timing")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads of both sides (0: torch's default)")
+    parser.add_argument("--work-dir", default="runs/bench/vs_trl")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile every run into <work-dir>/profile_<side>_<seed>.txt")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/vs_trl.json)")
+    parser.add_argument("--worker", choices=["gspo", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:  # inside a fresh subprocess: one run, result as JSON on the last stdout line
+        spec = json.loads(args.spec)
+        if spec.get("threads"):
+            import torch
+
+            torch.set_num_threads(spec["threads"])
+        run = run_gspo if args.worker == "gspo" else run_trl
+        if spec.get("profile"):  # cProfile of the whole run (load, train, final eval), top entries to a file
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            result = prof.runcall(run, spec)
+            text = io.StringIO()
+            for key in ("cumulative", "tottime"):
+                pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
+            Path(spec["profile"]).write_text(text.getvalue())
+        else:
+            result = run(spec)
+        print("RESULT " + json.dumps(result))
+        return
+
+    try:
+        import trl
+    except ImportError:
+        sys.exit("vs_trl.py needs TRL: pip install '.[bench]'")
+    work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, cold = cold_start(work, args.sft_steps)
+    print(f"cold start: {model_dir} ({cold['sft_steps']} SFT steps, greedy accuracy {cold['greedy_accuracy']:.1%})")
+    runs = []
+    for rep in range(args.reps):
+        for side in ("gspo", "trl"):
+            spec = dict(model_dir=model_dir, seed=rep, steps=args.steps, B=args.B, G=args.G, M=args.M, T=args.T,
+                        lr=args.lr, eval_prompts=args.eval_prompts, eval_k=args.eval_k, threads=args.threads,
+                        output_dir=str(work / f"{side}_seed{rep}"),
+                        profile=str(work / f"profile_{side}_{rep}.txt") if args.profile else None)
+            load = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--worker", side, "--spec", json.dumps(spec)],
+                                  capture_output=True, text=True)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                sys.exit(f"{side} run {rep} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            run = json.loads(lines[-1][len("RESULT "):])
+            run["rep"], run["seed"], run["process_s"], run["load_before"] = rep, rep, time.perf_counter() - t0, load
+            run["summary"] = summarise(run, args.skip_first)
+            runs.append(run)
+            s = run["summary"]
+            print(f"  rep {rep} {side:5s} {s['s_per_step']:.3f} s/step  {s['tokens_per_s']:.0f} tok/s  "
+                  f"reward {s['reward_first']:.3f} -> {s['reward_last5']:.3f}  eval acc {s['eval_accuracy']:.3f}",
+                  flush=True)
+    by = {side: [r for r in runs if r["side"] == side] for side in ("gspo", "trl")}
+    for rep in range(args.reps):
+        a, b = by["gspo"][rep], by["trl"][rep]
+        if a["first_prompts"] != b["first_prompts"]:
+            sys.exit(f"rep {rep}: the two sides drew different prompts: {a['first_prompts']} vs {b['first_prompts']}")
+    keys = ["s_per_step", "tokens_per_s", "generate_s", "rollout_s", "train_s", "mean_len", "reward_first",
+            "reward_last5", "eval_accuracy", "eval_mean_at_k"]
+    med = {side: {k: median(r["summary"][k] for r in by[side]) for k in keys} for side in by}
+    pair_ratio = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"] for a, b in zip(by["gspo"], by["trl"])]
+    pair_step = [b["summary"]["s_per_step"] / a["summary"]["s_per_step"] for a, b in zip(by["gspo"], by["trl"])]
+    ratio = {"tokens_per_s": median(pair_ratio), "step_time_trl_over_gspo": median(pair_step),
+             "tokens_per_s_pairs": pair_ratio,
+             "generate_s_trl_over_gspo": med["trl"]["generate_s"] / med["gspo"]["generate_s"],
+             "train_s_trl_over_gspo": med["trl"]["train_s"] / med["gspo"]["train_s"]}
+    print()
+    print(f"{args.reps} runs per side, {args.steps} RL steps each (first {args.skip_first} untimed), "
+          f"B={args.B} G={args.G} M={args.M} T={args.T}, lr={args.lr}; {machine()['cores']} CPU cores")
+    rows = [[side, med[side]["tokens_per_s"], med[side]["s_per_step"], med[side]["generate_s"],
+             med[side]["rollout_s"] - med[side]["generate_s"], med[side]["train_s"], med[side]["mean_len"]]
+            for side in ("gspo", "trl")]
+    print(table(["side", "tokens/s", "s/step", "generate s", "rewards + pi_old s", "train s (M opt. steps)",
+                 "mean len"], rows))
+    print(f"\ngspo / TRL end-to-end tokens/s: {ratio['tokens_per_s']:.2f}x (median of per-pair ratios "
+          f"{', '.join(f'{r:.2f}' for r in pair_ratio)}); generation {ratio['generate_s_trl_over_gspo']:.2f}x, "
+          f"training {ratio['train_s_trl_over_gspo']:.2f}x")
+    rows = [[side, r["seed"], r["summary"]["reward_first"], r["summary"]["reward_last5"],
+             r["summary"]["eval_accuracy"], r["summary"]["eval_mean_at_k"]] for side in by for r in by[side]]
+    print()
+    print(table(["side", "seed", "reward step 1", f"reward steps {args.steps - 4}-{args.steps}",
+                 "held-out greedy acc.", f"held-out mean@{args.eval_k}"], rows))
+    import transformers
+
+    path = write_result("vs_trl", {
+        "settings": {k: getattr(args, k) for k in ("reps", "steps", "B", "G", "M", "T", "lr", "eval_prompts",
+                                                    "eval_k", "skip_first", "threads")},
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
+        "cold_start": cold, "median": med, "ratio": ratio,
+        "runs": [{k: r[k] for k in ("side", "seed", "summary", "steps", "eval", "process_s", "load_before",
+                                     "torch_threads")}
+                 for r in runs],
+    }, args.out)
+    print(f"\nwritten: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,462 @@
+"""Multi-task RL: several tasks in one run, sampled by weight, and an optional supervised term.
+
+Each rollout batch draws its B prompts from the tasks by weight; a prompt's G completions (its
+group) stay in that prompt's task, so a group's advantages never mix tasks. Each task brings its
+own data, reward functions and held-out set, and is logged under `task/<name>/...`.
+
+Task weights (`task_weighting`):
+- `static`: w_k = pi_k, the entries' `weight` normalised to sum to 1.
+- `dynamic`: weight follows each task's learning signal, with a floor and smoothing
+  (`dynamic_weights` states the rule). Groups whose rewards all agree have zero advantage and
+  teach nothing (DAPO's dynamic sampling drops them: Yu et al. 2025, arXiv 2503.14476), so a
+  task's share of groups with non-zero reward spread measures how much it can teach now; for a
+  0/1 reward at success rate p that share is 1 - p^G - (1-p)^G, small both when a task is
+  solved and when it is hopeless: a group-level form of the learnability p(1-p) of Foster et al.
+  2025 (arXiv 2502.12272). An optional progress term rewards a task whose mean reward is
+  moving, the signal of teacher-student curricula (Matiisen et al. 2017, arXiv 1707.00183,
+  "Online" teacher: EMA of the change in score) and of Graves et al. 2017 (arXiv 1704.03003).
+
+Supervised term (`sft_coef`): for rows with a reference in `sft_column` (built-in tasks: the
+worked `solution`), `sft_coef * NLL(reference + EOS | prompt)` joins the policy loss of each
+minibatch, logged as `loss/sft` (the NLL) and `sft/coef` (the coefficient after its schedule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gspo.advantages import group_stats
+from gspo.data import PromptSampler, columns_of, load_splits
+from gspo.evaluation import evaluate
+from gspo.logprobs import completion_logprobs
+from gspo.rewards import get_reward_fn, score_completions
+from gspo.rollout import Rollout, encode_prompts
+
+WEIGHTINGS = ("static", "dynamic")
+SFT_SCHEDULES = ("constant", "linear", "cosine")
+TASK_KEYS = ("name", "task", "dataset", "eval_dataset", "reward_funcs", "reward_weights", "weight")
+
+
+# ------------------------------------------------------------------------------- config
+@dataclass
+class TaskSpec:
+    """One task of the mixture, read from an entry of `TrainConfig.tasks`."""
+
+    name: str  # metrics go under task/<name>/
+    task: str | None  # a built-in task (gspo.tasks.TASKS), or None with `dataset`
+    dataset: str | None  # a local data file or folder
+    eval_dataset: str | None  # held-out data for `dataset` (default: a 10% split of it)
+    reward_funcs: list  # reward specs (names, "module:function") or callables
+    reward_weights: list | None  # one per reward function; None: all 1
+    weight: float  # static weight, and the prior of the dynamic rule (> 0, normalised over tasks)
+
+
+def parse_tasks(entries, reward_funcs: list, reward_weights: list | None = None) -> list[TaskSpec]:
+    """TaskSpecs from the `tasks` config list.
+
+    An entry needs `task` or `dataset`; `name` defaults to the task name or the dataset's file
+    stem; without `reward_funcs` it uses the run's `reward_funcs`/`reward_weights`; `weight`
+    defaults to 1. Every problem is a ValueError naming the entry and key ("config: tasks[1].weight ...").
+    """
+    from gspo.tasks import TASKS
+
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"config: tasks must be a non-empty list of task entries (mappings), got {entries!r}")
+    specs: list[TaskSpec] = []
+    for i, entry in enumerate(entries):
+        where = f"config: tasks[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be a mapping with `task` or `dataset`, got {entry!r}")
+        unknown = sorted(str(k) for k in set(entry) - set(TASK_KEYS))
+        if unknown:
+            raise ValueError(f"{where} has unknown key {unknown[0]!r}; known keys: {', '.join(TASK_KEYS)}")
+        task, dataset, eval_dataset = entry.get("task"), entry.get("dataset"), entry.get("eval_dataset")
+        if (task is None) == (dataset is None):
+            raise ValueError(f"{where} needs exactly one of `task` (a built-in task) and `dataset` (local data)")
+        if task is not None and task not in TASKS:
+            raise ValueError(f"{where}.task={task!r} is not a built-in task; known: {', '.join(TASKS)}")
+        for key, value in (("dataset", dataset), ("eval_dataset", eval_dataset)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{where}.{key}={value!r} must be a path (a non-empty string)")
+        if eval_dataset is not None and dataset is None:
+            raise ValueError(f"{where}.eval_dataset needs `dataset`: a built-in task is evaluated on its test split")
+        name = entry.get("name", task if task is not None else Path(str(dataset)).stem)
+        if not isinstance(name, str) or not name or "/" in name or name != name.strip():
+            raise ValueError(f"{where}.name={name!r} must be a non-empty string without '/' or surrounding spaces "
+                             "(it names the metrics task/<name>/...)")
+        if any(s.name == name for s in specs):
+            raise ValueError(f"{where}.name={name!r} is taken by an earlier entry; give each task a unique `name`")
+        funcs = entry.get("reward_funcs", reward_funcs)
+        funcs = [funcs] if isinstance(funcs, str) else funcs
+        if not isinstance(funcs, list) or not funcs:
+            raise ValueError(f"{where}.reward_funcs={funcs!r} must be a non-empty list of reward functions")
+        weights = entry.get("reward_weights", None if "reward_funcs" in entry else reward_weights)
+        if weights is not None and (not isinstance(weights, list) or len(weights) != len(funcs)
+                                    or not all(_is_finite_number(w) for w in weights)):
+            raise ValueError(f"{where}.reward_weights={weights!r} must be a list of {len(funcs)} finite numbers, "
+                             "one per reward function")
+        weight = entry.get("weight", 1.0)
+        if not _is_finite_number(weight) or weight <= 0:
+            raise ValueError(f"{where}.weight={weight!r} must be a finite number > 0")
+        specs.append(TaskSpec(name, task, dataset, eval_dataset, list(funcs),
+                              None if weights is None else [float(w) for w in weights], float(weight)))
+    return specs
+
+
+def check_tasks(cfg) -> None:
+    """The multi-task checks of `gspo.config.validate` (called when `cfg.tasks` is set)."""
+    specs = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights)
+    for key in ("dataset", "eval_dataset"):
+        if getattr(cfg, key) is not None:
+            raise ValueError(f"config: {key} is set but `tasks` lists the data; give each task entry its own {key}")
+    if cfg.task_weighting == "dynamic" and cfg.task_weight_floor * len(specs) > 1:
+        raise ValueError(f"config: task_weight_floor={cfg.task_weight_floor!r} is more than 1/{len(specs)}: "
+                         f"{len(specs)} tasks cannot each keep it")
+
+
+def saved_tasks(tasks: list | None) -> list | None:
+    """The `tasks` entries as JSON: reward functions given as Python callables become "module:name"."""
+    if tasks is None:
+        return None
+    return [{**t, "reward_funcs": [_fn_spec(f) for f in t["reward_funcs"]]} if isinstance(t.get("reward_funcs"), list)
+            else t for t in tasks]
+
+
+def _fn_spec(f) -> str:
+    return f if isinstance(f, str) else f"{f.__module__}:{getattr(f, '__qualname__', type(f).__name__)}"
+
+
+def reward_names(fns: list) -> list[str]:
+    """The names `score_completions` gives these functions' values: `__name__`, then "_2", "_3" on a clash."""
+    names: list[str] = []
+    for fn in fns:
+        base = name = getattr(fn, "__name__", None) or type(fn).__name__
+        suffix = 2
+        while name in names:
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        names.append(name)
+    return names
+
+
+def _is_finite_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# ------------------------------------------------------------------------------- the weight rule (pure)
+@dataclass(frozen=True)
+class TaskSignal:
+    """What the dynamic rule knows of one task, updated each time the task has groups in a batch."""
+
+    learnability: float = 1.0  # EMA of the share of its groups with non-zero reward std; starts optimistic
+    progress: float = 0.0  # EMA of the change in its mean reward between observations (signed)
+    last_reward: float | None = None  # its mean reward when last observed
+
+
+def update_signal(signal: TaskSignal, nonzero_frac: float, mean_reward: float | None,
+                  smoothing: float) -> TaskSignal:
+    """One observation of a task: `nonzero_frac` of its groups had reward spread, mean reward `mean_reward`.
+
+    With b = smoothing:  L <- b L + (1-b) nonzero_frac;  Q <- b Q + (1-b) (mean_reward - last_reward)
+    (Q is left alone at the first observation, or when every reward was dropped: mean_reward None).
+    """
+    b = smoothing
+    learnability = b * signal.learnability + (1 - b) * nonzero_frac
+    progress, last = signal.progress, signal.last_reward
+    if mean_reward is not None:
+        if last is not None:
+            progress = b * progress + (1 - b) * (mean_reward - last)
+        last = mean_reward
+    return TaskSignal(learnability, progress, last)
+
+
+def static_weights(prior: list[float]) -> list[float]:
+    """w_k = pi_k / sum(pi): the given weights, normalised."""
+    total = sum(prior)
+    return [p / total for p in prior]
+
+
+def dynamic_weights(prior: list[float], signals: list[TaskSignal], *, floor: float,
+                    progress_coef: float = 0.0) -> list[float]:
+    """The dynamic rule: w_k = floor + (1 - K floor) * pi_k s_k / sum_j pi_j s_j.
+
+    s_k = L_k + progress_coef * |Q_k| (see `update_signal`): the EMA of task k's share of groups
+    with non-zero reward std (learnability) plus, optionally, the magnitude of its EMA'd change
+    in mean reward (progress). pi is the normalised prior (`weight`s). Smoothing lives in the EMAs,
+    so weights move gradually. Every task keeps at least `floor` exactly: the second term is never
+    negative. If every s_k is 0 the weights fall back to floor + (1 - K floor) * pi_k.
+    Example: pi uniform, K = 3, floor 0.1, L = (0.5, 0.75, 1), Q = 0:
+    w = 0.1 + 0.7 * (0.5, 0.75, 1) / 2.25 = (0.2556, 0.3333, 0.4111).
+    """
+    K = len(prior)
+    if not 0 <= floor * K <= 1:
+        raise ValueError(f"floor={floor!r} must be in [0, 1/{K}] for {K} tasks")
+    pi = static_weights(prior)
+    score = [p * (s.learnability + progress_coef * abs(s.progress)) for p, s in zip(pi, signals)]
+    total = sum(score)
+    share = [x / total for x in score] if total > 0 else pi
+    return [floor + (1 - K * floor) * x for x in share]
+
+
+def allocate(weights: list[float], n: int, u: float) -> list[int]:
+    """How many of `n` prompts each task gets: systematic sampling with one uniform `u` in [0, 1).
+
+    The points (u + i) / n, i < n, fall into the tasks' cumulative weight intervals; task k gets
+    floor(n w_k) or ceil(n w_k) prompts and n w_k on average (systematic resampling, as compared
+    in Douc, Cappe & Moulines 2005), far less noisy than n independent draws.
+    Example: weights (0.25, 0.75), n = 4: (1, 3) for every u.
+    """
+    edges, acc = [], 0.0
+    for w in weights:
+        acc += w
+        edges.append(acc * n)
+    edges[-1] = float(n)  # rounding must not leave the last point outside every interval
+    counts, k = [0] * len(weights), 0
+    for i in range(n):
+        while u + i >= edges[k]:
+            k += 1
+        counts[k] += 1
+    return counts
+
+
+# ------------------------------------------------------------------------------- the mixture
+class TaskMixture:
+    """Prompts drawn from several tasks by weight; per-task rewards, statistics and evaluation.
+
+    Stands in for `gspo.data.PromptSampler` in the trainer (`next`, `state_dict`,
+    `load_state_dict`). `next(B)` returns the batch's rows task by task (task 0's first), so
+    task k's prompts, and their groups of G completions, are one contiguous block.
+    """
+
+    def __init__(self, specs: list[TaskSpec], train_rows: list[list[dict]], eval_rows: list[list[dict]], *,
+                 weighting: str = "static", floor: float = 0.0, smoothing: float = 0.8,
+                 progress_coef: float = 0.0, seed: int = 0):
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting={weighting!r} is not one of {', '.join(WEIGHTINGS)}")
+        if not 0 <= smoothing < 1:
+            raise ValueError(f"smoothing={smoothing!r} must be in [0, 1)")
+        if not len(specs) == len(train_rows) == len(eval_rows):
+            raise ValueError(f"{len(specs)} tasks but {len(train_rows)} training and {len(eval_rows)} held-out "
+                             "row lists")
+        self.specs, self.eval_rows = specs, eval_rows
+        self.samplers = [PromptSampler(rows, seed) for rows in train_rows]
+        self.reward_fns = [[get_reward_fn(f) for f in s.reward_funcs] for s in specs]
+        self.weighting, self.floor, self.smoothing, self.progress_coef, self.seed = (
+            weighting, floor, smoothing, progress_coef, seed)
+        self.prior = [s.weight for s in specs]
+        self.signals = [TaskSignal() for _ in specs]
+        self.draws = 0  # batches drawn so far: with the seed, it fixes the next batch's allocation
+        self.counts: list[int] | None = None  # prompts per task in the latest batch
+        self.weights = self._weights()
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, num_train: int) -> "TaskMixture":
+        """The mixture of a TrainConfig with `tasks`: each task's data loaded as a single-task run would."""
+        specs = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights)
+        splits = [load_splits(dataclasses.replace(cfg, task=s.task, dataset=s.dataset, eval_dataset=s.eval_dataset),
+                              tokenizer, num_train) for s in specs]
+        return cls(specs, [train for train, _ in splits], [held for _, held in splits], weighting=cfg.task_weighting,
+                   floor=cfg.task_weight_floor, smoothing=cfg.task_weight_smoothing,
+                   progress_coef=cfg.task_progress_coef, seed=cfg.seed)
+
+    @property
+    def train_rows(self) -> list[list[dict]]:
+        return [s.rows for s in self.samplers]
+
+    def _weights(self) -> list[float]:
+        if self.weighting == "static":
+            return static_weights(self.prior)
+        return dynamic_weights(self.prior, self.signals, floor=self.floor, progress_coef=self.progress_coef)
+
+    def next(self, n: int) -> list[dict]:
+        """`n` prompt rows, task by task; `self.counts` says how many came from each task."""
+        u = random.Random(f"gspo-mixture:{self.seed}:{self.draws}").random()  # own RNG: global streams untouched
+        self.draws += 1
+        self.counts = allocate(self.weights, n, u)
+        return [row for sampler, c in zip(self.samplers, self.counts) for row in sampler.next(c)]
+
+    def _blocks(self, group_size: int, first: int = 0, count: int | None = None):
+        """(task, rows slice, samples slice) per task block within rows [first, first + count) of the batch.
+
+        Slices are relative to `first`; count defaults to the rest of the batch.
+        """
+        if self.counts is None:
+            raise ValueError("TaskMixture: no batch drawn yet (call next first)")
+        count = sum(self.counts) - first if count is None else count
+        start = 0
+        for k, c in enumerate(self.counts):
+            lo, hi = max(start, first) - first, min(start + c, first + count) - first
+            if hi > lo:
+                yield k, slice(lo, hi), slice(lo * group_size, hi * group_size)
+            start += c
+
+    def score(self, rows: list[dict], prompts: list[str], completions: list[str], group_size: int, *,
+              drop_bad: bool = False, offset: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`score_completions` task by task with each task's reward functions: rewards (N,), raw values (N,).
+
+        `rows` are rows offset.. of the latest batch (under torchrun a rank scores its share).
+        A reward function a task does not use reads NaN on that task's samples.
+        """
+        N = len(completions)
+        if N != len(rows) * group_size or self.counts is None or offset + len(rows) > sum(self.counts):
+            raise ValueError(f"score: {len(rows)} rows from row {offset} and {N} completions do not match the "
+                             f"latest batch ({self.counts} prompts per task, group size {group_size})")
+        rewards = torch.empty(N)  # (N,)
+        # every task's functions, always: the same keys on every step (and every rank)
+        per_fn = {name: torch.full((N,), math.nan) for fns in self.reward_fns for name in reward_names(fns)}
+        for k, row_span, span in self._blocks(group_size, offset, len(rows)):
+            spec = self.specs[k]
+            r, raw = score_completions(self.reward_fns[k], spec.reward_weights, prompts[span], completions[span],
+                                       columns_of(rows[row_span], group_size), drop_bad=drop_bad)
+            rewards[span] = r
+            for name, values in raw.items():
+                per_fn[name][span] = values
+        return rewards, per_fn
+
+    def observe(self, rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:
+        """Per-task metrics of the latest batch; under `dynamic` weighting, update the weights from them.
+
+        rewards, valid: (N,) as in the trainer (valid False: a dropped sample). `task/<name>/weight`
+        is the weight this batch was drawn with; a task without prompts this batch logs only that
+        and `groups` (0).
+        """
+        metrics = {}
+        for k, spec in enumerate(self.specs):
+            metrics[f"task/{spec.name}/weight"] = self.weights[k]
+            metrics[f"task/{spec.name}/groups"] = self.counts[k]
+        for k, _, span in self._blocks(group_size):
+            r, ok = rewards[span], valid[span]  # (n_k * G,)
+            zero_std = group_stats(r, group_size, ok)["groups/zero_std_frac"]
+            mean = r[ok].mean().item() if ok.any() else None
+            metrics[f"task/{self.specs[k].name}/reward"] = math.nan if mean is None else mean
+            metrics[f"task/{self.specs[k].name}/zero_std_frac"] = zero_std
+            if self.weighting == "dynamic":
+                self.signals[k] = update_signal(self.signals[k], 1.0 - zero_std, mean, self.smoothing)
+        if self.weighting == "dynamic":
+            for k, spec in enumerate(self.specs):
+                metrics[f"task/{spec.name}/learnability"] = self.signals[k].learnability
+            self.weights = self._weights()
+        return metrics
+
+    def evaluate(self, model, tokenizer, cfg) -> dict[str, float]:
+        """`gspo.evaluation.evaluate` on each task's held-out rows with its reward functions.
+
+        Per task `task/<name>/eval_accuracy` (and eval_mean_at_k, ...); `eval/<metric>` is the
+        unweighted mean over the tasks that report it, whatever the sampling weights.
+        """
+        out, by_metric = {}, {}
+        for spec, rows in zip(self.specs, self.eval_rows):
+            task_cfg = dataclasses.replace(cfg, reward_funcs=spec.reward_funcs, reward_weights=spec.reward_weights)
+            for key, value in evaluate(model, tokenizer, rows, task_cfg).items():
+                out[f"task/{spec.name}/{key.replace('/', '_')}"] = value  # eval/accuracy -> eval_accuracy
+                by_metric.setdefault(key, []).append(value)
+        out.update({key: sum(values) / len(values) for key, values in by_metric.items()})
+        return out
+
+    def state_dict(self) -> dict:
+        return {"draws": self.draws, "samplers": [s.state_dict() for s in self.samplers],
+                "signals": [dataclasses.asdict(s) for s in self.signals]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["samplers"]) != len(self.samplers):
+            raise ValueError(f"TaskMixture: the state has {len(state['samplers'])} tasks, this mixture "
+                             f"{len(self.samplers)}")
+        self.draws = state["draws"]
+        for sampler, s in zip(self.samplers, state["samplers"]):
+            sampler.load_state_dict(s)
+        self.signals = [TaskSignal(**s) for s in state["signals"]]
+        self.weights = self._weights()
+
+
+# ------------------------------------------------------------------------------- supervised term
+def sft_nll(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of the reference tokens: -sum(logp * mask) / sum(mask).
+
+    logprobs: (n, T) log-probs of the reference tokens (e.g. `completion_logprobs`); mask: (n, T)
+    bool, True on reference tokens (the closing EOS included). A token mean, as in `gspo.sft`.
+    Example: p = (1/2, 1/4 | 1/8), NLL = (ln 2 + ln 4 + ln 8) / 3 = 2 ln 2.
+    """
+    if logprobs.shape != mask.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    mask = mask.bool()
+    count = mask.sum()
+    if count == 0:
+        raise ValueError("mask selects no reference token")
+    return -torch.where(mask, logprobs, 0.0).sum() / count  # where, not *: a masked -inf must not give NaN
+
+
+def sft_coef_at(step: int, max_steps: int, coef: float, schedule: str = "constant") -> float:
+    """The SFT coefficient at RL step `step` (1-based): constant, or decayed toward 0 over `max_steps`.
+
+    linear: coef * (1 - (step - 1) / max_steps); cosine: coef * (1 + cos(pi (step - 1) / max_steps)) / 2.
+    Example: coef 0.5, max_steps 4, linear: 0.5, 0.375, 0.25, 0.125.
+    """
+    if schedule not in SFT_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SFT_SCHEDULES)}")
+    frac = min(1.0, (step - 1) / max_steps)
+    if schedule == "linear":
+        return coef * (1.0 - frac)
+    if schedule == "cosine":
+        return coef * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return coef
+
+
+def require_references(row_lists: list[list[dict]], column: str) -> None:
+    """ValueError unless some training row has a reference text in `column` (sft_coef > 0 needs one)."""
+    if not any(isinstance(r.get(column), str) and r[column] for rows in row_lists for r in rows):
+        raise ValueError(f"config: sft_coef > 0 but no training row has a text column {column!r} (sft_column); "
+                         "built-in tasks have `solution`")
+
+
+def reference_chunks(rows: list[dict], tokenizer, num_chunks: int, column: str, *, max_prompt_length: int,
+                     device) -> list[Rollout] | None:
+    """Prompt + reference + EOS of the rows with a `column` text, in the rollout layout, in `num_chunks` parts.
+
+    Part j goes with minibatch j: references i = j, j + M, j + 2M, ...; with fewer references than
+    parts, part j holds reference j mod n, so every minibatch has one. None when no row has a
+    reference. Each part is a `Rollout` trimmed of all-padding columns (only ids and masks set).
+    """
+    refs = [r for r in rows if isinstance(r.get(column), str) and r[column]]
+    if not refs:
+        return None
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("tokenizer: needs an eos token to end a reference answer")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    prompts = [r["prompt"] for r in refs]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device)  # (n, P)
+    answers = [tokenizer(r[column], add_special_tokens=False)["input_ids"] + [eos] for r in refs]
+    T = max(len(a) for a in answers)
+    answer_ids = torch.full((len(refs), T), pad, dtype=prompt_ids.dtype)  # (n, T)
+    answer_mask = torch.zeros(len(refs), T, dtype=torch.bool)  # (n, T)
+    for i, a in enumerate(answers):
+        answer_ids[i, : len(a)] = torch.tensor(a)
+        answer_mask[i, : len(a)] = True
+    answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
+    full = Rollout(input_ids=torch.cat([prompt_ids, answer_ids], dim=1),  # (n, P+T)
+                   attention_mask=torch.cat([prompt_mask, answer_mask.long()], dim=1),  # (n, P+T)
+                   completion_mask=answer_mask, prompts=prompts, completions=[r[column] for r in refs])
+    n = len(refs)
+    parts = [list(range(j, n, num_chunks)) if n >= num_chunks else [j % n] for j in range(num_chunks)]
+    return [full.select(torch.tensor(p, device=device)) for p in parts]
+
+
+def sft_backward(model, ref: Rollout, coef: float, **logp_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backpropagate coef * NLL(reference | prompt) now (gradients add to the policy loss's).
+
+    Its own forward, so the trainer runs it outside any routing replay. Returns (coef * NLL, NLL),
+    detached. `logp_kwargs`: temperature and chunk_size, as for the policy's log-probs, so the
+    NLL is taken under the same distribution the RL loss trains.
+    """
+    logp, _ = completion_logprobs(model, ref.input_ids, ref.attention_mask, ref.completion_len,
+                                  **logp_kwargs)  # (n, T)
+    nll = sft_nll(logp, ref.completion_mask)
+    term = coef * nll
+    term.backward()
+    return term.detach(), nll.detach()
