@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Rerunning continues an interrupted lab.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="config fields (YAML keys and key=value overrides):\n" + config_help(LabConfig))
-    p.add_argument("--quick", action="store_true", help="fewer objectives, seeds and steps (about 5 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="fewer objectives, seeds and steps (under 2 min on 2 cores)")
     p.add_argument("--config", help="YAML file whose keys are lab config field names")
     p.add_argument("--report-only", action="store_true", help="rebuild report.md from the finished runs, run nothing")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides; they win over the YAML file")
