@@ -104,7 +104,8 @@ def naive_completion_logprobs(
     return logp, entropy
 
 
-def _is_fsdp2(model) -> bool:
+def is_fsdp2(model) -> bool:
+    """True for a model sharded at the root by FSDP2 `fully_shard`."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
@@ -118,7 +119,7 @@ def _chunked_path_parts(model):
     get_head = getattr(model, "get_output_embeddings", None)
     if get_decoder is None or get_head is None:  # e.g. a DDP wrapper or a plain nn.Module
         return None
-    if _is_fsdp2(model):  # the root's pre-forward hook (which unshards its params) would be skipped
+    if is_fsdp2(model):  # the root's pre-forward hook (which unshards its params) would be skipped
         return None
     backbone, head = get_decoder(), get_head()
     if head is None or backbone is model or backbone is None:

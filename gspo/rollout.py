@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessorList
 
+from gspo.logprobs import is_fsdp2
+
 
 @dataclass
 class Rollout:
@@ -129,7 +131,7 @@ def generate(
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # (N, P)
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # (N, P)
     eos = eos_ids(tokenizer, model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    pad = pad_id(tokenizer, model)
     sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     seeded = None
     if row_seeds is not None and not greedy:
@@ -154,7 +156,7 @@ def generate(
             return_dict_in_generate=True,
             output_scores=with_logprobs and seeded is None,
             output_logits=with_logprobs and seeded is not None,
-            synced_gpus=_sharded(model),  # FSDP: every rank runs the same number of forwards
+            synced_gpus=is_fsdp2(model),  # FSDP: every rank runs the same number of forwards
             **sampling,
         )
     model.train(was_training)
@@ -211,9 +213,6 @@ def row_seeds(seed: int, step: int, first_row: int, count: int) -> list[int]:
     return [base + first_row + i for i in range(count)]
 
 
-def _sharded(model) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(model, FSDPModule)
+def pad_id(tokenizer, model) -> int:
+    """The id completions are padded with: the tokenizer's pad token, else the first stop token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, model)[0]

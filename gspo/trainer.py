@@ -42,7 +42,7 @@ from gspo.multitask import (TaskMixture, reference_chunks, require_references, s
                             sft_coef_at)
 from gspo.objectives import DEFAULT_AGGREGATION, policy_loss
 from gspo.rewards import get_reward_fn, score_completions
-from gspo.rollout import Rollout, eos_ids, generate, row_seeds
+from gspo.rollout import Rollout, eos_ids, generate, pad_id, row_seeds
 from gspo.tracking import METRICS_FILE, SAMPLES_FILE, MetricsLogger
 
 
@@ -404,9 +404,6 @@ def global_stats(rollout: Rollout, idx, mb: Rollout, logp, entropy, loss_kwargs,
                                ref_logprobs=whole.ref_logprobs, **loss_kwargs)
     return stats, ent_all[idx, :t], whole
 
-
-def pad_id(tokenizer, model) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, model)[0]
 
 
 def ended_with_eos(rollout: Rollout, stop_ids: list[int]) -> torch.Tensor:
