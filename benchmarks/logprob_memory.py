@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, table, write_result  # noqa: E402
+from gspo.logprobs import default_chunk_rows  # noqa: E402
 
 
 def status_kib(field: str) -> int:
@@ -83,7 +84,7 @@ def worker(spec: dict) -> dict:
     Path("/proc/self/clear_refs").write_text("5")
     base = status_kib("VmRSS")
     t0 = time.perf_counter()
-    logp, entropy = fn(model, input_ids, attention_mask, T, with_entropy=True, chunk_size=spec["chunk_size"])
+    logp, entropy = fn(model, input_ids, attention_mask, T, with_entropy=True, chunk_size=spec["chunk_size"] or None)
     loss = (logp * mask).sum() + 0.01 * (entropy * mask).sum()
     loss.backward()
     seconds = time.perf_counter() - t0
@@ -116,8 +117,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary (Qwen2.5/Qwen3: 151,936)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[1024, 256],
-                        help="chunk sizes of the chunked path (rows of the output head at once)")
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[0, 256],
+                        help="chunk sizes of the chunked path (rows of the output head at once); 0: the library's "
+                             "default (chunk_size=None: gspo.logprobs.default_chunk_rows(V) rows)")
     parser.add_argument("--paths", nargs="+", default=["naive", "chunked"], choices=["naive", "chunked"])
     parser.add_argument("--reps", type=int, default=3, help="fresh-process measurements per path (median)")
     parser.add_argument("--max-fraction", type=float, default=0.6,
@@ -159,6 +161,7 @@ def main() -> None:
             print(f"  {path:8s} chunk {chunk:5d} rep {rep}: peak +{r['peak_growth_mib']:.0f} MiB, {r['seconds']:.2f} s",
                   flush=True)
         results.append({"path": path, "chunk_size": chunk if path == "chunked" else None,
+                        "chunk_rows": (chunk or default_chunk_rows(args.vocab)) if path == "chunked" else None,
                         "peak_growth_mib": median(peaks), "peaks_mib": peaks, "seconds": median(seconds),
                         "values_file": str(tmp / f"{path}_{chunk}.pt")})
     naive = next((r for r in results if r["path"] == "naive"), None)
@@ -169,7 +172,8 @@ def main() -> None:
             if r is not naive:
                 r.update(compare(files[results.index(naive)], f))
     shutil.rmtree(tmp, ignore_errors=True)
-    rows = [[r["path"], r["chunk_size"] or "-", f"{r['peak_growth_mib']:.0f}", r["seconds"],
+    rows = [[r["path"], "-" if r["chunk_size"] is None else r["chunk_size"] or f"default ({r['chunk_rows']})",
+             f"{r['peak_growth_mib']:.0f}", r["seconds"],
              f"{r['fraction_of_naive']:.1%}" if "fraction_of_naive" in r else "-",
              f"{r['logp_max_abs_diff']:.1e}" if "logp_max_abs_diff" in r else "-",
              f"{r['entropy_max_abs_diff']:.1e}" if "entropy_max_abs_diff" in r else "-",

@@ -9,6 +9,10 @@ Both sides load the same saved model (a cold start made by gspo's SFT, cached un
 `trl_args` and in BENCHMARKS.md. Runs alternate gspo, TRL, gspo, TRL, ... each in a fresh
 subprocess; repetition i of both sides uses seed i.
 
+`--baseline REV` adds a third side, gspo as of git revision REV (a worktree under --work-dir,
+imported through PYTHONPATH), run in the same alternation: gspo, gspo@REV, TRL, ... so a library
+change is measured before/after in one run, on the same machine state.
+
 Timed region: one RL step = one rollout of B*G completions and M optimizer steps (TRL: M
 `global_step`s), wall clock from the end of the previous step to the end of this one. gspo: time
 between consecutive `MetricsLogger.log` calls (the final step, which also evaluates, is
@@ -125,7 +129,21 @@ def run_gspo(spec: dict) -> dict:
         })
     final = summary["evals"][cfg.max_steps]
     return {"side": "gspo", "steps": steps, "eval": final, "first_prompts": first_prompts,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "gspo_file": trainer.__file__}
+
+
+def baseline_tree(rev: str, work: Path) -> Path:
+    """A git worktree of this repository at `rev` (made once, under `work`), for the baseline side."""
+    repo = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=repo, capture_output=True,
+                            text=True)
+    if commit.returncode:
+        sys.exit(f"--baseline {rev}: not a commit of {repo}: {commit.stderr.strip()}")
+    tree = work / f"baseline_{commit.stdout.strip()[:12]}"
+    if not (tree / "gspo" / "trainer.py").exists():
+        subprocess.run(["git", "worktree", "add", "--detach", "--force", str(tree), commit.stdout.strip()], cwd=repo,
+                       check=True, capture_output=True)
+    return tree
 
 
 def trl_args(spec: dict, output_dir: str):
@@ -266,6 +284,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="cProfile every run into <work-dir>/profile_<side>_<seed>.txt")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/vs_trl.json)")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also run gspo as of this git revision (before/after a change), alternating with the others")
     parser.add_argument("--worker", choices=["gspo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -301,21 +321,29 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model_dir, cold = cold_start(work, args.sft_steps)
     print(f"cold start: {model_dir} ({cold['sft_steps']} SFT steps, greedy accuracy {cold['greedy_accuracy']:.1%})")
+    sides, env = ("gspo", "trl"), {side: dict(os.environ) for side in ("gspo", "gspo_base", "trl")}
+    if args.baseline:
+        sides = ("gspo", "gspo_base", "trl")
+        base = baseline_tree(args.baseline, work)
+        env["gspo_base"]["PYTHONPATH"] = str(base) + os.pathsep + env["gspo_base"].get("PYTHONPATH", "")
+        print(f"baseline: gspo at {args.baseline} in {base}")
     runs = []
     for rep in range(args.reps):
-        for side in ("gspo", "trl"):
+        for side in sides:
             spec = dict(model_dir=model_dir, seed=rep, steps=args.steps, B=args.B, G=args.G, M=args.M, T=args.T,
                         lr=args.lr, eval_prompts=args.eval_prompts, eval_k=args.eval_k, threads=args.threads,
                         output_dir=str(work / f"{side}_seed{rep}"),
                         profile=str(work / f"profile_{side}_{rep}.txt") if args.profile else None)
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--worker", side, "--spec", json.dumps(spec)],
-                                  capture_output=True, text=True)
+            worker = "trl" if side == "trl" else "gspo"
+            proc = subprocess.run([sys.executable, __file__, "--worker", worker, "--spec", json.dumps(spec)],
+                                  capture_output=True, text=True, env=env[side])
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not lines:
                 sys.exit(f"{side} run {rep} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
             run = json.loads(lines[-1][len("RESULT "):])
+            run["side"] = side
             run["rep"], run["seed"], run["process_s"], run["load_before"] = rep, rep, time.perf_counter() - t0, load
             run["summary"] = summarise(run, args.skip_first)
             runs.append(run)
@@ -323,11 +351,13 @@ def main() -> None:
             print(f"  rep {rep} {side:5s} {s['s_per_step']:.3f} s/step  {s['tokens_per_s']:.0f} tok/s  "
                   f"reward {s['reward_first']:.3f} -> {s['reward_last5']:.3f}  eval acc {s['eval_accuracy']:.3f}",
                   flush=True)
-    by = {side: [r for r in runs if r["side"] == side] for side in ("gspo", "trl")}
+    by = {side: [r for r in runs if r["side"] == side] for side in sides}
     for rep in range(args.reps):
         a, b = by["gspo"][rep], by["trl"][rep]
         if a["first_prompts"] != b["first_prompts"]:
             sys.exit(f"rep {rep}: the two sides drew different prompts: {a['first_prompts']} vs {b['first_prompts']}")
+        if args.baseline and by["gspo_base"][rep]["gspo_file"] == a["gspo_file"]:
+            sys.exit(f"the baseline imported the current gspo ({a['gspo_file']}), not the revision's")
     keys = ["s_per_step", "tokens_per_s", "generate_s", "rollout_s", "train_s", "mean_len", "reward_first",
             "reward_last5", "eval_accuracy", "eval_mean_at_k"]
     med = {side: {k: median(r["summary"][k] for r in by[side]) for k in keys} for side in by}
@@ -337,17 +367,28 @@ def main() -> None:
              "tokens_per_s_pairs": pair_ratio,
              "generate_s_trl_over_gspo": med["trl"]["generate_s"] / med["gspo"]["generate_s"],
              "train_s_trl_over_gspo": med["trl"]["train_s"] / med["gspo"]["train_s"]}
+    if args.baseline:  # before/after: the same per-pair medians, current gspo over the revision's
+        ratio["baseline"] = args.baseline
+        ratio["tokens_per_s_over_baseline_pairs"] = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"]
+                                                     for a, b in zip(by["gspo"], by["gspo_base"])]
+        ratio["tokens_per_s_over_baseline"] = median(ratio["tokens_per_s_over_baseline_pairs"])
+        ratio["baseline_over_trl"] = median(b["summary"]["tokens_per_s"] / t["summary"]["tokens_per_s"]
+                                            for b, t in zip(by["gspo_base"], by["trl"]))
     print()
     print(f"{args.reps} runs per side, {args.steps} RL steps each (first {args.skip_first} untimed), "
           f"B={args.B} G={args.G} M={args.M} T={args.T}, lr={args.lr}; {machine()['cores']} CPU cores")
     rows = [[side, med[side]["tokens_per_s"], med[side]["s_per_step"], med[side]["generate_s"],
              med[side]["rollout_s"] - med[side]["generate_s"], med[side]["train_s"], med[side]["mean_len"]]
-            for side in ("gspo", "trl")]
+            for side in sides]
     print(table(["side", "tokens/s", "s/step", "generate s", "rewards + pi_old s", "train s (M opt. steps)",
                  "mean len"], rows))
     print(f"\ngspo / TRL end-to-end tokens/s: {ratio['tokens_per_s']:.2f}x (median of per-pair ratios "
           f"{', '.join(f'{r:.2f}' for r in pair_ratio)}); generation {ratio['generate_s_trl_over_gspo']:.2f}x, "
           f"training {ratio['train_s_trl_over_gspo']:.2f}x")
+    if args.baseline:
+        print(f"gspo / gspo@{args.baseline}: {ratio['tokens_per_s_over_baseline']:.2f}x (pairs "
+              f"{', '.join(f'{r:.2f}' for r in ratio['tokens_per_s_over_baseline_pairs'])}); "
+              f"gspo@{args.baseline} / TRL: {ratio['baseline_over_trl']:.2f}x")
     rows = [[side, r["seed"], r["summary"]["reward_first"], r["summary"]["reward_last5"],
              r["summary"]["eval_accuracy"], r["summary"]["eval_mean_at_k"]] for side in by for r in by[side]]
     print()
@@ -357,7 +398,7 @@ def main() -> None:
 
     path = write_result("vs_trl", {
         "settings": {k: getattr(args, k) for k in ("reps", "steps", "B", "G", "M", "T", "lr", "eval_prompts",
-                                                    "eval_k", "skip_first", "threads")},
+                                                    "eval_k", "skip_first", "threads", "baseline")},
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
         "cold_start": cold, "median": med, "ratio": ratio,
         "runs": [{k: r[k] for k in ("side", "seed", "summary", "steps", "eval", "process_s", "load_before",

@@ -60,10 +60,13 @@ _PLAIN = (torch.Tensor, bool, int, float, complex, str, bytes, type(None), torch
 # ------------------------------------------------------------------------------- save
 def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer=None, scheduler=None,
                     trainer_state: dict | None = None, config: dict | None = None,
-                    rng_generators: dict[str, torch.Generator] | None = None, keep: int | None = 2) -> Path:
+                    rng_generators: dict[str, torch.Generator] | None = None, keep: int | None = 2,
+                    model_state_dict: dict | None = None, optimizer_state_dict: dict | None = None) -> Path:
     """Write `run_dir/checkpoint-<step>` atomically; then keep only the newest `keep` checkpoints.
 
-    Each of model/tokenizer/optimizer/scheduler is optional (None: not saved). `trainer_state` and
+    Each of model/tokenizer/optimizer/scheduler is optional (None: not saved). A sharded (FSDP)
+    model or optimizer passes its gathered full state too: `model_state_dict` is what
+    `save_pretrained` writes, `optimizer_state_dict` replaces `optimizer.state_dict()`. `trainer_state` and
     `config` must be JSON that reads back equal (no tuples, no non-string keys). The RNG states
     (global ones and `rng_generators`) are captured when this is called. An existing checkpoint of
     the same step is replaced; `keep=None` keeps every checkpoint. Returns the checkpoint's path.
@@ -75,8 +78,12 @@ def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer
     texts = {TRAINER_STATE_FILE: _exact_json("trainer_state", {} if trainer_state is None else trainer_state),
              CONFIG_FILE: _exact_json("config", {} if config is None else config),
              RNG_FILE: json.dumps(capture_rng(rng_generators))}
+    if optimizer_state_dict is not None and optimizer is not None:
+        raise ValueError("save_checkpoint: pass optimizer or optimizer_state_dict, not both")
     states = {name: (label, obj.state_dict()) for name, label, obj in
               [(OPTIMIZER_FILE, "optimizer", optimizer), (SCHEDULER_FILE, "scheduler", scheduler)] if obj is not None}
+    if optimizer_state_dict is not None:
+        states[OPTIMIZER_FILE] = ("optimizer", optimizer_state_dict)
     for label, state in states.values():
         _check_plain(state, label)
 
@@ -90,7 +97,7 @@ def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer
     try:
         if model is not None:
             with _no_progress_bars():
-                model.save_pretrained(tmp)
+                model.save_pretrained(tmp, **({} if model_state_dict is None else {"state_dict": model_state_dict}))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for name, (_, state) in states.items():

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gspo {args.command}: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        from gspo.trainer import TrainingAborted, TrainingInterrupted
+        from gspo.run_control import TrainingAborted, TrainingInterrupted
 
         if isinstance(err, TrainingInterrupted):
             print(f"gspo {args.command}: stopped: {err}", file=sys.stderr)
@@ -96,7 +96,7 @@ def _run(args, argv=None) -> int:
         from gspo.config import make_config
         from gspo.data import load_splits
         from gspo.evaluation import evaluate
-        from gspo.trainer import seeded_model
+        from gspo.run_control import seeded_model
 
         cfg = make_config(TrainConfig, {"model": args.model, "task": None if args.dataset else args.task,
                                         "dataset": args.dataset, "eval_num_prompts": args.num_prompts,

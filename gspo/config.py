@@ -137,8 +137,10 @@ class TrainConfig(ModelConfig):
     """Schedule after warmup: constant, linear (to 0) or cosine (to 0)."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables it."""
-    logprob_chunk_size: int = 1024
-    """Rows of the output head computed at once when taking log-probs (memory vs speed)."""
+    logprob_chunk_size: int | None = None
+    """Rows of the output head computed at once when taking log-probs (memory vs speed); None: rows that keep a chunk's fp32 logits at 2**26 elements (441 at V=151,936)."""
+    generation_backend: str = "auto"
+    """Sampler: gspo (own KV-cached loop, HF's tokens for the same seed, no per-step cache copies), hf (HF generate) or auto (gspo where the model allows: plain KV-cache attention, not FSDP-sharded)."""
     seeded_sampling: bool = False
     """Sample every completion from its own seeded generator (Gumbel-max): the tokens then do not depend on the batch layout or the number of ranks. Always on under torchrun."""
     distributed: str = "ddp"
@@ -355,6 +357,8 @@ def _choice(cfg, name: str, choices) -> None:
 def _positive(cfg, *names: str, allow_zero: bool = False) -> None:
     for name in names:
         value = getattr(cfg, name)
+        if value is None:  # an optional setting left to its automatic value
+            continue
         if value < 0 or (value == 0 and not allow_zero):
             raise ValueError(f"config: {name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
 
@@ -413,6 +417,7 @@ def validate(cfg) -> None:
             raise ValueError("config: use_sampler_logprobs with top_p < 1 or top_k > 0 would train on a truncated "
                              "distribution's log-probs; disable one of them")
         _choice(cfg, "task_weighting", ("static", "dynamic"))
+        _choice(cfg, "generation_backend", ("auto", "gspo", "hf"))
         _choice(cfg, "sft_schedule", ("constant", "linear", "cosine"))
         _positive(cfg, "task_weight_floor", "task_progress_coef", "sft_coef", allow_zero=True)
         if not 0 <= cfg.task_weight_smoothing < 1:

@@ -165,6 +165,15 @@ def fill_rows(values: torch.Tensor, rows: torch.Tensor, shape: tuple, d: Dist) -
     return all_sum(full, d)
 
 
+def merge_records(record, d: Dist):
+    """A routing record (R, N, L, k) whose ranks filled disjoint rows (-1 elsewhere): every rank's rows, on every rank."""
+    if not d.enabled:
+        return record
+    from gspo.moe import RoutingRecord
+
+    return RoutingRecord(all_sum(record.indices + 1, d) - 1, record.layers)  # -1 + 1 = 0 adds nothing
+
+
 def gather_objects(obj, d: Dist) -> list:
     if not d.enabled:
         return [obj]
@@ -191,11 +200,54 @@ def barrier(d: Dist) -> None:
 
 
 def full_state_dict(model, d: Dist) -> dict | None:
-    """fsdp: the full (unsharded) weights on CPU, on rank 0 (None elsewhere); every rank must call it."""
+    """fsdp: the full (unsharded) weights on CPU, on rank 0 (None elsewhere); every rank must call it.
+
+    Tied aliases (an output head sharing the embedding) are left out, as `save_pretrained` of the
+    unwrapped model leaves them out.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return sd if d.is_main else None
+    if not d.is_main:
+        return None
+    return {k: v for k, v in sd.items() if k not in tied_aliases(model)}
+
+
+def tied_aliases(model) -> set[str]:
+    """Names of parameters that are another parameter under a second name (tied weights)."""
+    first = {n for n, _ in model.named_parameters()}
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - first
+
+
+def full_optimizer_state(model, optimizer, d: Dist) -> dict | None:
+    """fsdp: the whole optimizer state on CPU, on rank 0 (None elsewhere); every rank must call it.
+
+    Laid out as a single process's `optimizer.state_dict()` (parameters numbered in
+    `model.parameters()` order, one group), so a checkpoint resumes the same way under fsdp, ddp or
+    in one process, on any number of ranks.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not d.is_main:
+        return None
+    number = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return {"state": {number[name]: state for name, state in sd["state"].items()},
+            "param_groups": [{**g, "params": [number[name] for name in g["params"]]} for g in sd["param_groups"]]}
+
+
+def load_optimizer_state(model, optimizer, state: dict) -> None:
+    """fsdp: shard a `full_optimizer_state` (or one process's) state dict into `optimizer`, on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [name for name, _ in model.named_parameters()]
+    groups = state.get("param_groups", [])
+    count = sum(len(g["params"]) for g in groups)
+    if count != len(names):
+        raise ValueError(f"resume: the checkpoint's optimizer holds {count} parameters, the model has {len(names)}")
+    by_name = {"state": {names[i]: s for i, s in state["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def gather_rollout(local, rewards: torch.Tensor, pad_id: int, d: Dist):
@@ -213,7 +265,8 @@ def gather_rollout(local, rewards: torch.Tensor, pad_id: int, d: Dist):
     part = {"prompt_ids": local.input_ids[:, :-T].cpu(), "prompt_mask": local.attention_mask[:, :-T].cpu(),
             "completion_ids": local.input_ids[:, -T:].cpu(), "completion_mask": local.completion_mask.cpu(),
             "sampler_logprobs": None if local.sampler_logprobs is None else local.sampler_logprobs.cpu(),
-            "prompts": local.prompts, "completions": local.completions, "rewards": rewards.cpu()}
+            "prompts": local.prompts, "completions": local.completions, "rewards": rewards.cpu(),
+            "routing": None if local.routing is None else (local.routing.indices.cpu(), local.routing.layers)}
     parts = gather_objects(part, d)
     P = max(p["prompt_ids"].shape[1] for p in parts)
     T = max(p["completion_ids"].shape[1] for p in parts)
@@ -230,6 +283,18 @@ def gather_rollout(local, rewards: torch.Tensor, pad_id: int, d: Dist):
     sampler_lp = None
     if parts[0]["sampler_logprobs"] is not None:
         sampler_lp = torch.cat([pad(p["sampler_logprobs"], T, 0.0, False) for p in parts]).to(device)  # (N, T)
+    routing = None
+    if parts[0]["routing"] is not None:  # (R, n, P_rank + T_rank, k) -> (R, N, P + T, k), -1 in the new padding
+        from gspo.moe import RoutingRecord
+
+        def widen(indices: torch.Tensor, width: int) -> torch.Tensor:
+            R, n, _, k = indices.shape
+            prompt, completion = indices[:, :, : width], indices[:, :, width:]
+            return torch.cat([indices.new_full((R, n, P - width, k), -1), prompt, completion,
+                              indices.new_full((R, n, T - completion.shape[2], k), -1)], dim=2)
+
+        indices = torch.cat([widen(p["routing"][0], p["prompt_ids"].shape[1]) for p in parts], dim=1)
+        routing = RoutingRecord(indices.to(device), parts[0]["routing"][1])
     rollout = Rollout(
         input_ids=torch.cat([prompt_ids, completion_ids], dim=1).to(device),
         attention_mask=torch.cat([prompt_mask, cmask.long()], dim=1).to(device),
@@ -237,5 +302,6 @@ def gather_rollout(local, rewards: torch.Tensor, pad_id: int, d: Dist):
         prompts=[x for p in parts for x in p["prompts"]],
         completions=[x for p in parts for x in p["completions"]],
         sampler_logprobs=sampler_lp,
+        routing=routing,
     )
     return rollout, torch.cat([p["rewards"] for p in parts])

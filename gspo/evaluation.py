@@ -22,11 +22,12 @@ def evaluate(model, tokenizer, rows: list[dict], cfg, *, sampled: bool = True) -
     columns = columns_of(rows)
     k = cfg.eval_k
     limit = getattr(cfg, "max_prompt_length", 512)
+    backend = getattr(cfg, "generation_backend", "auto")
     runs = {"greedy": generate(model, tokenizer, prompts, 1, max_new_tokens=cfg.max_completion_length,
-                               greedy=True, max_prompt_length=limit)}
+                               greedy=True, max_prompt_length=limit, backend=backend)}
     if sampled:
         runs["sampled"] = generate(model, tokenizer, prompts, k, max_new_tokens=cfg.max_completion_length,
-                                   temperature=cfg.eval_temperature, max_prompt_length=limit)
+                                   temperature=cfg.eval_temperature, max_prompt_length=limit, backend=backend)
     if "answer" in columns:
         out = {"eval/accuracy": float(torch.tensor(answer_match(prompts, runs["greedy"].completions, **columns)).mean())}
         if sampled:

@@ -28,6 +28,16 @@ __all__ = ["completion_logprobs", "naive_completion_logprobs", "position_ids_fro
 # each model's (sometimes contradictory) convention here.
 _LOGIT_POSTPROCESS_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
 
+# Default chunk: as many rows as keep one chunk's fp32 (rows, V) logits at 2**26 elements (256 MiB).
+# The backward recomputation holds ~5 such tensors, so the peak is ~1.3 GiB whatever the vocabulary:
+# 441 rows at Qwen's V = 151,936; every row at once for the tiny presets (V = 81). BENCHMARKS.md, item 2.
+CHUNK_ELEMENTS = 2**26
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Rows of the output head per chunk when `chunk_size` is None (see CHUNK_ELEMENTS)."""
+    return max(1, CHUNK_ELEMENTS // max(1, int(vocab_size)))
+
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Position ids (N, L) that count only real tokens, as HF `generate` builds them.
@@ -58,8 +68,8 @@ def _validate(input_ids, attention_mask, completion_len, temperature, chunk_size
         )
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be an int >= 1 or None (from the vocabulary size), got {chunk_size!r}")
 
 
 def _describe(x) -> str:
@@ -68,7 +78,10 @@ def _describe(x) -> str:
 
 def _token_logprobs(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
     """fp32 log-prob of `targets` (M,) under `logits` (M, V) / temperature, and entropy (M,)."""
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)  # (M, V)
+    logits = logits.float()  # (M, V)
+    if temperature != 1.0:  # at T = 1 the division would only add a (M, V) copy
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)  # (M, V)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (M,)
     if not with_entropy:
         return logp, None
@@ -83,7 +96,7 @@ def naive_completion_logprobs(
     completion_len: int,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Reference path: one full forward, full fp32 logits. Same contract as `completion_logprobs`.
@@ -143,7 +156,7 @@ def completion_logprobs(
     completion_len: int,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N, T) fp32 of the completion tokens, and their entropy (N, T) fp32 or None.
@@ -152,7 +165,8 @@ def completion_logprobs(
     before the softmax (match the sampler's temperature). Values at padded completion slots are
     finite but meaningless: the caller masks them.
 
-    The output head runs on `chunk_size` rows of the (N*T, H) hidden states at a time; with grad
+    The output head runs on `chunk_size` rows of the (N*T, H) hidden states at a time (None: as
+    many as keep a chunk's logits at CHUNK_ELEMENTS, `default_chunk_rows(V)`); with grad
     enabled each chunk is checkpointed so the backward recomputes its logits. Models whose forward
     changes logits after the head (softcapping, logit scales) and models without
     `get_decoder`/`get_output_embeddings` (e.g. wrapped in DDP) or sharded by FSDP2 at the root
@@ -181,6 +195,8 @@ def completion_logprobs(
     hidden = out.last_hidden_state[:, P - 1 : seq_len - 1]  # (N, T, H)
     hidden = hidden.reshape(N * T, hidden.shape[-1])  # (N*T, H)
     targets = input_ids[:, P:].reshape(N * T)  # (N*T,)
+    if chunk_size is None:
+        chunk_size = default_chunk_rows(head.weight.shape[0])
 
     def chunk_fn(h: Tensor, tgt: Tensor):
         return _token_logprobs(head(h), tgt, temperature, with_entropy)  # (M,), (M,) | None

@@ -1,4 +1,4 @@
-"""Generation: sample G completions per prompt with HF `generate` into a `Rollout`.
+"""Generation: sample G completions per prompt (gspo's own decode loop or HF `generate`) into a `Rollout`.
 
 Layout: `input_ids` (N, P+T) are left-padded prompts (width P) followed by right-padded
 completions (width T), N = B*G, rows grouped by prompt. The completion mask covers each
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessorList
 
+from gspo import decode
 from gspo.logprobs import is_fsdp2
 
 
@@ -113,8 +114,9 @@ def generate(
     with_logprobs: bool = False,
     routing_recorder=None,
     row_seeds: list[int] | None = None,
+    backend: str = "auto",
 ) -> Rollout:
-    """Sample `num_generations` completions for each prompt (KV-cached HF generate).
+    """Sample `num_generations` completions for each prompt (KV-cached decoding).
 
     No truncation of the distribution unless asked: top_k=0 and top_p=1 sample the full
     softmax(logits / temperature), the distribution the trainer's log-probs are taken over.
@@ -125,7 +127,17 @@ def generate(
     `row_seeds`: one seed per completion (N = len(prompts) * num_generations): each row draws from
     its own generator (`SeededSampler`), so a completion does not depend on which other rows share
     the batch, or the process: the same run on 1 or 8 ranks samples the same tokens.
+    `backend`: "gspo" runs `gspo.decode.sample` (preallocated KV cache, same tokens as HF for the
+    same seed), "hf" runs HF `generate`, "auto" the first where `decode.unsupported_reason` allows.
     """
+    if backend not in ("auto", "gspo", "hf"):
+        raise ValueError(f"backend must be 'auto', 'gspo' or 'hf'; got {backend!r}")
+    own = backend != "hf"
+    if own:
+        reason = decode.unsupported_reason(model)
+        if reason is not None and backend == "gspo":
+            raise ValueError(f"backend='gspo' cannot run this model: {reason}")
+        own = reason is None
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device)  # (B, P)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # (N, P)
@@ -144,39 +156,29 @@ def generate(
     was_training = model.training
     model.eval()
     with routing_recorder if routing_recorder is not None else nullcontext() as recorder:
-        out = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            do_sample=not greedy and seeded is None,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-            eos_token_id=eos,
-            # neutralise distribution-changing defaults a checkpoint's generation_config may carry
-            repetition_penalty=1.0, min_p=None, typical_p=1.0, no_repeat_ngram_size=0,
-            return_dict_in_generate=True,
-            output_scores=with_logprobs and seeded is None,
-            output_logits=with_logprobs and seeded is not None,
-            synced_gpus=is_fsdp2(model),  # FSDP: every rank runs the same number of forwards
-            **sampling,
-        )
+        if own:
+            completion_ids, sampler_lp = decode.sample(
+                model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                pad_token_id=pad, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
+                seeded_sampler=seeded, with_logprobs=with_logprobs)  # (N, T), (N, T) or None
+        else:
+            completion_ids, sampler_lp = _hf_generate(
+                model, prompt_ids, prompt_mask, eos, pad, sampling, seeded, temperature,
+                max_new_tokens=max_new_tokens, greedy=greedy, with_logprobs=with_logprobs)
     model.train(was_training)
-    P = prompt_ids.shape[1]
-    completion_ids = out.sequences[:, P:]  # (N, T)
     cmask = completion_mask_from_ids(completion_ids, eos)  # (N, T)
     completion_ids = torch.where(cmask, completion_ids, torch.full_like(completion_ids, pad))
-    sampler_lp = None
-    if with_logprobs:
-        # out.scores are the processed logits each token was actually sampled from, one (N, V) per step;
-        # seeded sampling adds noise to them, so take the raw logits over the temperature instead
-        steps = out.scores if seeded is None else [logits.float() / temperature for logits in out.logits]
-        sampler_lp = torch.stack([
-            torch.log_softmax(s.float(), -1).gather(-1, completion_ids[:, j : j + 1]).squeeze(-1)
-            for j, s in enumerate(steps)], dim=1)  # (N, T)
+    if sampler_lp is not None:
         sampler_lp = torch.where(cmask, sampler_lp, torch.zeros_like(sampler_lp))
     texts = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(completion_ids, cmask)], skip_special_tokens=True)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+T)
     # the record covers positions 0..P+T-2 (the last token is never fed back)
-    routing = recorder.record().pad_to(input_ids.shape[1]) if recorder is not None else None  # (R, N, P+T, k)
+    routing = None
+    if recorder is not None:
+        record = recorder.record()  # (R, N, l, k)
+        if record.shape[1] > input_ids.shape[1] - 1:  # FSDP (synced_gpus): forwards run after this rank finished
+            record = record.select(slice(None), slice(0, input_ids.shape[1] - 1))
+        routing = record.pad_to(input_ids.shape[1])  # (R, N, P+T, k)
     return Rollout(
         input_ids=input_ids,
         attention_mask=torch.cat([prompt_mask, cmask.long()], dim=1),
@@ -186,6 +188,36 @@ def generate(
         sampler_logprobs=sampler_lp,
         routing=routing,
     )
+
+
+def _hf_generate(model, prompt_ids, prompt_mask, eos, pad, sampling, seeded, temperature, *,
+                 max_new_tokens, greedy, with_logprobs) -> tuple[Tensor, Tensor | None]:
+    """HF `generate`: completion ids (N, T) and, if asked, the sampler's log-probs (N, T)."""
+    out = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        do_sample=not greedy and seeded is None,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        # neutralise distribution-changing defaults a checkpoint's generation_config may carry
+        repetition_penalty=1.0, min_p=None, typical_p=1.0, no_repeat_ngram_size=0,
+        return_dict_in_generate=True,
+        output_scores=with_logprobs and seeded is None,
+        output_logits=with_logprobs and seeded is not None,
+        synced_gpus=is_fsdp2(model),  # FSDP: every rank runs the same number of forwards
+        **sampling,
+    )
+    completion_ids = out.sequences[:, prompt_ids.shape[1]:]  # (N, T) HF pads rows after their EOS
+    if not with_logprobs:
+        return completion_ids, None
+    # out.scores are the processed logits each token was actually sampled from, one (N, V) per step;
+    # seeded sampling adds noise to them, so take the raw logits over the temperature instead
+    steps = out.scores if seeded is None else [logits.float() / temperature for logits in out.logits]
+    sampler_lp = torch.stack([
+        torch.log_softmax(s.float(), -1).gather(-1, completion_ids[:, j : j + 1]).squeeze(-1)
+        for j, s in enumerate(steps)], dim=1)  # (N, T)
+    return completion_ids, sampler_lp
 
 
 class SeededSampler:

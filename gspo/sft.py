@@ -17,7 +17,7 @@ from gspo.config import SFTConfig, to_dict
 from gspo.data import load_splits
 from gspo.evaluation import evaluate
 from gspo.tracking import MetricsLogger
-from gspo.trainer import Progress, prepare_output_dir, save_model, seeded_model
+from gspo.run_control import Progress, prepare_output_dir, save_model, seeded_model
 
 
 def encode_pairs(tokenizer, rows: list[dict], answer_column: str, max_length: int) -> list[tuple[list[int], int]]:

@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
-import random
-import shutil
 import signal
-import sys
-import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,20 +26,22 @@ import torch
 
 from gspo import dist
 from gspo.advantages import group_advantages, group_stats
-from gspo.checkpoint import clean_stale, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from gspo.checkpoint import (OPTIMIZER_FILE, load_checkpoint, load_model_weights, load_state_file, resolve_resume,
+                             save_checkpoint, verify_checkpoint)
 from gspo.config import TrainConfig, to_dict
 from gspo.data import PromptSampler, columns_of, load_splits
 from gspo.evaluation import evaluate
-from gspo.logprobs import completion_logprobs, position_ids_from_mask
-from gspo.models import load_model
+from gspo.logprobs import completion_logprobs, is_fsdp2, position_ids_from_mask
 from gspo.moe import (RoutingRecord, expert_change_frac, find_routers, record_routing, replay_routing,
                       require_replay_support)
-from gspo.multitask import (TaskMixture, reference_chunks, require_references, saved_tasks, sft_backward,
-                            sft_coef_at)
+from gspo.multitask import TaskMixture, reference_chunks, require_references, sft_backward, sft_coef_at
 from gspo.objectives import DEFAULT_AGGREGATION, policy_loss
 from gspo.rewards import get_reward_fn, score_completions
 from gspo.rollout import Rollout, eos_ids, generate, pad_id, row_seeds
-from gspo.tracking import METRICS_FILE, SAMPLES_FILE, MetricsLogger
+from gspo.run_control import (NonFiniteGuard, Progress, StopSignals, TrainingInterrupted, check_resumable,
+                              discard_newer_checkpoints, prepare_output_dir, resolve_device, save_model, saved_config,
+                              seeded_model)
+from gspo.tracking import MetricsLogger
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -68,16 +66,14 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
     replay = cfg.routing_replay != "none"
     if replay:
         require_replay_support(model)  # dense or unsupported MoE: a clear ValueError before any rollout
-        if d.enabled:
-            raise ValueError("config: routing_replay under torchrun is not supported yet; use routing_replay=none")
-    drift = cfg.log_routing_drift and bool(find_routers(model)) and not d.enabled  # MoE models, one process
+    drift = cfg.log_routing_drift and bool(find_routers(model))  # MoE models
     ref_model = dist.wrap(frozen_copy(model), d) if cfg.kl_coef > 0 else None
-    model = dist.wrap(model, d)
     B, G, M = cfg.per_device_batch_size, cfg.num_generations, cfg.num_minibatches
     W, seeded, fsdp = d.world_size, cfg.seeded_sampling or d.enabled, d.enabled and d.mode == "fsdp"
-    if fsdp and (cfg.save_steps or resuming):
-        raise ValueError("config: checkpoints under distributed=fsdp are not supported yet (the final model is "
-                         "saved); use distributed=ddp to checkpoint and resume, or save_steps=0")
+    if fsdp and checkpoint is not None:  # fsdp shards what it wraps: the checkpoint's weights go in first
+        verify_checkpoint(checkpoint)
+        load_model_weights(model, checkpoint)
+    model = dist.wrap(model, d)
     units = "tokens" if (cfg.aggregation or DEFAULT_AGGREGATION[cfg.objective]) == "token_mean" else "sequences"
     # Several tasks (gspo/multitask.py): the mixture samples, scores and evaluates task by task.
     mixture = TaskMixture.from_config(cfg, tokenizer, max(1000, cfg.max_steps * B * W)) if cfg.tasks else None
@@ -88,7 +84,7 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
     if cfg.sft_coef > 0:
         require_references([train_rows] if mixture is None else mixture.train_rows, cfg.sft_column)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
+                                  weight_decay=cfg.weight_decay, **fused_adamw(model))
     total_updates = cfg.max_steps * M * cfg.num_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.lr_scheduler, cfg.warmup_steps, total_updates))
     guard = NonFiniteGuard(cfg.max_consecutive_skips)
@@ -99,12 +95,14 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
     logp_kwargs = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
 
     def save_checkpoint_now(step: int) -> Path | None:
-        # Every rank holds the same state (replicas, same RNG draws): rank 0 writes it.
+        # Every rank holds the same state (replicas, same RNG draws): rank 0 writes it. Under fsdp
+        # every rank first helps gather the full weights and optimizer state (single-process layout).
         path = out_dir / f"checkpoint-{step}"
-        if fsdp:  # sharded optimizer state: not checkpointed yet (validated: no save_steps, no resume)
-            return None
+        weights = dist.full_state_dict(model, d) if fsdp else None
+        optimizer_state = dist.full_optimizer_state(model, optimizer, d) if fsdp else None
         if d.is_main:
-            path = save_checkpoint(out_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
+            path = save_checkpoint(out_dir, step, model=model, tokenizer=tokenizer, model_state_dict=weights,
+                                   optimizer=None if fsdp else optimizer, optimizer_state_dict=optimizer_state,
                                    scheduler=scheduler, config=saved_config(cfg, W), rng_generators={"shuffle": shuffle},
                                    keep=cfg.save_total_limit, trainer_state={
                                        "sampler": sampler.state_dict(), "guard": guard.state_dict(),
@@ -122,8 +120,10 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
         logger.log(0, evals[0])
         first = 1
     else:  # exact resume: weights, optimizer, schedule, data position and RNG states as they were
-        state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler,
-                                rng_generators={"shuffle": shuffle})  # restores the RNGs last: draw nothing before
+        state = load_checkpoint(checkpoint, model=None if fsdp else model, optimizer=None if fsdp else optimizer,
+                                scheduler=scheduler, rng_generators={"shuffle": shuffle})  # RNGs last: draw nothing before
+        if fsdp:  # weights went in before sharding; the optimizer state is sharded now
+            dist.load_optimizer_state(model, optimizer, load_state_file(checkpoint / OPTIMIZER_FILE))
         check_resumable(state["config"], cfg, state["step"], W)
         if d.is_main:
             discard_newer_checkpoints(out_dir, state["step"], cfg.overwrite_output_dir)
@@ -140,7 +140,8 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
     stop = StopSignals()
     for step in range(first, cfg.max_steps + 1):
         t0 = time.perf_counter()
-        rows = sampler.next(B * W)[d.rank * B : (d.rank + 1) * B]  # every rank draws the global batch, keeps its share
+        batch = sampler.next(B * W)  # every rank draws the global batch and keeps its share
+        rows = batch[d.rank * B : (d.rank + 1) * B]
         # 1. Rollout: G completions per prompt, sampled from the current policy (= pi_old).
         #    Routing replay "rollout" (R3) keeps the experts the sampler used: rollout.routing.
         rollout = generate(model, tokenizer, [r["prompt"] for r in rows], G,
@@ -148,7 +149,8 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
                            top_p=cfg.top_p, top_k=cfg.top_k, max_prompt_length=cfg.max_prompt_length,
                            with_logprobs=cfg.use_sampler_logprobs,
                            routing_recorder=record_routing(model) if cfg.routing_replay == "rollout" else None,
-                           row_seeds=row_seeds(cfg.seed, step, d.rank * B * G, B * G) if seeded else None)
+                           row_seeds=row_seeds(cfg.seed, step, d.rank * B * G, B * G) if seeded else None,
+                           backend=cfg.generation_backend)
         # 2. Rewards, then advantages normalised within each group of G.
         #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
         if mixture is None:
@@ -165,21 +167,24 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
         rollout.rewards = rewards.to(device)  # (N,)
         rollout.advantages = group_advantages(rewards, G, scale=cfg.advantage_scale, valid=valid).to(device)  # (N,)
         # 3. pi_old log-probs, once per rollout, on the same minibatches (same shapes) the first
-        #    epoch trains on, so the first minibatch is exactly on-policy (ratio 1). Routing replay
-        #    "old_policy" (GSPO sec. 5.3) records the experts of this forward for every training forward.
-        #    Under torchrun each rank computes its part of every minibatch; the rows are summed across ranks.
+        #    epoch trains on. The first minibatch is on-policy (same weights, same shapes): its pi_old
+        #    is the first training forward's own log-probs, detached (ratio exactly 1), so it is not
+        #    computed here, unless routing replay "old_policy" (GSPO sec. 5.3) needs the experts this
+        #    forward records for every training forward. Under torchrun each rank computes its part
+        #    of every minibatch; the rows are summed across ranks.
         minibatches = torch.randperm(rollout.num_sequences, generator=shuffle).chunk(M)
         mine = [idx.chunk(W)[d.rank] for idx in minibatches]
+        reuse_first = not cfg.use_sampler_logprobs and cfg.routing_replay != "old_policy"
         with torch.no_grad():
             if cfg.use_sampler_logprobs:  # GSPO sec. 5.4: the sampler's likelihoods serve as pi_old
                 rollout.old_logprobs = rollout.sampler_logprobs
             else:
                 rollout.old_logprobs, recorded = minibatch_logprobs_and_routing(
-                    model, rollout, mine, logp_kwargs, replay=cfg.routing_replay == "rollout",
-                    record=cfg.routing_replay == "old_policy")
+                    model, rollout, mine[1:] if reuse_first else mine, logp_kwargs,
+                    replay=cfg.routing_replay == "rollout", record=cfg.routing_replay == "old_policy")
                 rollout.old_logprobs = dist.all_sum(rollout.old_logprobs, d)  # (N, T)
-                if cfg.routing_replay == "old_policy":
-                    rollout.routing = recorded
+                if cfg.routing_replay == "old_policy":  # each rank recorded its rows: every rank gets them all
+                    rollout.routing = dist.merge_records(recorded, d)
             if ref_model is not None:
                 rollout.ref_logprobs = dist.all_sum(minibatch_logprobs(ref_model, rollout, mine, logp_kwargs), d)
         t_rollout = time.perf_counter() - t0
@@ -187,13 +192,14 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
         # 4. One optimizer step per minibatch (with sft_coef, minibatch i also fits references part i).
         step_stats: list[dict] = []
         sft_coef = sft_coef_at(step, cfg.max_steps, cfg.sft_coef, cfg.sft_schedule)
-        refs = reference_chunks(rows, tokenizer, M, cfg.sft_column, max_prompt_length=cfg.max_prompt_length,
+        # Under torchrun every rank fits the whole (small) reference part i and takes 1/W of its gradient.
+        refs = reference_chunks(batch, tokenizer, M, cfg.sft_column, max_prompt_length=cfg.max_prompt_length,
                                 device=device) if sft_coef > 0 else None
         for epoch in range(cfg.num_epochs):
             if epoch > 0:
                 minibatches = torch.randperm(rollout.num_sequences, generator=shuffle).chunk(M)
             for i, idx in enumerate(minibatches):
-                mb = rollout.select(idx.chunk(W)[d.rank])  # the whole minibatch in one process
+                mb = local = rollout.select(idx.chunk(W)[d.rank])  # the whole minibatch in one process
                 # Drift is measured with free routing: under replay that needs its own forward.
                 before = free_routing(model, mb) if drift and replay else None
                 # Replay spans forward and backward (a checkpointed recompute must see the same experts);
@@ -203,19 +209,26 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
                         logp, entropy = completion_logprobs(model, mb.input_ids, mb.attention_mask,
                                                             mb.completion_len, with_entropy=True,
                                                             **logp_kwargs)  # (n, t), (n, t)
+                    on_policy = reuse_first and epoch == 0 and i == 0
+                    if on_policy:  # step 3 left this minibatch's pi_old to this forward
+                        mb.old_logprobs = logp.detach()  # (n, t)
+                        rollout.old_logprobs[idx.chunk(W)[d.rank], : mb.completion_len] = mb.old_logprobs
                     loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.completion_mask,
                                               ref_logprobs=mb.ref_logprobs, **loss_kwargs)
                     optimizer.zero_grad(set_to_none=True)
                     if d.enabled:  # this rank's share of the global minibatch's loss
                         loss = loss * dist.grad_scale(d, *share(rollout, idx, mb, units))
                     loss.backward()
+                sft_stats = {}
                 if refs is not None:  # supervised term: its own forward and backward, outside routing replay
-                    term, stats["loss/sft"] = sft_backward(model, refs[i], sft_coef, **logp_kwargs)
-                    loss, stats["sft/coef"] = loss.detach() + term, sft_coef
+                    term, sft_stats["loss/sft"] = sft_backward(model, refs[i], sft_coef * dist.grad_scale(d, 1, W),
+                                                               **logp_kwargs)
+                    loss, sft_stats["sft/coef"] = loss.detach() + term, sft_coef
                 if d.enabled:
                     dist.average_gradients(model, d)
-                    stats, entropy, mb = global_stats(rollout, idx, mb, logp, entropy, loss_kwargs, d)
+                    stats, entropy, mb = global_stats(rollout, idx, mb, logp, entropy, loss_kwargs, d, on_policy)
                     loss = torch.tensor(math.nan if dist.flag_any(not torch.isfinite(loss), d) else 0.0)
+                stats.update(sft_stats)
                 stats["grad/norm"] = grad_norm(model, cfg.max_grad_norm)
                 if torch.isfinite(loss) and torch.isfinite(stats["grad/norm"]):
                     optimizer.step()
@@ -227,11 +240,11 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
                 stats["entropy"] = (entropy.detach() * mb.completion_mask).sum() / mb.completion_mask.sum()
                 if drift:  # after the step, free routing again: which expert choices did it change?
                     before = before if before is not None else recorder.record()
-                    stats.update(routing_stats("moe/expert_change_frac", before, free_routing(model, mb),
-                                               completion_positions(mb)))
+                    records = minibatch_records(rollout, idx, d, before, free_routing(model, local))
+                    stats.update(routing_stats("moe/expert_change_frac", *records, completion_positions(mb)))
                 if replay:  # how often the replayed experts overrule the routers' own choice
-                    stats["moe/replay_mismatch_frac"] = expert_change_frac(mb.routing, replayer.free_record(),
-                                                                          completion_positions(mb))[0]
+                    records = minibatch_records(rollout, idx, d, local.routing, replayer.free_record())
+                    stats["moe/replay_mismatch_frac"] = expert_change_frac(*records, completion_positions(mb))[0]
                 step_stats.append(stats)
         t_train = time.perf_counter() - t0 - t_rollout
 
@@ -303,7 +316,7 @@ def minibatch_logprobs_and_routing(model, rollout: Rollout, minibatches, logp_kw
     later epoch's reshuffled minibatches can `select` and replay it.
     """
     out = torch.zeros(rollout.completion_mask.shape, dtype=torch.float32, device=rollout.input_ids.device)
-    full = layers = None
+    full = None
     for idx in minibatches:
         mb = rollout.select(idx)
         with replay_routing(model, mb.routing) if replay else nullcontext():
@@ -312,14 +325,28 @@ def minibatch_logprobs_and_routing(model, rollout: Rollout, minibatches, logp_kw
                                               **logp_kwargs)
         out[idx, : mb.completion_len] = logp
         if record:
-            part = recorder.record()  # (R, n, l, k)
-            if full is None:
-                R, _, _, k = part.indices.shape
-                full = part.indices.new_full((R, *rollout.input_ids.shape, k), -1)  # (R, N, P+T, k)
-                layers = part.layers
-            left, cut, _ = rollout.trim(idx)
-            full[:, idx.to(full.device), left:cut] = part.indices
-    return out, RoutingRecord(full, layers) if record else None
+            full = widen_record(rollout, idx, recorder.record(), into=full)  # (R, N, P+T, k)
+    return out, full
+
+
+def widen_record(rollout: Rollout, rows: torch.Tensor, part: RoutingRecord, into: RoutingRecord | None = None
+                 ) -> RoutingRecord:
+    """A minibatch's record (R, n, l, k) written into the rollout's (R, N, P+T, k) layout (-1 elsewhere)."""
+    if into is None:
+        R, _, _, k = part.indices.shape
+        into = RoutingRecord(part.indices.new_full((R, *rollout.input_ids.shape, k), -1), part.layers)
+    left, cut, _ = rollout.trim(rows)
+    into.indices[:, rows.to(into.indices.device), left:cut] = part.indices
+    return into
+
+
+def minibatch_records(rollout: Rollout, idx: torch.Tensor, d, *records: RoutingRecord) -> list[RoutingRecord]:
+    """Records of this rank's part of minibatch `idx`, as records of the whole minibatch (every rank's rows)."""
+    if not d.enabled:
+        return list(records)
+    mine = idx.chunk(d.world_size)[d.rank]
+    left, cut, _ = rollout.trim(idx)
+    return [dist.merge_records(widen_record(rollout, mine, r), d).select(idx, slice(left, cut)) for r in records]
 
 
 @torch.no_grad()
@@ -329,10 +356,12 @@ def free_routing(model, mb: Rollout) -> RoutingRecord:
     Same inputs as `completion_logprobs`, so at equal weights it matches the training forward's
     free routing exactly; the output head is skipped (the logits do not matter here).
     """
-    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model
+    sharded = is_fsdp2(model)  # fsdp: the root's forward must run (it gathers the embedding), with one logit row
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") and not sharded else model
     with record_routing(model) as recorder:
         backbone(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                 position_ids=position_ids_from_mask(mb.attention_mask), use_cache=False)
+                 position_ids=position_ids_from_mask(mb.attention_mask), use_cache=False,
+                 **({"logits_to_keep": 1} if sharded else {}))
     return recorder.record()
 
 
@@ -391,12 +420,18 @@ def share(rollout: Rollout, idx: torch.Tensor, mb: Rollout, units: str) -> tuple
     return float(mb.num_sequences), float(len(idx))
 
 
-def global_stats(rollout: Rollout, idx, mb: Rollout, logp, entropy, loss_kwargs, d) -> tuple[dict, torch.Tensor, Rollout]:
-    """Statistics of the global minibatch from every rank's rows: the single-process values."""
+def global_stats(rollout: Rollout, idx, mb: Rollout, logp, entropy, loss_kwargs, d, on_policy: bool = False
+                 ) -> tuple[dict, torch.Tensor, Rollout]:
+    """Statistics of the global minibatch from every rank's rows: the single-process values.
+
+    `on_policy`: these log-probs are also the minibatch's pi_old (every rank's rows go into the rollout).
+    """
     N, T = rollout.completion_mask.shape
     mine = idx.chunk(d.world_size)[d.rank]
     logp_all = dist.fill_rows(logp.detach(), mine, (N, T), d)  # (N, T)
     ent_all = dist.fill_rows(entropy.detach(), mine, (N, T), d)  # (N, T)
+    if on_policy:
+        rollout.old_logprobs[idx] = logp_all[idx]
     whole = rollout.select(idx)
     t = whole.completion_len
     with torch.no_grad():
@@ -435,68 +470,12 @@ def lr_schedule(kind: str, warmup: int, total: int):
     return factor
 
 
-def save_model(model, tokenizer, path: Path, state_dict: dict | None = None) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, **({"state_dict": state_dict} if state_dict is not None else {}))
-    tokenizer.save_pretrained(path)
-
-
-def prepare_output_dir(cfg, resuming: bool = False) -> Path:
-    """The run's folder; an earlier run's files there are an error unless overwriting or resuming."""
-    out = Path(cfg.output_dir)
-    clean_stale(out) if out.is_dir() else None  # half-written checkpoints of a killed run
-    old = [out / METRICS_FILE, out / SAMPLES_FILE, *sorted(out.glob("checkpoint-*"))]
-    old = [p for p in old if p.exists()]
-    if old and not resuming:
-        if not cfg.overwrite_output_dir:
-            raise ValueError(f"output_dir {out} already holds a run ({old[0].name}); continue it with --resume latest, "
-                             "choose another output_dir, or set overwrite_output_dir=true to delete it")
-        for path in old:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    return out
-
-
-# Settings that may change when resuming: where and how much is logged, not what is computed.
-RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "progress",
-                     "save_steps", "save_total_limit", "eval_steps", "log_samples_steps", "log_samples_count",
-                     "tensorboard", "wandb", "wandb_project", "max_consecutive_skips", "dist_timeout_s")
-
-
-def saved_config(cfg, world_size: int = 1) -> dict:
-    """The config as JSON: reward functions passed as Python callables become "module:name".
-
-    Two settings are stored as they act: the global batch (per-device batch x world size), and
-    seeded_sampling (always on under torchrun), so a run can resume on another number of ranks.
-    """
-    out = to_dict(cfg)
-    out["per_device_batch_size"] *= world_size
-    out["seeded_sampling"] = cfg.seeded_sampling or world_size > 1
-    out["reward_funcs"] = [f if isinstance(f, str) else f"{f.__module__}:{getattr(f, '__qualname__', type(f).__name__)}"
-                           for f in out["reward_funcs"]]
-    out["tasks"] = saved_tasks(out["tasks"])  # the same for each task's reward functions
-    return out
-
-
-def check_resumable(saved: dict, cfg, step: int, world: int = 1) -> None:
-    """A resumed run must compute what the checkpointed one did: same settings, and steps left to run."""
-    now = saved_config(cfg, world)
-    changed = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
-    if changed:
-        raise ValueError("resume: the checkpoint was made with other settings: " +
-                         ", ".join(f"{k}={saved.get(k)!r} (now {now.get(k)!r})" for k in changed))
-    if step >= cfg.max_steps:
-        raise ValueError(f"resume: the checkpoint is at step {step} and max_steps={cfg.max_steps}: nothing left to "
-                         "run (raise max_steps to train further)")
-
-
-def discard_newer_checkpoints(out_dir: Path, step: int, allowed: bool) -> None:
-    """Resuming from an older checkpoint abandons the newer ones: only with overwrite_output_dir."""
-    newer = [c for c in list_checkpoints(out_dir) if int(c.name.rsplit("-", 1)[1]) > step]
-    if newer and not allowed:
-        raise ValueError(f"resume: {newer[-1].name} is newer than checkpoint-{step}; resume from latest, or set "
-                         "overwrite_output_dir=true to delete the newer checkpoints")
-    for path in newer:
-        shutil.rmtree(path)
+def fused_adamw(model) -> dict:
+    """{"fused": True} where torch has a fused AdamW kernel for every parameter (CPU and CUDA, float
+    dtypes; FSDP2's DTensors too): one kernel per step instead of a loop over parameters (BENCHMARKS.md, item 5)."""
+    params = list(model.parameters())
+    ok = params and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return {"fused": True} if ok else {}
 
 
 def frozen_copy(model):
@@ -504,119 +483,3 @@ def frozen_copy(model):
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
-
-
-def seeded_model(cfg) -> tuple[torch.device, torch.nn.Module, object]:
-    """Seed every RNG, then load the configured model and tokenizer onto the configured device."""
-    seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                  seed=cfg.seed, overrides=cfg.model_overrides)
-    return device, model, tokenizer
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"config: device={device!r} but CUDA is not available here")
-    return torch.device(device)
-
-
-class TrainingAborted(RuntimeError):
-    """The run cannot go on (e.g. every recent update was non-finite); the message says why."""
-
-
-class TrainingInterrupted(TrainingAborted):
-    """SIGINT/SIGTERM arrived; the step in flight was finished and checkpointed."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"{signal.Signals(signum).name} at step {step}; checkpoint saved to {checkpoint}; "
-                         "continue with --resume latest")
-
-
-class StopSignals:
-    """Turns SIGINT/SIGTERM into a request to stop after the current step (a second one stops at once).
-
-    Installed only in the main thread (Python delivers signals there); `restore` puts back the
-    previous handlers.
-    """
-
-    def __init__(self):
-        self.requested, self.previous = 0, {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self.previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:  # second signal: do what the previous handler would have done
-            self.restore()
-            signal.raise_signal(signum)
-            return
-        self.requested = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-              "(send it again to stop at once)", file=sys.stderr, flush=True)
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        self.previous = {}
-
-
-class NonFiniteGuard:
-    """Counts optimizer steps skipped for a non-finite loss or gradient; aborts after `limit` in a row."""
-
-    def __init__(self, limit: int):
-        self.limit, self.skipped, self.in_a_row = limit, 0, 0
-
-    def ok(self) -> None:
-        self.in_a_row = 0
-
-    def state_dict(self) -> dict:
-        return {"skipped": self.skipped, "in_a_row": self.in_a_row}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.skipped, self.in_a_row = state["skipped"], state["in_a_row"]
-
-    def skip(self, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        self.skipped += 1
-        self.in_a_row += 1
-        if self.in_a_row >= self.limit:
-            raise TrainingAborted(
-                f"step {step}: {self.in_a_row} optimizer steps in a row had a non-finite loss ({loss.item()}) or "
-                f"gradient norm ({float(norm)}); the weights were not updated by them. Lower learning_rate, check "
-                "rewards and inputs, or raise max_consecutive_skips")
-
-
-class Progress:
-    """A rich progress bar showing the latest values of a few metrics; a no-op when disabled."""
-
-    def __init__(self, total: int, enabled: bool = True, label: str = "train",
-                 show: tuple[str, ...] = ("reward/mean", "eval/accuracy")):
-        self.bar, self.show, self.latest = None, show, {}
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
-
-            self.bar = RichProgress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[text]}"), TimeElapsedColumn(), TimeRemainingColumn())
-            self.task = self.bar.add_task(label, total=total, text="")
-            self.bar.start()
-
-    def update(self, step: int, metrics: dict) -> None:
-        if self.bar is None:
-            return
-        self.latest.update({k: metrics[k] for k in self.show if k in metrics})
-        text = "  ".join(f"{k} {v:.3f}" for k, v in self.latest.items())
-        self.bar.update(self.task, completed=step, text=text)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -62,11 +62,11 @@ def runs(tmp_path_factory):
         "model": "tiny-dense", "model_overrides": SMALL, "task": "add3", "max_steps": 3, "num_generations": 4,
         "num_minibatches": 2, "max_completion_length": 8, "learning_rate": 1e-3, "eval_num_prompts": 4, "eval_k": 2,
         "progress": False, "device": "cpu", "reward_funcs": ["format", "rewards_mod:digit"], "kl_coef": 0.01,
-        "log_samples_steps": 0, "seeded_sampling": True, "eval_steps": 2}))
+        "log_samples_steps": 0, "seeded_sampling": True, "eval_steps": 2, "sft_coef": 0.05}))
     done = {
         "one": run(tmp, 1, "per_device_batch_size=4", "output_dir=one", "save_steps=1"),
         "ddp": run(tmp, 2, "per_device_batch_size=2", "output_dir=ddp", "save_steps=1"),
-        "fsdp": run(tmp, 2, "per_device_batch_size=2", "output_dir=fsdp", "distributed=fsdp"),
+        "fsdp": run(tmp, 2, "per_device_batch_size=2", "output_dir=fsdp", "distributed=fsdp", "save_steps=1"),
     }
     for name, proc in done.items():
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
@@ -109,21 +109,38 @@ def test_only_rank_zero_writes(runs):
     assert sorted(p.name for p in (runs / "ddp").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
 
 
-def test_two_process_checkpoint_resumes_on_two_or_one_processes(runs):
-    for name, nproc, batch, reference in (("resume2", 2, 2, "ddp"), ("resume1", 1, 4, "one")):
-        target = runs / name
-        shutil.copytree(runs / "ddp", target)
+@pytest.mark.parametrize("source", ["ddp", "fsdp"])
+def test_two_process_checkpoint_resumes_on_two_or_one_processes(runs, source):
+    for nproc, batch in ((2, 2), (1, 4)):
+        target = runs / f"{source}_resume{nproc}"
+        shutil.copytree(runs / source, target)
         shutil.rmtree(target / "checkpoint-3")
         shutil.rmtree(target / "model")
-        done = run(runs, nproc, f"per_device_batch_size={batch}", f"output_dir={name}", "save_steps=1",
-                   "--resume", "latest")
+        mode = [f"distributed={source}"] if nproc == 2 else []
+        done = run(runs, nproc, f"per_device_batch_size={batch}", f"output_dir={target.name}", "save_steps=1",
+                   *mode, "--resume", "latest")
         assert done.returncode == 0, done.stderr[-3000:]
         if nproc == 2:  # same world size: the same computation, bit for bit
-            assert metrics(target / "metrics.jsonl") == metrics(runs / "ddp" / "metrics.jsonl")
-            wa, wb = load_file(target / "model" / "model.safetensors"), load_file(runs / "ddp/model/model.safetensors")
-            assert all(torch.equal(wa[k], wb[k]) for k in wa)
+            assert metrics(target / "metrics.jsonl") == metrics(runs / source / "metrics.jsonl")
+            wa, wb = load_file(target / "model/model.safetensors"), load_file(runs / source / "model/model.safetensors")
+            assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
         else:  # another world size: the single-process run's numbers, within the float tolerance
-            assert_same_run(runs / reference, target)
+            assert_same_run(runs / "one", target)
+
+
+def test_fsdp_checkpoint_holds_full_weights_and_single_process_optimizer_layout(runs):
+    from gspo.checkpoint import load_state_file
+
+    ckpt_fsdp, ckpt_ddp = runs / "fsdp" / "checkpoint-2", runs / "ddp" / "checkpoint-2"
+    wf, wd = load_file(ckpt_fsdp / "model.safetensors"), load_file(ckpt_ddp / "model.safetensors")
+    assert set(wf) == set(wd) and "lm_head.weight" not in wf  # tied head left out, as save_pretrained does
+    of, od = load_state_file(ckpt_fsdp / "optimizer.pt"), load_state_file(ckpt_ddp / "optimizer.pt")
+    assert [g["params"] for g in of["param_groups"]] == [g["params"] for g in od["param_groups"]]
+    assert sorted(of["state"]) == sorted(od["state"])
+    for i, state in od["state"].items():  # same moments, up to the runs' float tolerance
+        scale = state["exp_avg_sq"].abs().max() + 1e-30
+        assert (of["state"][i]["exp_avg_sq"] - state["exp_avg_sq"]).abs().max() <= 1e-3 * scale, i
+        assert float(of["state"][i]["step"]) == float(state["step"]) == 4.0  # 2 RL steps x 2 minibatches
 
 
 def test_a_dead_rank_stops_the_run_with_a_message(runs):
@@ -134,3 +151,57 @@ def test_a_dead_rank_stops_the_run_with_a_message(runs):
     assert time.monotonic() - started < 120
     assert "exitcode  : 7" in done.stderr or "exit code 7" in done.stderr or "exitcode: 7" in done.stderr, \
         done.stderr[-2000:]
+
+
+def test_unavailable_backend_or_bad_mode_is_a_clear_error(monkeypatch):
+    import torch.distributed as tdist
+
+    from gspo import dist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(tdist, "is_gloo_available", lambda: False)
+    with pytest.raises(ValueError, match="backend 'gloo' .*not available"):
+        dist.setup(torch.device("cpu"), "ddp", 30)
+    with pytest.raises(ValueError, match="distributed='zero3' is not one of ddp, fsdp"):
+        dist.setup(torch.device("cpu"), "zero3", 30)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # no launcher: nothing distributed, whatever the mode
+    assert dist.setup(torch.device("cpu"), "fsdp", 30) == dist.Dist(mode="fsdp")
+
+
+def test_moe_routing_replay_and_drift_match_one_process(tmp_path):
+    """old_policy replay (2 epochs: rows recorded on one rank are replayed on another) under ddp, and
+    rollout replay (records gathered with the rollout) under fsdp, log what one process logs."""
+    from tests.test_trainer import SMALL_MOE
+
+    (tmp_path / "rewards_mod.py").write_text(REWARD)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "model": "tiny-moe", "model_overrides": SMALL_MOE, "task": "add3", "max_steps": 2, "num_generations": 4,
+        "num_minibatches": 2, "num_epochs": 2, "max_completion_length": 8, "learning_rate": 1e-3,
+        "eval_num_prompts": 2, "eval_k": 1, "progress": False, "device": "cpu", "log_samples_steps": 0,
+        "reward_funcs": ["rewards_mod:digit"], "seeded_sampling": True, "log_routing_drift": True}))
+    for replay, mode in (("old_policy", "ddp"), ("rollout", "fsdp")):
+        one = run(tmp_path, 1, "per_device_batch_size=4", f"output_dir=one_{replay}", f"routing_replay={replay}")
+        two = run(tmp_path, 2, "per_device_batch_size=2", f"output_dir=two_{replay}", f"routing_replay={replay}",
+                  f"distributed={mode}")
+        assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+        assert_same_run(tmp_path / f"one_{replay}", tmp_path / f"two_{replay}")
+        last = read_jsonl(tmp_path / f"two_{replay}" / "metrics.jsonl")[-1]
+        assert "moe/expert_change_frac" in last and "moe/replay_mismatch_frac" in last
+
+
+def test_multitask_mixture_with_dynamic_weights_matches_one_process(tmp_path):
+    (tmp_path / "rewards_mod.py").write_text(REWARD)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "model": "tiny-dense", "model_overrides": SMALL, "task": None, "max_steps": 3, "num_generations": 4,
+        "tasks": [{"task": "add2"}, {"task": "add3", "reward_funcs": ["answer_match", "rewards_mod:digit"]},
+                  {"name": "hard", "task": "mul3", "weight": 2}],
+        "task_weighting": "dynamic", "task_weight_floor": 0.1, "sft_coef": 0.5, "num_minibatches": 2,
+        "max_completion_length": 8, "learning_rate": 1e-3, "eval_num_prompts": 2, "eval_k": 1, "progress": False,
+        "device": "cpu", "log_samples_steps": 0, "seeded_sampling": True}))
+    one = run(tmp_path, 1, "per_device_batch_size=4", "output_dir=one")
+    two = run(tmp_path, 2, "per_device_batch_size=2", "output_dir=two")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    last = read_jsonl(tmp_path / "two" / "metrics.jsonl")[-1]
+    assert last["loss/sft"] > 0 and "task/hard/weight" in last

@@ -50,7 +50,7 @@ def test_position_ids_from_mask():
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])
-@pytest.mark.parametrize("chunk_size", [1, 4, 7, 15, 1024])  # N*T = 15: 4 and 7 leave a ragged last chunk
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 15, 1024, None])  # N*T = 15: 4 and 7 leave a ragged last chunk
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_chunked_equals_naive(name, chunk_size, with_entropy):
     model = MODELS[name]
@@ -68,6 +68,24 @@ def test_chunked_equals_naive(name, chunk_size, with_entropy):
         assert ((ent >= 0) & (ent <= math.log(V) + 1e-5)).all()
     else:
         assert ent is None and ref_ent is None
+
+
+def test_default_chunk_rows_follow_the_vocabulary(monkeypatch):
+    from gspo import logprobs
+
+    assert logprobs.default_chunk_rows(151_936) == 441  # 2**26 // 151,936: 256 MiB of fp32 logits per chunk
+    assert logprobs.default_chunk_rows(81) == 828_504
+    assert logprobs.default_chunk_rows(10**9) == 1  # never zero rows
+    # With the budget at 4 rows of this V, chunk_size=None runs the head on ceil(15 / 4) = 4 chunks.
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 4 * V)
+    model, calls = MODELS["dense"], []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, i, o: calls.append(o.shape[0]))
+    try:
+        with torch.no_grad():
+            completion_logprobs(model, *_batch(), 5)
+    finally:
+        handle.remove()
+    assert calls == [4, 4, 4, 3]
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])

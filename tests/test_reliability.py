@@ -19,7 +19,8 @@ import gspo.trainer
 from gspo.cli import main
 from gspo.models import load_model
 from gspo.tracking import read_jsonl
-from gspo.trainer import TrainingAborted, train
+from gspo.run_control import TrainingAborted
+from gspo.trainer import train
 from tests.test_trainer import SMALL, starts_with_digit, tiny_cfg
 
 

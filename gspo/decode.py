@@ -1,0 +1,279 @@
+"""gspo's own KV-cached sampling loop: HF `generate`'s tokens without its per-step costs.
+
+HF `generate` grows its `DynamicCache` with `torch.cat`, copying every layer's whole cache at
+every decode step (BENCHMARKS.md O3: 24% of an RL step at T = 1024), and runs a general loop
+(logits processors, stopping criteria, output bookkeeping) around each forward. Here the cache is
+preallocated once and exposes only its filled prefix, and the loop does only what a rollout needs.
+
+The loop reproduces HF `generate` (transformers 5.24) call for call, so that with the same seed
+it samples the same tokens: the same forwards (prefill (N, P), then one (N, 1) forward per new
+token except the last, which is never fed back), the same inputs (position ids from the attention
+mask's cumsum; an all-ones mask dropped), the same float32 scores, warpers and
+`torch.multinomial` draw from the global RNG. MoE routing hooks therefore see what they see
+under HF `generate`. Models that need more than a plain per-layer KV cache (sliding-window,
+linear-attention or shared-KV layers, encoder-decoders) or FSDP2 sharding (every rank must run
+the same number of forwards) are left to HF `generate`: see `unsupported_reason`.
+
+    completion_ids, logprobs = sample(model, prompt_ids, prompt_mask, max_new_tokens=48,
+                                      eos_token_ids=[2], pad_token_id=0, temperature=0.7)
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+
+from gspo.logprobs import is_fsdp2
+
+__all__ = ["PrefixKVLayer", "prefix_cache", "sample", "unsupported_reason"]
+
+
+class PrefixKVLayer(CacheLayerMixin):
+    """One attention layer's KV cache: a buffer allocated once, of which only the filled prefix is seen.
+
+    Buffers are (N, kv_heads, capacity, head_dim), allocated on the first `update` with that
+    update's dtype, device and shapes; `update` copies the new keys/values in place at the fill
+    offset and returns views `buf[:, :, :filled]`, so nothing is reallocated or concatenated.
+    Subclasses HF's `CacheLayerMixin` because `Cache.get_seq_length` / `get_mask_sizes` only
+    accept layers of that type; every method the models and mask builders call is defined here.
+    """
+
+    is_sliding = False  # masks: a full causal layer
+    is_compileable = False  # the returned length grows each step: keep the 2D-mask path
+    is_croppable = False
+
+    def __init__(self, capacity: int):
+        super().__init__()  # keys / values / is_initialized, as HF's cache code reads them
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1; got {capacity}")
+        self.capacity = capacity
+        self.filled = 0
+        self.key_buffer: Tensor | None = None
+        self.value_buffer: Tensor | None = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        n, heads, _, dim = key_states.shape
+        self.key_buffer = key_states.new_empty((n, heads, self.capacity, dim))  # (N, H, C, D)
+        n, heads, _, dim = value_states.shape  # values may have their own head dim
+        self.value_buffer = value_states.new_empty((n, heads, self.capacity, dim))  # (N, H, C, Dv)
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Append (N, H, l, D) keys/values; return the (N, H, filled, D) views of everything so far."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.filled, self.filled + key_states.shape[-2]
+        if end > self.capacity:
+            raise ValueError(f"PrefixKVLayer: {end} positions exceed the preallocated capacity {self.capacity}")
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.filled = end
+        self.keys = self.key_buffer[:, :, :end]  # (N, H, filled, D) view, no copy
+        self.values = self.value_buffer[:, :, :end]  # (N, H, filled, Dv)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.filled
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) for the mask builders, asked before this forward's `update`."""
+        return self.filled + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.filled = 0
+        self.keys = self.values = None
+
+
+def prefix_cache(num_layers: int, capacity: int) -> Cache:
+    """An HF `Cache` of `num_layers` `PrefixKVLayer`s holding up to `capacity` positions each."""
+    return Cache(layers=[PrefixKVLayer(capacity) for _ in range(num_layers)])
+
+
+# Generation-config fields that make HF `generate` add a logits processor, stopping criterion or
+# decoding mode that `rollout.generate` does not override and this loop does not implement; a
+# checkpoint carrying one of them stays on HF `generate`. Value: "inactive" test.
+def _off(v) -> bool:
+    return v is None or v is False
+
+
+_HF_ONLY_FIELDS = {
+    "guidance_scale": lambda v: v is None or v == 1,
+    "sequence_bias": _off,
+    "bad_words_ids": _off,
+    "min_length": lambda v: not v,
+    "min_new_tokens": lambda v: not v,
+    "forced_bos_token_id": _off,
+    "forced_eos_token_id": _off,
+    "remove_invalid_values": _off,
+    "exponential_decay_length_penalty": _off,
+    "suppress_tokens": lambda v: not v,
+    "begin_suppress_tokens": lambda v: not v,
+    "top_h": _off,
+    "epsilon_cutoff": lambda v: v is None or not 0 < v < 1,
+    "eta_cutoff": lambda v: v is None or not 0 < v < 1,
+    "watermarking_config": _off,
+    "renormalize_logits": _off,
+    "max_time": _off,
+    "stop_strings": lambda v: not v,
+    "num_beams": lambda v: v is None or v == 1,
+    "num_return_sequences": lambda v: v is None or v == 1,
+    "num_beam_groups": lambda v: v is None or v == 1,
+    "penalty_alpha": lambda v: not v,
+    "dola_layers": _off,
+    "prompt_lookup_num_tokens": _off,
+    "token_healing": _off,
+    "use_mtp": _off,
+}
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `sample` cannot stand in for HF `generate` on `model`, or None if it can."""
+    if is_fsdp2(model):
+        return ("the model is FSDP2-sharded: every rank must run the same number of forwards "
+                "(HF generate with synced_gpus)")
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generation_config"):
+        return f"{type(model).__name__} is not a Hugging Face generative model"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported"
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "position_ids", "attention_mask"):
+        if name not in params:
+            return f"{type(model).__name__}.forward takes no `{name}` argument"
+    # What HF would build for this model; a plain full-attention KV layer everywhere is what we replace
+    probe = DynamicCache(config=config.get_text_config(decoder=True))
+    other = [(i, type(layer).__name__) for i, layer in enumerate(probe.layers) if type(layer) is not DynamicLayer]
+    if other:
+        i, kind = other[0]
+        return (f"layer {i} needs a {kind} cache (sliding-window, linear-attention or shared-KV layers "
+                f"are left to HF generate); {len(other)} such layer(s)")
+    gen = model.generation_config
+    active = [k for k, inactive in _HF_ONLY_FIELDS.items() if not inactive(getattr(gen, k, None))]
+    if active:
+        return f"generation_config sets {active}, which only HF generate implements"
+    return None
+
+
+def _num_layers(model) -> int:
+    return len(DynamicCache(config=model.config.get_text_config(decoder=True)).layers)
+
+
+@contextmanager
+def _decode_experts(model):
+    """HF `generate` switches MoE experts from grouped_mm to batched_mm for decode off CPU; do the same."""
+    get = getattr(model, "get_experts_implementation", None)
+    original = get() if get is not None else {}
+    switch = model.device.type != "cpu" and "grouped_mm" in original.values()
+    if switch:
+        model.set_experts_implementation({k: "batched_mm" if v == "grouped_mm" else v for k, v in original.items()})
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_experts_implementation(original)
+
+
+@torch.no_grad()
+def sample(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    seeded_sampler=None,
+    with_logprobs: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Sample completions of left-padded prompts (N, P) -> (completion_ids (N, T), logprobs (N, T) or None).
+
+    Token choice as HF `generate`: `greedy` takes argmax(logits); `seeded_sampler` (called as
+    `seeded_sampler(input_ids, logits)`, e.g. `rollout.SeededSampler`) returns scores whose argmax
+    is taken; otherwise scores = logits / temperature, then top-k (if top_k != 0), top-p (if < 1),
+    and one `torch.multinomial(softmax(scores), 1)` per step from the global RNG.
+    Stops when every row has emitted an EOS or after `max_new_tokens`; T is the number of tokens
+    produced, and rows that finished earlier hold `pad_token_id` after their EOS.
+    `logprobs[:, t]` is log_softmax of the scores token t was chosen from (the processed scores;
+    for `seeded_sampler` logits / temperature, the distribution it samples), at that token.
+    The caller puts the model in eval mode; `unsupported_reason(model)` must be None.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling; got {temperature}")
+    if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"prompt_ids and prompt_mask must both be (N, P); got {tuple(prompt_ids.shape)} "
+                         f"and {tuple(prompt_mask.shape)}")
+    if not eos_token_ids:
+        raise ValueError("eos_token_ids must name at least one token")
+    warpers = []  # HF's own warper classes, in HF's order: identical truncation
+    if not greedy and seeded_sampler is None:
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        if top_k != 0:
+            warpers.append(TopKLogitsWarper(top_k=top_k))
+        if top_p is not None and top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=top_p))
+
+    N, P = prompt_ids.shape
+    device = prompt_ids.device
+    eos = torch.tensor(eos_token_ids, device=device)
+    ids = torch.cat([prompt_ids, prompt_ids.new_full((N, max_new_tokens), pad_token_id)], dim=1)  # (N, P+max)
+    # HF drops an all-ones mask (SDPA can then use its causal kernel); keep it only with padding
+    mask = None
+    if not bool(prompt_mask.all()):
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones((N, max_new_tokens))], dim=1)  # (N, P+max)
+    position_ids = prompt_mask.long().cumsum(-1) - 1  # (N, P) left padding: real tokens count from 0
+    position_ids = position_ids.masked_fill(prompt_mask == 0, 0)  # as HF generate fills padding
+    next_position = position_ids[:, -1:] + 1  # (N, 1)
+    logprobs = torch.zeros(N, max_new_tokens, device=device) if with_logprobs else None  # (N, max)
+    unfinished = torch.ones(N, dtype=torch.bool, device=device)  # (N,)
+    # the last token is never fed back: P + max_new_tokens - 1 positions ever enter the cache
+    cache = prefix_cache(_num_layers(model), P + max_new_tokens - 1)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+    out = model(input_ids=prompt_ids, attention_mask=None if mask is None else mask[:, :P],
+                position_ids=position_ids, cache=cache, use_cache=True, return_dict=True, **extra)
+    if any(layer.filled != P for layer in cache.layers):
+        raise ValueError(f"{type(model).__name__} did not fill gspo's KV cache in every layer; use backend='hf'")
+    T = max_new_tokens
+    with _decode_experts(model):
+        for t in range(max_new_tokens):
+            # (N, V) float32 scores, copied as HF does: frees a full-prompt logits tensor, joins devices
+            logits = out.logits[:, -1].to(device=device, dtype=torch.float32, copy=True)
+            del out
+            if seeded_sampler is not None:
+                token = seeded_sampler(ids[:, : P + t], logits).argmax(-1)  # (N,) argmax(logits / T + Gumbel)
+                scores = logits / temperature if with_logprobs else None  # (N, V) the distribution sampled
+            elif greedy:
+                scores = logits
+                token = scores.argmax(-1)  # (N,)
+            else:
+                scores = logits / temperature if temperature != 1.0 else logits  # (N, V)
+                for warp in warpers:
+                    scores = warp(ids[:, : P + t], scores)  # (N, V) -inf outside the top-k / top-p set
+                token = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)  # (N,)
+            token = torch.where(unfinished, token, pad_token_id)  # finished rows emit padding, as HF
+            if with_logprobs:
+                logprobs[:, t] = torch.log_softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+            ids[:, P + t] = token
+            unfinished &= ~torch.isin(token, eos)
+            if t == max_new_tokens - 1 or not bool(unfinished.any()):
+                T = t + 1
+                break
+            out = model(input_ids=token[:, None], attention_mask=None if mask is None else mask[:, : P + t + 1],
+                        position_ids=next_position + t, cache=cache, use_cache=True, return_dict=True, **extra)
+    completion_ids = ids[:, P : P + T].clone()  # (N, T)
+    return completion_ids, logprobs[:, :T].clone() if with_logprobs else None

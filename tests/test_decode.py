@@ -1,0 +1,238 @@
+"""gspo's own decode loop (gspo/decode.py) against HF `generate`: same tokens, log-probs, routing."""
+
+import pytest
+import torch
+
+import gspo.decode
+from gspo.decode import PrefixKVLayer, prefix_cache, sample, unsupported_reason
+from gspo.models import load_model
+from gspo.moe import record_routing
+from gspo.rollout import generate, row_seeds
+from gspo.tasks import build_char_tokenizer
+
+# untied head: a random model with tied embeddings mostly repeats its input token, a weak greedy test
+SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32, "tie_word_embeddings": False}
+SMALL_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 32}
+# ragged: after left padding the rows start at different columns
+PROMPTS = ["12+34=", "7=", "123+456+789=", "5+5="]
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return load_model("tiny-dense", seed=1, overrides=SMALL)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """Absolute learned positions: wrong position ids under left padding would change every token."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    tok = build_char_tokenizer()
+    config = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                        tie_word_embeddings=False, initializer_range=0.2,  # varied greedy tokens
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).eval(), tok
+
+
+def both(model, tok, seed=0, **kw):
+    """rollout.generate with the own loop and with HF generate, from the same global seed."""
+    out = {}
+    for backend in ("gspo", "hf"):
+        torch.manual_seed(seed)
+        out[backend] = generate(model, tok, PROMPTS, 2, backend=backend, **kw)
+    return out["gspo"], out["hf"]
+
+
+def assert_same(a, b, logprobs=False):
+    assert a.input_ids.shape == b.input_ids.shape
+    assert torch.equal(a.input_ids, b.input_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert a.completions == b.completions
+    if logprobs:
+        torch.testing.assert_close(a.sampler_logprobs, b.sampler_logprobs, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the cache
+
+def test_prefix_layer_returns_the_concatenation_without_reallocating():
+    layer = PrefixKVLayer(capacity=6)
+    g = torch.Generator().manual_seed(0)
+    pieces = [(torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 5, generator=g)) for n in (3, 1, 2)]
+    ptrs = set()
+    for i, (k, v) in enumerate(pieces):
+        keys, values = layer.update(k, v)
+        assert torch.equal(keys, torch.cat([p[0] for p in pieces[: i + 1]], dim=2))
+        assert torch.equal(values, torch.cat([p[1] for p in pieces[: i + 1]], dim=2))  # own head dim 5
+        ptrs.add((keys.data_ptr(), values.data_ptr()))
+    assert len(ptrs) == 1  # every update wrote into the one buffer allocated by the first
+    assert layer.key_buffer.shape == (2, 3, 6, 4) and layer.value_buffer.shape == (2, 3, 6, 5)
+    assert layer.get_seq_length() == 6
+    assert layer.get_mask_sizes(1) == (7, 0)  # 6 cached + 1 query, no offset
+    with pytest.raises(ValueError, match="capacity 6"):
+        layer.update(pieces[1][0], pieces[1][1])
+
+
+def test_prefix_cache_is_an_hf_cache():
+    cache = prefix_cache(num_layers=2, capacity=4)
+    assert cache.get_seq_length() == 0 and cache.get_mask_sizes(3, 0) == (3, 0)
+    k = torch.ones(1, 1, 3, 2)
+    cache.update(k, k, 0)
+    cache.update(k, k, 1)
+    assert cache.get_seq_length() == 3 and cache.get_mask_sizes(1, 1) == (4, 0)
+    assert cache.is_sliding == [False, False] and not cache.is_compileable
+
+
+# ----------------------------------------------------------------------------- same tokens as HF
+
+def test_greedy_matches_hf(dense):
+    ours, hf = both(*dense, greedy=True, max_new_tokens=10, with_logprobs=True)
+    assert ours.input_ids.shape == (8, 12 + 10)  # widest prompt 12, no row emits EOS in 10 steps
+    assert len(set(ours.completions)) == 4  # a different completion per prompt (G = 2 copies each)
+    assert_same(ours, hf, logprobs=True)
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_k": 5}, {"top_p": 0.8}])
+def test_sampling_matches_hf_bitwise(dense, kw):
+    ours, hf = both(*dense, seed=3, temperature=0.7, max_new_tokens=10, with_logprobs=True, **kw)
+    assert_same(ours, hf, logprobs=True)
+    assert len(set(ours.completions)) > 1  # really sampled: the repeated prompts got different completions
+
+
+def test_seeded_sampling_matches_hf(dense):
+    model, tok = dense
+    seeds = row_seeds(seed=7, step=2, first_row=0, count=8)
+    ours, hf = both(model, tok, temperature=0.7, max_new_tokens=10, with_logprobs=True, row_seeds=seeds)
+    assert_same(ours, hf, logprobs=True)
+    torch.manual_seed(123)  # the global RNG does not matter to seeded rows
+    again = generate(model, tok, PROMPTS, 2, temperature=0.7, max_new_tokens=10, row_seeds=seeds, backend="gspo")
+    assert torch.equal(again.input_ids, ours.input_ids)
+
+
+def test_early_stop_pads_finished_rows_like_hf(dense):
+    model, tok = dense
+    eos_before = model.generation_config.eos_token_id
+    try:
+        model.generation_config.eos_token_id = [999]  # never sampled (V = 81): every row runs 12 steps
+        torch.manual_seed(5)
+        free = generate(model, tok, PROMPTS, 2, max_new_tokens=12, backend="gspo")
+        P = free.input_ids.shape[1] - 12
+        stop = int(free.input_ids[0, P + 2])  # row 0's third token becomes the stop token
+        model.generation_config.eos_token_id = [stop]
+        ours, hf = both(model, tok, seed=5, max_new_tokens=12, with_logprobs=True)
+    finally:
+        model.generation_config.eos_token_id = eos_before
+    assert_same(ours, hf, logprobs=True)  # includes T: both ran the same number of steps
+    lengths = ours.completion_mask.sum(1)  # (N,)
+    T = ours.completion_len
+    assert lengths[0] <= 3 and int(lengths.max()) == T  # row 0 stopped early, the longest row sets T
+    for row in (lengths < T).nonzero()[:, 0]:
+        n = int(lengths[row])
+        assert int(ours.input_ids[row, P + n - 1]) == stop  # its last kept token is the EOS
+        assert (ours.input_ids[row, P + n:] == tok.pad_token_id).all()  # then padding, as HF
+        assert (ours.sampler_logprobs[row, n:] == 0).all()
+    # before rollout's masking: finished rows emit (and feed back) padding, exactly as HF
+    ids, mask = (x.repeat_interleave(2, 0) for x in tok(PROMPTS, return_tensors="pt", padding=True,
+                                                         padding_side="left").values())  # (8, P) as rollout
+    torch.manual_seed(5)
+    raw = sample(model, ids, mask, max_new_tokens=12, eos_token_ids=[stop], pad_token_id=0)[0]  # (8, T)
+    torch.manual_seed(5)
+    hf_raw = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=0,
+                            temperature=1.0, eos_token_id=[stop], pad_token_id=0)[:, ids.shape[1]:]  # (8, T)
+    assert torch.equal(raw, hf_raw) and (raw[0, int(lengths[0]):] == 0).all() and int(lengths[0]) < raw.shape[1]
+
+
+def test_all_rows_stop_early_then_T_is_the_steps_run(dense):
+    model, tok = dense
+    ids, mask = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left").values()
+    first = sample(model, ids, mask, max_new_tokens=1, eos_token_ids=[999], pad_token_id=0, greedy=True)[0]
+    # every row stops at once when its greedy first token is a stop token
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        out, lp = sample(model, ids, mask, max_new_tokens=12, eos_token_ids=first[:, 0].tolist(), pad_token_id=0,
+                         greedy=True, with_logprobs=True)
+    finally:
+        handle.remove()
+    assert out.shape == (4, 1) and lp.shape == (4, 1)
+    assert len(forwards) == 1  # the prefill only: the last token is never fed back
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                        eos_token_id=first[:, 0].tolist(), pad_token_id=0)
+    assert torch.equal(out, hf[:, ids.shape[1]:])
+
+
+def test_absolute_positions_gpt2_match_hf(gpt2):
+    ours, hf = both(*gpt2, greedy=True, max_new_tokens=8, with_logprobs=True)
+    assert_same(ours, hf, logprobs=True)
+    ours, hf = both(*gpt2, seed=1, temperature=0.7, max_new_tokens=8, with_logprobs=True)
+    assert_same(ours, hf, logprobs=True)
+
+
+def test_moe_routing_record_matches_hf():
+    model, tok = load_model("tiny-moe", seed=2, overrides=SMALL_MOE)
+    out = {}
+    for backend in ("gspo", "hf"):
+        torch.manual_seed(4)
+        out[backend] = generate(model, tok, PROMPTS, 2, temperature=0.7, max_new_tokens=6, backend=backend,
+                                routing_recorder=record_routing(model))
+    ours, hf = out["gspo"], out["hf"]
+    assert_same(ours, hf)
+    assert ours.routing.indices.shape == (2, 8, 12 + 6, 2)  # (layers, N, P+T, top-k)
+    assert torch.equal(ours.routing.indices, hf.routing.indices)
+    assert (ours.routing.indices[:, :, :-1] >= 0).all()  # every fed position recorded (padding too)
+    assert (ours.routing.indices[:, :, -1] == -1).all()  # the last token was never fed back
+
+
+# ----------------------------------------------------------------------------- backend choice
+
+def test_auto_uses_own_loop_on_plain_models(dense, monkeypatch):
+    calls = []
+    real = gspo.decode.sample
+    monkeypatch.setattr(gspo.decode, "sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert unsupported_reason(dense[0]) is None
+    generate(*dense, PROMPTS, 1, max_new_tokens=3)
+    assert calls == [1]
+    generate(*dense, PROMPTS, 1, max_new_tokens=3, backend="hf")
+    assert calls == [1]
+
+
+def test_sliding_window_model_falls_back_to_hf(monkeypatch):
+    sliding = {**SMALL, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}
+    model, tok = load_model("tiny-dense", seed=0, overrides=sliding)
+    assert "sliding" in unsupported_reason(model)
+    with pytest.raises(ValueError, match="cannot run this model: layer 0 needs a DynamicSlidingWindowLayer"):
+        generate(model, tok, PROMPTS, 1, max_new_tokens=3, backend="gspo")
+    calls = []
+    monkeypatch.setattr(gspo.decode, "sample", lambda *a, **k: calls.append(1))
+    torch.manual_seed(0)
+    auto = generate(model, tok, PROMPTS, 1, max_new_tokens=3)
+    torch.manual_seed(0)
+    hf = generate(model, tok, PROMPTS, 1, max_new_tokens=3, backend="hf")
+    assert calls == [] and torch.equal(auto.input_ids, hf.input_ids)
+
+
+def test_generation_config_processor_falls_back(dense):
+    model, tok = dense
+    model.generation_config.suppress_tokens = [5]
+    try:
+        expected = "generation_config sets ['suppress_tokens'], which only HF generate implements"
+        assert unsupported_reason(model) == expected
+        with pytest.raises(ValueError, match="suppress_tokens"):
+            generate(model, tok, PROMPTS, 1, max_new_tokens=3, backend="gspo")
+    finally:
+        model.generation_config.suppress_tokens = None
+    assert unsupported_reason(model) is None
+
+
+def test_bad_arguments_raise(dense):
+    model, tok = dense
+    with pytest.raises(ValueError, match="backend must be"):
+        generate(model, tok, PROMPTS, 1, max_new_tokens=3, backend="vllm")
+    ids, mask = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left").values()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sample(model, ids, mask, max_new_tokens=0, eos_token_ids=[2], pad_token_id=0)
+    with pytest.raises(ValueError, match="temperature"):
+        sample(model, ids, mask, max_new_tokens=2, eos_token_ids=[2], pad_token_id=0, temperature=0.0)
