@@ -4,10 +4,10 @@
     python benchmarks/scaling.py --sweep length --steps 4
 
 Model: the tiny-dense preset (random init, max_position_embeddings raised to 2048), saved once
-with `min_new_tokens` in its generation config larger than any completion length, so HF
-`generate` masks EOS and every completion runs to `max_completion_length`: lengths are fixed by
-the sweep, not by what a random model happens to sample. (Masking EOS changes the sampled
-distribution; rewards are meaningless here and only time is measured.)
+with its generation config's stop token set to an id outside the vocabulary, so no completion
+stops early and every one runs to `max_completion_length`: lengths are fixed by the sweep, not by
+what a random model happens to sample. (Rewards are meaningless here; only time is measured.) The
+trainer samples with its default backend (gspo's own loop, gspo/decode.py).
 
 Per point: median over the timed steps of time/rollout_s (generation + rewards + pi_old
 log-probs), generation alone, and time/train_s (M = 4 optimizer steps), from the trainer's own
@@ -26,14 +26,14 @@ from common import machine, median, table, write_result  # noqa: E402
 
 
 def forced_length_model(work_dir: Path) -> str:
-    """The tiny-dense preset with EOS masked during sampling (min_new_tokens), saved with save_pretrained."""
-    path = work_dir / "tiny_dense_no_eos"
+    """The tiny-dense preset whose stop token is never sampled (an id outside the vocabulary), saved."""
+    path = work_dir / "tiny_dense_no_stop"
     if (path / "config.json").is_file():
         return str(path)
     from gspo.models import load_model
 
     model, tokenizer = load_model("tiny-dense", seed=0, overrides={"max_position_embeddings": 2048})
-    model.generation_config.min_new_tokens = 100_000  # above every max_new_tokens: EOS never sampled
+    model.generation_config.eos_token_id = model.config.vocab_size + 1000  # never sampled: no early stop
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

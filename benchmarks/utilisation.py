@@ -11,8 +11,10 @@ Model FLOPs of a sequence of l real tokens (padding is not useful work and is no
 forward: 2 * P_mm * l + layers * 4 * heads * head_dim * l (l + 1) / 2, where P_mm counts
 the parameters of every matmul (decoder linear layers and the output head; the input
 embedding is a lookup). Per RL step: generation = one forward of every final sequence (the KV
-cache makes each position attend to its prefix once), pi_old = one forward, training = M
-minibatches of forward + backward = 3 forwards of every sequence (`num_epochs` 1). The output
+cache makes each position attend to its prefix once), pi_old = one forward of the sequences
+outside the first minibatch ((M-1)/M of a forward: the first minibatch's pi_old is its own
+training forward), training = M minibatches of forward + backward = 3 forwards of every
+sequence (`num_epochs` 1). The output
 head recomputation of the checkpointed log-prob chunks is hardware work, not model work, and is
 not counted (MFU convention, PaLM appendix B).
 """
@@ -148,16 +150,17 @@ def main() -> None:
     print(f"peak after the runs: {peak_after['median'] / 1e9:.1f} GFLOP/s; reference {peak / 1e9:.1f} GFLOP/s\n")
     rows = []
     for run in runs:
-        phases = {}
-        for phase, factor, key in (("generation", 1, "generate_s"), ("pi_old forward", 1, "pi_old_s"),
+        phases, M = {}, run["settings"]["M"]
+        old = (M - 1) / M  # forwards of pi_old per sequence (the first minibatch reuses its training forward)
+        for phase, factor, key in (("generation", 1, "generate_s"), ("pi_old forward", old, "pi_old_s"),
                                    ("training (fwd+bwd)", 3, "train_s")):
             rates = [factor * s["forward_flops"] / s[key] for s in run["timed_steps"]]
             phases[phase] = {"flops_per_step": median(factor * s["forward_flops"] for s in run["timed_steps"]),
                              "seconds": median(s[key] for s in run["timed_steps"]),
                              "flops_per_s": median(rates), "mfu": median(rates) / peak}
-        step_rates = [5 * s["forward_flops"] / (s["generate_s"] + s["pi_old_s"] + s["train_s"])
+        step_rates = [(4 + old) * s["forward_flops"] / (s["generate_s"] + s["pi_old_s"] + s["train_s"])
                       for s in run["timed_steps"]]
-        phases["whole RL step"] = {"flops_per_step": median(5 * s["forward_flops"] for s in run["timed_steps"]),
+        phases["whole RL step"] = {"flops_per_step": median((4 + old) * s["forward_flops"] for s in run["timed_steps"]),
                                    "seconds": median(s["generate_s"] + s["pi_old_s"] + s["train_s"]
                                                      for s in run["timed_steps"]),
                                    "flops_per_s": median(step_rates), "mfu": median(step_rates) / peak}

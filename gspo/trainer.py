@@ -5,7 +5,8 @@ One RL step (DESIGN.md, "data flow"):
   -> pi_old log-probs, once per rollout -> M minibatches, one optimizer step each
   (minibatches 2..M are off-policy: that is where the importance ratio matters)
   -> metrics -> (periodic) evaluation and saving.
-What we simplified: one process, HF `generate` as the sampler, the whole rollout in memory.
+What we simplified: a plain KV-cached sampler in the training process (gspo/decode.py, or HF
+`generate`), no separate inference engine; the whole rollout in memory. torchrun: gspo/dist.py.
 
 MoE models (docs/moe.md): `routing_replay` fixes the experts of the training forwards to those
 recorded at pi_old (old_policy) or at generation (rollout); `moe/expert_change_frac` measures how
