@@ -73,8 +73,13 @@ def check_resumable(saved: dict, cfg, step: int, world: int = 1) -> None:
     now = saved_config(cfg, world)
     changed = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
     if changed:
-        raise ValueError("resume: the checkpoint was made with other settings: " +
-                         ", ".join(f"{k}={saved.get(k)!r} (now {now.get(k)!r})" for k in changed))
+        def describe(k: str) -> str:
+            if k == "per_device_batch_size":  # stored as the global batch, so other world sizes can resume
+                return (f"global batch (per_device_batch_size x processes)={saved.get(k)!r} "
+                        f"(now {cfg.per_device_batch_size} x {world} = {now.get(k)!r})")
+            return f"{k}={saved.get(k)!r} (now {now.get(k)!r})"
+
+        raise ValueError("resume: the checkpoint was made with other settings: " + ", ".join(map(describe, changed)))
     if step >= cfg.max_steps:
         raise ValueError(f"resume: the checkpoint is at step {step} and max_steps={cfg.max_steps}: nothing left to "
                          "run (raise max_steps to train further)")

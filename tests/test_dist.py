@@ -205,3 +205,19 @@ def test_multitask_mixture_with_dynamic_weights_matches_one_process(tmp_path):
     assert_same_run(tmp_path / "one", tmp_path / "two")
     last = read_jsonl(tmp_path / "two" / "metrics.jsonl")[-1]
     assert last["loss/sft"] > 0 and "task/hard/weight" in last
+
+
+def test_resume_on_another_world_size_needs_the_same_global_batch():
+    from gspo.config import TrainConfig, make_config
+    from gspo.run_control import check_resumable, saved_config
+
+    def cfg(batch: int, **extra):
+        return make_config(TrainConfig, {"task": "add3", "per_device_batch_size": batch, "max_steps": 3, **extra})
+
+    saved = saved_config(cfg(4), 2)  # a 2-process run: global batch 8, seeded sampling (always on under torchrun)
+    check_resumable(saved, cfg(8, seeded_sampling=True), 1)  # one process: must ask for seeded sampling itself
+    check_resumable(saved, cfg(2), 1, 4)
+    with pytest.raises(ValueError, match=r"global batch \(per_device_batch_size x processes\)=8 \(now 3 x 2 = 6\)"):
+        check_resumable(saved, cfg(3), 1, 2)
+    with pytest.raises(ValueError, match=r"seeded_sampling=True \(now False\)"):
+        check_resumable(saved, cfg(8), 1)

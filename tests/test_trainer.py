@@ -154,3 +154,20 @@ def test_missing_prompt_column_is_a_clear_error(tmp_path):
     path.write_text(json.dumps({"question": "1+1="}))
     with pytest.raises(ValueError, match="no 'prompt' column"):
         train(tiny_cfg(tmp_path, task=None, dataset=str(path)))
+
+
+def test_pi_old_forward_skips_the_first_minibatch(tmp_path, monkeypatch):
+    """Minibatch 1 is on-policy: its pi_old is its training forward (bitwise equal, test above), so the
+    pi_old pass runs M - 1 forwards per step; the training passes run M."""
+    import gspo.trainer
+
+    calls = {"no_grad": 0, "grad": 0}
+    real = gspo.trainer.completion_logprobs
+
+    def counting(*args, **kwargs):
+        calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gspo.trainer, "completion_logprobs", counting)
+    train(tiny_cfg(tmp_path, num_minibatches=4, per_device_batch_size=2, num_generations=4, max_steps=2))
+    assert calls == {"no_grad": 2 * 3, "grad": 2 * 4}
