@@ -200,7 +200,8 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
             if epoch > 0:
                 minibatches = torch.randperm(rollout.num_sequences, generator=shuffle).chunk(M)
             for i, idx in enumerate(minibatches):
-                mb = local = rollout.select(idx.chunk(W)[d.rank])  # the whole minibatch in one process
+                rows = idx.chunk(W)[d.rank]  # this rank's part of the minibatch (all of it in one process)
+                mb = local = rollout.select(rows)
                 # Drift is measured with free routing: under replay that needs its own forward.
                 before = free_routing(model, mb) if drift and replay else None
                 # Replay spans forward and backward (a checkpointed recompute must see the same experts);
@@ -213,7 +214,7 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
                     on_policy = reuse_first and epoch == 0 and i == 0
                     if on_policy:  # step 3 left this minibatch's pi_old to this forward
                         mb.old_logprobs = logp.detach()  # (n, t)
-                        rollout.old_logprobs[idx.chunk(W)[d.rank], : mb.completion_len] = mb.old_logprobs
+                        rollout.old_logprobs[rows, : mb.completion_len] = mb.old_logprobs
                     loss, stats = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.completion_mask,
                                               ref_logprobs=mb.ref_logprobs, **loss_kwargs)
                     optimizer.zero_grad(set_to_none=True)
