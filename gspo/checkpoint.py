@@ -12,7 +12,7 @@ A checkpoint is a folder `run_dir/checkpoint-<step>`:
   optimizer.pt, scheduler.pt                                state dicts: tensors and plain values only
   rng.json       Python, NumPy, torch CPU (+ CUDA) RNG states and named torch.Generator states
   trainer_state.json, train_config.json                     the caller's dicts, exact JSON
-  checkpoint.json                                           manifest (step, file sizes), written last
+  checkpoint.json                   manifest (step; size and sha256 of every file), written last
 The folder is a valid `from_pretrained` directory, so `gspo eval` or transformers can read it.
 
 Atomicity: everything is written and fsynced in `run_dir/.tmp-checkpoint-<step>-<pid>`, then one
@@ -22,25 +22,31 @@ step that exists, the old copy is renamed aside first: a kill between the two re
 step (its old copy sits in `.tmp-trash-*`) but no other.
 Safety: weights are safetensors, `*.pt` files are read with `torch.load(weights_only=True)`, the
 rest is JSON, so a tampered checkpoint cannot run code when loaded.
+Integrity: the checkpoint resumed from is hashed in full (`verify_checkpoint`); listing and
+pruning check sizes only, since hashing every checkpoint of a run on each save costs minutes on
+big models. Loaded weights and optimizer state must be finite. "latest" never falls back silently:
+a damaged newest checkpoint is an error, "latest_valid" the explicit fallback.
 """
 
 from __future__ import annotations
 
-import base64
+import hashlib
+import itertools
 import json
 import math
 import os
 import pickle
-import random
 import re
 import shutil
 import sys
+import warnings
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from gspo.rng import capture_rng, restore_rng  # noqa: F401 (part of this module's API)
 
 MANIFEST_FILE = "checkpoint.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -50,7 +56,7 @@ TRAINER_STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "train_config.json"  # config.json is the model's (save_pretrained)
 TMP_PREFIX = ".tmp-"
 FORMAT = "gspo-checkpoint"
-VERSION = 1
+VERSION = 2  # 1: sizes only (still read, by size); 2: size and sha256 per file
 _NAME = re.compile(r"checkpoint-(\d+)")
 # What a weights_only unpickler accepts (torch.serialization); checked at save time, so a bad
 # state dict fails when written rather than at resume.
@@ -61,15 +67,17 @@ _PLAIN = (torch.Tensor, bool, int, float, complex, str, bytes, type(None), torch
 def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer=None, scheduler=None,
                     trainer_state: dict | None = None, config: dict | None = None,
                     rng_generators: dict[str, torch.Generator] | None = None, keep: int | None = 2,
-                    model_state_dict: dict | None = None, optimizer_state_dict: dict | None = None) -> Path:
+                    model_state_dict: dict | None = None, optimizer_state_dict: dict | None = None,
+                    rng_state: dict | None = None) -> Path:
     """Write `run_dir/checkpoint-<step>` atomically; then keep only the newest `keep` checkpoints.
 
     Each of model/tokenizer/optimizer/scheduler is optional (None: not saved). A sharded (FSDP)
     model or optimizer passes its gathered full state too: `model_state_dict` is what
     `save_pretrained` writes, `optimizer_state_dict` replaces `optimizer.state_dict()`. `trainer_state` and
     `config` must be JSON that reads back equal (no tuples, no non-string keys). The RNG states
-    (global ones and `rng_generators`) are captured when this is called. An existing checkpoint of
-    the same step is replaced; `keep=None` keeps every checkpoint. Returns the checkpoint's path.
+    (global ones and `rng_generators`) are captured when this is called, unless `rng_state` (a
+    `capture_rng` result taken earlier, say when a step began) is given. An existing checkpoint
+    of the same step is replaced; `keep=None` keeps every checkpoint. Returns the checkpoint's path.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -77,7 +85,7 @@ def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer
         raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
     texts = {TRAINER_STATE_FILE: _exact_json("trainer_state", {} if trainer_state is None else trainer_state),
              CONFIG_FILE: _exact_json("config", {} if config is None else config),
-             RNG_FILE: json.dumps(capture_rng(rng_generators))}
+             RNG_FILE: json.dumps(capture_rng(rng_generators) if rng_state is None else rng_state)}
     if optimizer_state_dict is not None and optimizer is not None:
         raise ValueError("save_checkpoint: pass optimizer or optimizer_state_dict, not both")
     states = {name: (label, obj.state_dict()) for name, label, obj in
@@ -88,43 +96,54 @@ def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer
         _check_plain(state, label)
 
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"checkpoint-{step}"
     tmp = run_dir / f"{TMP_PREFIX}checkpoint-{step}-{os.getpid()}"
-    if tmp.exists():  # left by an earlier failed save of this process
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by an earlier failed save of this process
+            shutil.rmtree(tmp)
+        tmp.mkdir()
         if model is not None:
             with _no_progress_bars():
                 model.save_pretrained(tmp, **({} if model_state_dict is None else {"state_dict": model_state_dict}))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for name, (_, state) in states.items():
-            torch.save(state, tmp / name)
+            with open(tmp / name, "wb") as f:  # a Python file: torch chains a failed write's OSError
+                torch.save(state, f)
         for name, text in texts.items():
             (tmp / name).write_text(text)
-        files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        _fsync_tree(tmp)  # data on disk before the manifest that vouches for it
+        files = _hash_and_fsync_tree(tmp)  # data on disk before the manifest that vouches for it
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": files}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
         _fsync_file(tmp / MANIFEST_FILE)
         _fsync_dir(tmp)
-    except BaseException:
+        _move_into_place(tmp, final)
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _move_into_place(tmp, final)
+        cause = _write_error(err)
+        if cause is None:
+            raise
+        # One line naming the step and the cause; errno kept (so the subclass too) for callers.
+        msg = f"{final.name} could not be written ({cause.strerror or cause}); the previous checkpoints are intact"
+        raise (OSError(cause.errno, msg, cause.filename) if cause.errno is not None else OSError(msg)) from err
     if keep is not None:
         prune_checkpoints(run_dir, keep, protect=final)
     return final
 
 
 def prune_checkpoints(run_dir, keep: int, *, protect=None) -> list[Path]:
-    """Delete all but the `keep` highest-step checkpoints (never `protect`); returns what was deleted."""
+    """Delete the checkpoint-<step> folders older than the `keep` newest complete ones (never `protect`).
+
+    Complete as `list_checkpoints` says: a damaged folder does not count toward `keep`, and one
+    newer than the kept ones stays (for `set_aside_damaged`). Returns what was deleted.
+    """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
     protect = Path(protect).resolve() if protect is not None else None
-    doomed = [p for p in _named_checkpoints(Path(run_dir))[:-keep] if p.resolve() != protect]
+    kept = list_checkpoints(run_dir)[-keep:]
+    oldest = _step(kept[0]) if len(kept) == keep else -1
+    doomed = [p for p in _named_checkpoints(Path(run_dir)) if _step(p) < oldest and p.resolve() != protect]
     for path in doomed:
         _remove_atomically(path)
     return doomed
@@ -141,45 +160,82 @@ def clean_stale(run_dir) -> list[Path]:
 
 # ------------------------------------------------------------------------------- find
 def list_checkpoints(run_dir) -> list[Path]:
-    """Complete checkpoints under `run_dir`, oldest (lowest step) first; partial or foreign folders are skipped."""
-    out = []
-    for path in _named_checkpoints(Path(run_dir)):
-        try:
-            verify_checkpoint(path)
-        except ValueError:
-            continue
-        out.append(path)
-    return out
+    """Complete checkpoints under `run_dir`, oldest (lowest step) first.
+
+    Partial, damaged or foreign folders are skipped, as far as a size check finds: nothing is
+    hashed here (pruning lists on every save). `resolve_resume` hashes, and skips nothing.
+    """
+    return [p for p in _named_checkpoints(Path(run_dir)) if _problem(p, hashes=False) is None]
 
 
 def latest_checkpoint(run_dir) -> Path | None:
-    """The complete checkpoint with the highest step under `run_dir`, or None."""
+    """The highest-step checkpoint `list_checkpoints` finds, or None."""
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
 
 
 def resolve_resume(spec: str, run_dir) -> Path:
-    """`--resume` value -> checkpoint folder: "latest" (newest complete one in `run_dir`) or a path."""
+    """`--resume` value -> checkpoint folder, hashed in full; renames and deletes nothing (runs on every rank).
+
+    "latest": the newest checkpoint-<step> folder in `run_dir`, complete or not, must verify (no
+    silent fall back); "latest_valid": the newest that verifies (`set_aside_damaged` those above
+    it, on one rank); anything else is a checkpoint folder.
+    """
     if not isinstance(spec, (str, os.PathLike)) or not str(spec):
-        raise ValueError(f"resume must be 'latest' or a checkpoint folder, got {spec!r}")
-    if str(spec) == "latest":
-        found = latest_checkpoint(run_dir)
-        if found is None:
-            raise ValueError(f"resume='latest': no complete checkpoint under {run_dir} "
-                             "(folders named checkpoint-<step> with a checkpoint.json manifest)")
-        return found
+        raise ValueError(f"resume must be 'latest', 'latest_valid' or a checkpoint folder, got {spec!r}")
+    spec, named = str(spec), _named_checkpoints(Path(run_dir))
+    if spec in ("latest", "latest_valid") and not named:
+        raise ValueError(f"resume={spec!r}: no complete checkpoint under {run_dir} "
+                         "(folders named checkpoint-<step> with a checkpoint.json manifest)")
+    if spec == "latest":
+        if (problem := _problem(named[-1])) is not None:
+            raise ValueError(f"resume='latest': the newest checkpoint fails verification: {problem}. Resume with "
+                             "--resume latest_valid to fall back to the newest checkpoint that verifies (newer "
+                             "damaged ones are set aside, not deleted), or pass a checkpoint folder")
+        return named[-1]
+    if spec == "latest_valid":
+        problems = []
+        for path in reversed(named):
+            if (problem := _problem(path)) is None:
+                return path
+            problems.append(problem)
+        raise ValueError(f"resume='latest_valid': no checkpoint under {run_dir} verifies: {'; '.join(problems[:3])}")
     path = Path(spec)
     if path.is_dir() and not (path / MANIFEST_FILE).exists() and _named_checkpoints(path):
-        raise ValueError(f"resume={str(spec)!r} is a run folder, not a checkpoint; pass one of its "
-                         "checkpoint-<step> folders, or 'latest'")
-    verify_checkpoint(path, what=f"resume={str(spec)!r}")
+        raise ValueError(f"resume={spec!r} is a run folder, not a checkpoint; pass one of its "
+                         "checkpoint-<step> folders, 'latest' or 'latest_valid'")
+    verify_checkpoint(path, what=f"resume={spec!r}")
     return path
 
 
-def verify_checkpoint(path, *, what: str | None = None) -> dict:
-    """The manifest of the checkpoint at `path`; ValueError if it is missing, incomplete or altered in size."""
+def set_aside_damaged(run_dir, newer_than: int) -> list[Path]:
+    """Rename each checkpoint-<step> folder above step `newer_than` that fails `verify_checkpoint`.
+
+    `checkpoint-12` becomes `checkpoint-12.damaged` (`.damaged-2`, ... if taken): its bytes kept,
+    outside the names that saves, prunes and `clean_stale` touch. Call it on one process (rank 0),
+    after `resolve_resume`; returns the new paths, to tell the user.
+    """
+    if isinstance(newer_than, bool) or not isinstance(newer_than, int):
+        raise ValueError(f"newer_than must be a step (an int), got {newer_than!r}")
+    moved = []
+    for path in _named_checkpoints(Path(run_dir)):
+        if _step(path) > newer_than and _problem(path) is not None:
+            names = (f"{path.name}.damaged" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
+            moved.append(next(path.with_name(n) for n in names if not path.with_name(n).exists()))
+            os.rename(path, moved[-1])
+    if moved:
+        _fsync_dir(Path(run_dir))
+    return moved
+
+
+def verify_checkpoint(path, *, what: str | None = None, hashes: bool = True) -> dict:
+    """The manifest of the checkpoint at `path`; ValueError if it is missing, incomplete or altered.
+
+    Every file's size is checked, then (`hashes=True`) its sha256, read in chunks. A version-1
+    manifest (sizes only) verifies by size, with a warning when hashes were asked for.
+    """
     path = Path(path)
-    what = what or f"checkpoint {path}"
+    what = what or str(path)
     if not path.is_dir():
         raise ValueError(f"{what}: no such folder")
     manifest_path = path / MANIFEST_FILE
@@ -192,43 +248,73 @@ def verify_checkpoint(path, *, what: str | None = None) -> dict:
     if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT
             and isinstance(manifest.get("files"), dict) and isinstance(manifest.get("step"), int)):
         raise ValueError(f"{what}: {MANIFEST_FILE} is not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise ValueError(f"{what}: format version {manifest.get('version')!r}, this gspo reads version {VERSION}")
-    for name, size in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
+    version = manifest.get("version")
+    if version not in (1, VERSION):
+        raise ValueError(f"{what}: format version {version!r}, this gspo reads versions 1 and {VERSION}")
+    files = {k: {"size": v} if version == 1 else v for k, v in manifest["files"].items()}  # name -> {size, sha256}
+    bad = [k for k, f in files.items() if not (isinstance(f, dict) and isinstance(f.get("size"), int)
+                                               and (version == 1 or isinstance(f.get("sha256"), str)))]
+    if bad:
+        raise ValueError(f"{what}: {MANIFEST_FILE} is not a {FORMAT} manifest (its entry for {bad[0]!r})")
+    for name, entry in files.items():  # every size before any hash: a truncation is found at once
+        if not (path / name).is_file():
             raise ValueError(f"{what}: incomplete, {name} is missing")
-        if file.stat().st_size != size:
-            raise ValueError(f"{what}: {name} has {file.stat().st_size} bytes, the manifest says {size} "
+        if (size := (path / name).stat().st_size) != entry["size"]:
+            raise ValueError(f"{what}: {name} has {size} bytes, the manifest says {entry['size']} "
                              "(truncated or modified)")
+    if hashes and version == 1:
+        warnings.warn(f"{what}: a version-1 checkpoint: its {MANIFEST_FILE} carries no content hashes, so only "
+                      "file sizes were verified", stacklevel=2)
+    for name, entry in files.items() if hashes else ():
+        if "sha256" in entry and _sha256(path / name) != entry["sha256"]:
+            raise ValueError(f"{what}: {name} does not match its sha256 in {MANIFEST_FILE} (damaged or modified)")
     return manifest
 
 
 # ------------------------------------------------------------------------------- load
 def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None,
-                    rng_generators: dict[str, torch.Generator] | None = None, rng: bool = True) -> dict:
+                    rng_generators: dict[str, torch.Generator] | None = None, rng: bool = True,
+                    hashes: bool = True) -> dict:
     """Restore what is passed from the checkpoint at `path`; returns {step, path, trainer_state, config}.
 
     `model` gets its weights in place (`load_model_weights`), so an optimizer built over its
     parameters stays valid; build optimizer and scheduler as in a fresh run, then pass them here.
-    RNG states (global and `rng_generators`) are restored last, after anything that might draw;
-    `rng=False` leaves every RNG as it is.
+    Verified first (`hashes=False`: sizes only, for a folder `resolve_resume` just hashed); weights
+    and optimizer/scheduler state are checked finite before any is copied in, so a refused
+    checkpoint leaves all three untouched. RNG states (global and `rng_generators`) are restored
+    last, after anything that might draw; `rng=False` leaves every RNG as it is.
     """
     path = Path(path)
-    manifest = verify_checkpoint(path)
-    if model is not None:
-        load_model_weights(model, path)
+    manifest = verify_checkpoint(path, hashes=hashes)
+    texts = {name: _read_json(path / name) for name in (RNG_FILE, TRAINER_STATE_FILE, CONFIG_FILE)}
+    states = []
     for label, obj, name in [("optimizer", optimizer, OPTIMIZER_FILE), ("scheduler", scheduler, SCHEDULER_FILE)]:
         if obj is None:
             continue
         if name not in manifest["files"]:
             raise ValueError(f"checkpoint {path}: no {name}, but a {label} was passed to restore")
-        obj.load_state_dict(load_state_file(path / name))
+        states.append((obj, load_state_file(path / name)))
+        check_finite_state(states[-1][1], str(path / name))
+    if model is not None:
+        load_model_weights(model, path)
+    for obj, state in states:
+        obj.load_state_dict(state)
     if rng:
-        restore_rng(json.loads((path / RNG_FILE).read_text()), rng_generators)
-    return {"step": manifest["step"], "path": path,
-            "trainer_state": json.loads((path / TRAINER_STATE_FILE).read_text()),
-            "config": json.loads((path / CONFIG_FILE).read_text())}
+        try:
+            restore_rng(texts[RNG_FILE], rng_generators)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            if str(err).startswith("rng_generators:"):
+                raise
+            raise ValueError(f"{path / RNG_FILE}: not the RNG states gspo writes ({type(err).__name__}: {err})") from None
+    return {"step": manifest["step"], "path": path, "trainer_state": texts[TRAINER_STATE_FILE],
+            "config": texts[CONFIG_FILE]}
+
+
+def _read_json(file: Path):
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file}: not the JSON gspo writes ({err})") from None
 
 
 def load_state_file(file) -> dict:
@@ -242,6 +328,18 @@ def load_state_file(file) -> dict:
                          ) from err
 
 
+def check_finite_state(state, where: str) -> None:
+    """ValueError naming the first floating tensor in a (nested) state dict that holds NaN/inf.
+
+    Python floats are not checked: some are legitimately inf (ReduceLROnPlateau's `best`).
+    """
+    keys = _first_nonfinite(state, ())
+    if keys is not None:
+        what = (f"state of parameter {keys[1]} ({keys[2]!r})" if len(keys) == 3 and keys[0] == "state"
+                else str(keys[0]) if len(keys) == 1 else "".join(f"[{k!r}]" for k in keys) or "the tensor")
+        raise ValueError(f"{where}: {what} holds NaN/inf")
+
+
 def load_model_weights(model, path) -> None:
     """Copy the `save_pretrained` weights in folder `path` into `model`, in place.
 
@@ -249,14 +347,17 @@ def load_model_weights(model, path) -> None:
     which transformers leaves out of the file, are filled through their shared storage).
     Otherwise the model type converts names on load (transformers 5 fuses MoE experts in memory
     but saves them per expert), so `type(model).from_pretrained` reads the folder and its
-    state dict is copied in. `model` must be the bare model (no DDP/compile wrapper).
+    state dict is copied in. `model` must be the bare model (no DDP/compile wrapper). Every saved
+    tensor is checked finite first: a ValueError names the file and tensor, the model untouched.
     """
     from safetensors.torch import load_file
 
     path = Path(path)
     saved = {}
     for file in _weight_files(path):
-        saved.update(load_file(str(file)))
+        tensors = load_file(str(file))
+        check_finite_state(tensors, str(file))
+        saved.update(tensors)
     own = model.state_dict()
     if not set(saved) <= set(own):
         _load_via_from_pretrained(model, path)
@@ -273,66 +374,55 @@ def load_model_weights(model, path) -> None:
         model.load_state_dict(saved, strict=False)
 
 
-# ------------------------------------------------------------------------------- RNG
-def capture_rng(generators: dict[str, torch.Generator] | None = None) -> dict:
-    """Every RNG state as JSON-able data: Python, NumPy, torch CPU, CUDA (if in use), named generators."""
-    version, internal, gauss_next = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state = {
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": {"bit_generator": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
-        "torch": _b64(torch.get_rng_state()),
-        "generators": {k: _b64(g.get_state()) for k, g in (generators or {}).items()},
-    }
-    # Only when CUDA is already initialised: asking would otherwise start a context on every GPU.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng(state: dict, generators: dict[str, torch.Generator] | None = None) -> None:
-    """Undo `capture_rng`: set every global RNG and each named generator to the captured state.
-
-    The generator names must match the captured ones exactly. CUDA states are set for the GPUs
-    present (none on a CPU-only machine, where a CUDA run cannot be resumed bit for bit anyway).
-    """
-    generators = generators or {}
-    saved = state.get("generators", {})
-    if set(saved) != set(generators):
-        raise ValueError(f"rng_generators: names {sorted(generators)} do not match the checkpoint's {sorted(saved)}")
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-    npy = state["numpy"]
-    np.random.set_state((npy["bit_generator"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached_gaussian"]))
-    torch.set_rng_state(_unb64(state["torch"]))
-    for name, gen in generators.items():
-        gen.set_state(_unb64(saved[name]))
-    if state.get("cuda") and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(_unb64(s), i)
-
-
 # ------------------------------------------------------------------------------- helpers
 def _named_checkpoints(run_dir: Path) -> list[Path]:
     """Folders named checkpoint-<step> (complete or not), by step."""
     if not run_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := _NAME.fullmatch(p.name))]
-    return [p for _, p in sorted(found)]
+    return sorted((p for p in run_dir.iterdir() if p.is_dir() and _NAME.fullmatch(p.name)), key=_step)
+
+
+def _problem(path: Path, hashes: bool = True) -> str | None:
+    """Why `verify_checkpoint` refuses `path`, or None."""
+    try:
+        verify_checkpoint(path, hashes=hashes)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _step(path: Path) -> int:
+    return int(path.name.rsplit("-", 1)[1])
+
+
+def _first_nonfinite(obj, keys: tuple) -> tuple | None:
+    if isinstance(obj, torch.Tensor):
+        floating = obj.is_floating_point() or obj.is_complex()
+        return keys if floating and not bool(torch.isfinite(obj).all()) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    return next((found for k, v in items if (found := _first_nonfinite(v, keys + (k,))) is not None), None)
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:
     if final.exists():  # re-saving a step: the old folder steps aside first (a rename, so still atomic)
         trash = final.parent / f"{TMP_PREFIX}trash-{final.name}-{os.getpid()}"
         os.replace(final, trash)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            os.replace(trash, final)  # the old copy comes back: a failed save loses nothing
+            raise
         _fsync_dir(final.parent)
-        shutil.rmtree(trash)
+        shutil.rmtree(trash, ignore_errors=True)  # saved already; a leftover is clean_stale's
     else:
         os.replace(tmp, final)
         _fsync_dir(final.parent)
+
+
+def remove_checkpoint(path) -> None:
+    """Delete a checkpoint folder; renamed out of the checkpoint-<step> names first, so a kill midway
+    leaves no half checkpoint for `resolve_resume("latest")` to refuse."""
+    _remove_atomically(Path(path))
 
 
 def _remove_atomically(path: Path) -> None:
@@ -342,13 +432,35 @@ def _remove_atomically(path: Path) -> None:
     shutil.rmtree(trash)
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+def _hash_and_fsync_tree(root: Path) -> dict:
+    """{relative name: {size, sha256}} of every file under `root`, hashed right after writing; all fsynced."""
+    files = {}
+    for path in sorted(root.rglob("*")):
         if path.is_file():
+            files[path.relative_to(root).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
             _fsync_file(path)
-        elif path.is_dir():
-            _fsync_dir(path)
+    for path in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        _fsync_dir(path)
     _fsync_dir(root)
+    return files
+
+
+def _sha256(file: Path) -> str:
+    """Hex sha256 of `file`, read 16 MiB at a time (weights run to many GB)."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_error(err: BaseException) -> OSError | None:
+    """The OSError behind a failed write: torch.save raises a bare RuntimeError chained to it,
+    safetensors (so save_pretrained) a SafetensorError that names it as "(os error 28)"."""
+    if isinstance(err, OSError) or (isinstance(err, RuntimeError) and isinstance(err.__context__, OSError)):
+        return err if isinstance(err, OSError) else err.__context__
+    found = re.search(r"\(os error (\d+)\)", str(err)) if type(err).__name__ == "SafetensorError" else None
+    return OSError(int(found[1]), os.strerror(int(found[1]))) if found else None
 
 
 def _fsync_file(path: Path) -> None:
@@ -357,16 +469,12 @@ def _fsync_file(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with suppress(OSError):  # some platforms cannot open or fsync folders; the file fsyncs still hold
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the file fsyncs still hold
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -397,8 +505,7 @@ def _storage(t: torch.Tensor) -> tuple:
 @contextmanager
 def _no_progress_bars():
     """Silence transformers' "Writing model shards" bar (it would break the trainer's own bar)."""
-    hf = sys.modules.get("transformers")  # not imported: not a transformers model, no bar
-    if hf is None:
+    if "transformers" not in sys.modules:  # not imported: not a transformers model, no bar
         yield
         return
     from transformers.utils import logging as hf_logging
@@ -410,14 +517,6 @@ def _no_progress_bars():
     finally:
         if was:
             hf_logging.enable_progress_bar()
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
-
-
-def _unb64(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def _exact_json(name: str, value) -> str:

@@ -9,9 +9,18 @@ import sys
 from gspo.config import LabConfig, SFTConfig, TrainConfig, config_help
 
 
+# Exit statuses (README, "Reliability"): 0 done; 2 a user or environment error (config, data, reward
+# function, files, disk) printed as one line; 3 aborted by the non-finite guard; 128+N stopped by
+# signal N (checkpoint saved); 1 an unexpected error, with its traceback (a bug: please report it).
+USER_ERROR, ABORTED = 2, 3
+_COMMON = argparse.ArgumentParser(add_help=False)
+_COMMON.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
+
+
 def _config_parser(sub, name: str, cls, summary: str):
     p = sub.add_parser(name, help=summary, description=summary, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="config fields (YAML keys and key=value overrides):\n" + config_help(cls))
+                       epilog="config fields (YAML keys and key=value overrides):\n" + config_help(cls),
+                       parents=[_COMMON])
     p.add_argument("--config", help="YAML file whose keys are config field names")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides; they win over the YAML file")
     return p
@@ -21,10 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gspo", description="Stable RL post-training: GSPO, GRPO, MoE routing replay.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = _config_parser(sub, "train", TrainConfig, "RL training (GSPO by default) of a causal LM")
-    p.add_argument("--resume", metavar="DIR|latest", help="continue exactly from a checkpoint folder, or the newest "
-                                                         "one under output_dir (same as resume_from_checkpoint=...)")
+    p.add_argument("--resume", metavar="DIR|latest|latest_valid",
+                   help="continue exactly from a checkpoint folder, the newest one under output_dir (latest: an error if "
+                        "it is damaged), or the newest that verifies (latest_valid: damaged newer ones are set aside); "
+                        "same as resume_from_checkpoint=...")
     _config_parser(sub, "sft", SFTConfig, "cold-start supervised fine-tuning on prompt/answer pairs")
-    p = sub.add_parser("eval", help="held-out accuracy of a saved model on a built-in task or dataset")
+    p = sub.add_parser("eval", parents=[_COMMON], help="held-out accuracy of a saved model on a built-in task or dataset")
     p.add_argument("--model", required=True, help="saved model directory or preset")
     p.add_argument("--task", default="add3", help="built-in task (default add3)")
     p.add_argument("--dataset", default=None, help="local dataset instead of a task (needs an answer column)")
@@ -33,13 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p = sub.add_parser("plot", help="draw PNG plots from a run's metrics.jsonl")
+    p = sub.add_parser("plot", parents=[_COMMON], help="draw PNG plots from a run's metrics.jsonl")
     p.add_argument("run_dir")
-    p = sub.add_parser("demo", help="cold-start SFT, then GSPO, then held-out evaluation and plots, on CPU")
+    p = sub.add_parser("demo", parents=[_COMMON], help="cold-start SFT, then GSPO, then held-out evaluation and plots, on CPU")
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objective", default="gspo", help="gspo (default) or grpo, ...")
-    p = sub.add_parser("lab", help="stability lab: GRPO vs GSPO on dense and MoE models, claims report",
+    p = sub.add_parser("lab", parents=[_COMMON], help="stability lab: GRPO vs GSPO on dense and MoE models, claims report",
                        description="Rerun the GSPO paper's claims in miniature; writes report.md with plots. "
                                    "Rerunning continues an interrupted lab.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -55,19 +66,36 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args, argv)
-    except ValueError as err:  # configuration and input errors: one clear line, no traceback
-        print(f"gspo {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        from gspo.run_control import TrainingAborted, TrainingInterrupted
-
-        if isinstance(err, TrainingInterrupted):
-            print(f"gspo {args.command}: stopped: {err}", file=sys.stderr)
-            return 128 + err.signum  # the shell's convention for "ended by signal N"
-        if not isinstance(err, TrainingAborted):
+    except (Exception, KeyboardInterrupt) as err:
+        status, kind = _classify(err)
+        if args.debug or status is None:  # --debug, or a bug: the traceback is what helps
             raise
-        print(f"gspo {args.command}: aborted: {err}", file=sys.stderr)
-        return 3
+        print(f"gspo {args.command}: {kind}: {_one_line(err)}", file=sys.stderr)
+        return status
+
+
+def _classify(err: BaseException) -> tuple[int | None, str]:
+    """(exit status, label) of an error that is reported as one line; (None, "") for a bug."""
+    from gspo.rewards import RewardError
+    from gspo.run_control import TrainingAborted, TrainingInterrupted
+
+    if isinstance(err, TrainingInterrupted):
+        return 128 + err.signum, "stopped"  # the shell's convention for "ended by signal N"
+    if isinstance(err, TrainingAborted):
+        return ABORTED, "aborted"
+    if isinstance(err, KeyboardInterrupt):
+        return 128 + 2, "interrupted"
+    if isinstance(err, (ValueError, RewardError, OSError)):  # configuration, inputs, reward functions, files
+        return USER_ERROR, "error"
+    return None, ""
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror and type(err).__str__ is OSError.__str__:
+        text = err.strerror + (f": {err.filename}" if err.filename else "")
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())
 
 
 def _run(args, argv=None) -> int:

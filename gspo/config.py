@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -21,6 +22,7 @@ import yaml
 OBJECTIVE_CHOICES = ("gspo", "grpo", "gspo_token", "cispo", "sapo")
 SCHEDULES = ("constant", "linear", "cosine")
 REPLAY_MODES = ("none", "old_policy", "rollout")
+TRUNCATIONS = ("error", "left")
 
 
 @dataclass
@@ -57,6 +59,10 @@ class ModelConfig:
     """Samples per held-out prompt for the sampled metrics mean@k and pass@k."""
     eval_temperature: float = 1.0
     """Temperature of the sampled evaluation."""
+    reward_timeout_s: float = 300.0
+    """Longest a reward function may take on one batch; one that has not returned by then is abandoned and is an error naming it (with drop_bad_rewards the samples it hangs on are dropped). 0: no limit (the function then runs in the trainer's own thread, e.g. for rewards that use signals)."""
+    sandbox: str = "os"
+    """Isolation of the code_tests reward: os (an operating-system boundary, bubblewrap; a machine without one refuses code_tests) or weak (accept rlimits and an in-process audit hook as the only file-system barrier)."""
 
 
 @dataclass
@@ -70,7 +76,9 @@ class TrainConfig(ModelConfig):
     num_generations: int = 8
     """Completions sampled per prompt (G); advantages are normalised within each group."""
     max_prompt_length: int = 512
-    """Prompts longer than this (in tokens) are an error."""
+    """Longest prompt in tokens; every train and held-out prompt is checked before training starts (see truncate_prompts)."""
+    truncate_prompts: str = "error"
+    """A prompt longer than max_prompt_length: error (naming its file and line) or left (keep its last max_prompt_length tokens, as TRL does)."""
     max_completion_length: int = 64
     """Maximum new tokens per completion."""
     temperature: float = 1.0
@@ -158,7 +166,7 @@ class TrainConfig(ModelConfig):
     save_total_limit: int = 2
     """Keep the newest this many checkpoints (older ones are deleted)."""
     resume_from_checkpoint: str | None = None
-    """Continue a run exactly: a checkpoint folder, or `latest` (the newest under output_dir). `gspo train --resume`."""
+    """Continue a run exactly: a checkpoint folder, `latest` (the newest under output_dir; damaged: an error) or `latest_valid` (the newest that verifies; damaged newer ones are renamed *.damaged). `gspo train --resume`."""
     log_samples_steps: int = 10
     """Write sample completions with rewards to samples.jsonl every this many steps."""
     log_samples_count: int = 4
@@ -313,19 +321,43 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
     """Build `cls` from `defaults`, then an optional YAML file, then `key=value` overrides (which win)."""
     values: dict = dict(defaults or {})
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config: file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config: {path} must hold a mapping of field: value, got {type(loaded).__name__}")
-        values.update(loaded)
+        values.update(_read_yaml_file(Path(path)))
     for item in overrides or []:
         if "=" not in item:
             raise ValueError(f"override {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        values[key.strip()] = _yaml_value(raw, f"override {item!r}") if raw.strip() else None
     return make_config(cls, values)
+
+
+def _read_yaml_file(path: Path) -> dict:
+    """The mapping in a YAML config file; every problem is a ValueError naming the file (and line)."""
+    if not path.is_file():
+        raise ValueError(f"config: file not found: {path}" + (" (it is a folder)" if path.is_dir() else ""))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise ValueError(f"config: {path} line {line}: not UTF-8 text (byte {path.read_bytes()[err.start]:#04x})") from None
+    except OSError as err:
+        raise ValueError(f"config: {path}: cannot be read ({err.strerror})") from None
+    loaded = _yaml_value(text, f"config: {path}") or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config: {path} must hold a mapping of field: value, got {type(loaded).__name__}")
+    return loaded
+
+
+def _yaml_value(text: str, where: str):
+    """yaml.safe_load, with a syntax error as one line: where, line, column and the problem."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{where}{at}: invalid YAML ({problem})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: invalid YAML (nested too deeply)") from None
 
 
 def make_config(cls, values: dict):
@@ -368,11 +400,17 @@ def validate(cfg) -> None:
     if isinstance(cfg, LabConfig):
         return _validate_lab(cfg)
     _choice(cfg, "dtype", ("float32", "bfloat16", "float16", "auto"))
-    if not (cfg.device in ("auto", "cpu", "cuda", "mps") or cfg.device.startswith("cuda:")):
+    if not (cfg.device in ("auto", "cpu", "cuda", "mps") or (cfg.device.startswith("cuda:")
+                                                               and cfg.device[5:].isdigit())):
         raise ValueError(f"config: device={cfg.device!r} is not one of auto, cpu, cuda, cuda:<i>, mps")
     if cfg.task is None and cfg.dataset is None and getattr(cfg, "tasks", None) is None:
         raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder)")
     _positive(cfg, "eval_num_prompts", "eval_k", "eval_temperature")
+    _positive(cfg, "reward_timeout_s", allow_zero=True)
+    from gspo.sandbox import SANDBOX_MODES  # light: the probe runs only when code_tests is built
+
+    _choice(cfg, "sandbox", SANDBOX_MODES)
+    _reward_specs(cfg.reward_funcs if hasattr(cfg, "reward_funcs") else [])
     if isinstance(cfg, TrainConfig):
         _choice(cfg, "objective", OBJECTIVE_CHOICES)
         _choice(cfg, "lr_scheduler", SCHEDULES)
@@ -395,10 +433,13 @@ def validate(cfg) -> None:
                   "save_steps", "log_samples_steps", allow_zero=True)
         if not 0 < cfg.top_p <= 1:
             raise ValueError(f"config: top_p={cfg.top_p!r} must be in (0, 1]")
-        for name in ("clip_low", "clip_high"):
-            value = getattr(cfg, name)
-            if value is not None and value < 0:
-                raise ValueError(f"config: {name}={value!r} must be >= 0")
+        from gspo.objectives import check_clip  # pure math; no torch work at import
+
+        try:
+            check_clip(cfg.objective, cfg.clip_low, cfg.clip_high)
+        except ValueError as err:
+            raise ValueError(f"config: {err}") from None
+        _choice(cfg, "truncate_prompts", TRUNCATIONS)
         if cfg.num_generations < 2:
             raise ValueError("config: num_generations must be >= 2: group advantages need at least two completions")
         n = cfg.per_device_batch_size * cfg.num_generations
@@ -410,6 +451,9 @@ def validate(cfg) -> None:
         if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
             raise ValueError(f"config: reward_weights has {len(cfg.reward_weights)} entries but reward_funcs has "
                              f"{len(cfg.reward_funcs)}")
+        for i, w in enumerate(cfg.reward_weights or []):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ValueError(f"config: reward_weights[{i}]={w!r} must be a finite number")
         if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
             raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
                              "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")
@@ -433,6 +477,13 @@ def validate(cfg) -> None:
             raise ValueError(f"config: target_accuracy={cfg.target_accuracy!r} must be in (0, 1]")
         if cfg.task is not None and cfg.dataset is None and cfg.num_examples == 0:
             raise ValueError("config: num_examples must be > 0 for a built-in task (its generator is endless)")
+
+
+def _reward_specs(specs: list) -> None:
+    """Reward entries are names or import paths (callables, from Python); anything else is named here."""
+    for i, spec in enumerate(specs):
+        if not callable(spec) and not (isinstance(spec, str) and spec.strip()):
+            raise ValueError(f"config: reward_funcs[{i}]={spec!r} must be a reward name or 'module:function'")
 
 
 def _validate_lab(cfg: LabConfig) -> None:
@@ -478,13 +529,15 @@ def _coerce(key: str, value, tp):
     for option in options:
         if option is type(None):
             continue
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
         if option is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"config: {key}={value!r} must be a finite number")
+            return float(value)
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option is bool and isinstance(value, bool):

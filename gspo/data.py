@@ -1,44 +1,188 @@
 """Prompt data: built-in tasks or users' local files, as rows of plain dicts.
 
 A row has a `prompt` (text, rendered from chat messages when needed) and any other columns,
-which reach the reward functions as keyword lists.
+which reach the reward functions as keyword lists. Each row is a `Row`: a dict that also knows
+where it came from (`row.where`, e.g. "data.jsonl line 11"), so every data error names the file
+and line. JSON Lines and JSON files are read here (line numbers, one-line errors), CSV with pandas,
+Parquet with pyarrow, `save_to_disk` folders with `datasets`.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import random
 from pathlib import Path
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_rows(path: str, prompt_column: str = "prompt") -> list[dict]:
-    """Rows from a local .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder."""
-    import datasets  # lazy: only user data needs it
+class Row(dict):
+    """A data row (column -> value) with `where`: its file and line, or its place in a task."""
 
+    def __init__(self, values: dict, where: str):
+        super().__init__(values)
+        self.where = where
+
+
+def load_rows(path: str, prompt_column: str = "prompt") -> list[Row]:
+    """Rows from a local .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder.
+
+    Every problem is a ValueError naming the file and, where there is one, the line.
+    """
     p = Path(path)
     if p.is_dir():
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise ValueError(f"dataset: {path} holds splits {list(ds)}; save a single split or one named 'train'")
-            ds = ds["train"]
+        rows = _read_table(p, None)
     elif p.is_file():
         kind = _FORMATS.get(p.suffix.lower())
         if kind is None:
             raise ValueError(f"dataset: {path} has an unsupported extension; use one of {', '.join(_FORMATS)} or a folder")
-        ds = datasets.load_dataset(kind, data_files=str(p), split="train")
+        rows = _read_json(p) if kind == "json" else _read_table(p, p.suffix.lower()[1:])
     else:
         raise ValueError(f"dataset: {path} does not exist (only local files and folders are read)")
-    if prompt_column not in ds.column_names:
-        raise ValueError(f"dataset: {path} has no {prompt_column!r} column (columns: {', '.join(ds.column_names)})")
-    rows = [dict(r) for r in ds]
     if not rows:
-        raise ValueError(f"dataset: {path} is empty")
+        raise ValueError(f"dataset: {path} is empty (no rows)")
+    lacking = [r for r in rows if prompt_column not in r]
+    if len(lacking) == len(rows):
+        columns = sorted({k for r in rows for k in r})
+        raise ValueError(f"dataset: {path} has no {prompt_column!r} column (columns: {_names(columns)})")
+    if lacking:
+        raise ValueError(f"dataset: {lacking[0].where}: no {prompt_column!r} value (keys: {_names(lacking[0])})")
     if prompt_column != "prompt":
         for r in rows:
             r["prompt"] = r.pop(prompt_column)
     return rows
+
+
+def _names(keys) -> str:
+    """Column names for a one-line message (a name may hold a line break)."""
+    return ", ".join(str(k).replace("\n", "\\n").replace("\r", "\\r") for k in keys)
+
+
+def _read_json(path: Path) -> list[Row]:
+    """JSON Lines (one object per line), or one JSON array of objects; errors name the line."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    rows, first_error = [], None
+    for number, raw in enumerate(lines, start=1):
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+            raw = raw[3:]
+        if not raw.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"dataset: {where}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                             f"{err.start + 1})") from None
+        try:
+            value = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as err:
+            first_error = first_error or (where, err)
+            break
+        if not isinstance(value, dict):
+            if not rows and isinstance(value, list):  # a whole JSON array on one line
+                break
+            raise ValueError(f"dataset: {where}: expected a JSON object (one row per line), got "
+                             f"{type(value).__name__}")
+        rows.append(Row(value, where))
+    else:
+        return rows
+    if rows:  # JSON Lines that went wrong on a later line
+        where, err = first_error
+        raise ValueError(f"dataset: {where}: invalid JSON ({_json_problem(err)})") from None
+    try:  # not JSON Lines: one JSON document (a list of row objects)
+        value = json.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"dataset: {path} line {line}: not UTF-8 text (byte {data[err.start]:#04x})") from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        if first_error is not None and data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"{":  # meant as JSON Lines
+            where, err = first_error
+            raise ValueError(f"dataset: {where}: invalid JSON ({_json_problem(err)})") from None
+        line = getattr(err, "lineno", None)
+        raise ValueError(f"dataset: {path}{f' line {line}' if line else ''}: invalid JSON "
+                         f"({_json_problem(err)})") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"dataset: {path}: expected one JSON object per line or a JSON list of objects, got "
+                         f"{type(value).__name__}")
+    return [Row(v, f"{path} record {i}") for i, v in enumerate(value)]
+
+
+def _json_problem(err: Exception) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return f"{err.msg} at column {err.colno}"
+    return "nested too deeply"
+
+
+def _read_table(path: Path, kind: str | None) -> list[Row]:
+    """CSV (pandas, as `datasets` reads it), Parquet (pyarrow) or a `save_to_disk` folder (datasets).
+
+    CSV rows carry the line they start on; an empty cell reads None.
+    """
+    try:
+        if kind == "csv":
+            import pandas
+
+            data = path.read_bytes()
+            try:
+                text = data.decode("utf-8-sig")
+            except UnicodeDecodeError as err:
+                line = data[: err.start].count(b"\n") + 1
+                raise ValueError(f"dataset: {path} line {line}: not UTF-8 text (byte {data[err.start]:#04x})") from None
+            if not text.strip():
+                return []
+            frame = pandas.read_csv(io.StringIO(text))
+            records = [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()}  # NaN: empty
+                       for r in frame.to_dict("records")]
+            starts = _csv_record_lines(text)
+            if len(starts) == len(records):
+                return [Row(r, f"{path} line {line}") for r, line in zip(records, starts)]
+        elif kind == "parquet":
+            import pyarrow.parquet
+
+            records = pyarrow.parquet.read_table(path).to_pylist()
+        else:
+            import datasets  # lazy: only user data needs it
+
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise ValueError(f"dataset: {path} holds splits {list(ds)}; save a single split or one named "
+                                     "'train'")
+                ds = ds["train"]
+            records = [dict(r) for r in ds]
+    except ValueError as err:
+        if str(err).startswith("dataset: "):
+            raise
+        raise ValueError(f"dataset: {path}: cannot be read as {kind or 'a save_to_disk folder'} "
+                         f"({_first_line(err)})") from None
+    except Exception as err:  # pandas/pyarrow/datasets raise many types (ParserError, ArrowInvalid, ...)
+        raise ValueError(f"dataset: {path}: cannot be read as {kind or 'a save_to_disk folder'} "
+                         f"({type(err).__name__}: {_first_line(err)})") from None
+    return [Row(r, f"{path} row {i}") for i, r in enumerate(records)]
+
+
+def _csv_record_lines(text: str) -> list[int]:
+    """The line on which each CSV record (after the header) starts; a quoted field may span lines."""
+    starts, previous_end = [], 0
+    reader = csv.reader(io.StringIO(text, newline=""))
+    for i, _ in enumerate(reader):
+        if i > 0:
+            starts.append(previous_end + 1)
+        previous_end = reader.line_num
+    return starts
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+def where(row: dict, index: int) -> str:
+    """Where a row came from: its `Row.where`, or its index for a plain dict."""
+    return getattr(row, "where", f"row {index}")
 
 
 def render_prompts(rows: list[dict], tokenizer) -> list[dict]:
@@ -47,11 +191,41 @@ def render_prompts(rows: list[dict], tokenizer) -> list[dict]:
         prompt = r["prompt"]
         if isinstance(prompt, list):
             if getattr(tokenizer, "chat_template", None) is None:
-                raise ValueError(f"dataset: row {i} has chat messages but the tokenizer has no chat template")
-            r["prompt"] = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                raise ValueError(f"dataset: {where(r, i)}: chat messages, but the tokenizer has no chat template")
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in prompt) or not prompt:
+                raise ValueError(f"dataset: {where(r, i)}: chat messages must be a non-empty list of "
+                                 f"{{role, content}} string pairs, got {prompt!r:.80}")
+            try:
+                r["prompt"] = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            except Exception as err:  # the template is user data too (jinja errors, missing roles)
+                raise ValueError(f"dataset: {where(r, i)}: the chat template failed on these messages "
+                                 f"({type(err).__name__}: {_first_line(err)})") from None
         elif not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"dataset: row {i} prompt must be a non-empty string or a list of messages, got {prompt!r:.80}")
+            raise ValueError(f"dataset: {where(r, i)}: prompt must be a non-empty string or a list of messages, "
+                             f"got {prompt!r:.80}")
     return rows
+
+
+def check_prompt_lengths(rows: list[dict], tokenizer, max_prompt_length: int, truncate: str = "error") -> int:
+    """Tokenize every prompt once, before training: ValueError naming the first one that is empty, or
+    longer than `max_prompt_length` when `truncate` is "error". Returns how many are longer (with
+    "left" they are cut to their last `max_prompt_length` tokens when encoded).
+    """
+    longer, step = 0, 1024
+    for start in range(0, len(rows), step):
+        chunk = rows[start : start + step]
+        lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in chunk])["input_ids"]]
+        for offset, (r, n) in enumerate(zip(chunk, lengths)):
+            if n == 0:
+                raise ValueError(f"dataset: {where(r, start + offset)}: the prompt encodes to no tokens")
+            if n > max_prompt_length:
+                if truncate == "error":
+                    raise ValueError(f"dataset: {where(r, start + offset)}: the prompt has {n} tokens > "
+                                     f"max_prompt_length={max_prompt_length}; raise max_prompt_length, or set "
+                                     "truncate_prompts=left to keep its last tokens")
+                longer += 1
+    return longer
 
 
 def load_splits(cfg, tokenizer, num_train: int) -> tuple[list[dict], list[dict]]:
@@ -69,14 +243,16 @@ def load_splits(cfg, tokenizer, num_train: int) -> tuple[list[dict], list[dict]]
     from gspo.tasks import get_task
 
     task = get_task(cfg.task)
-    train = task.dataset("train", num_train, cfg.seed)
-    held_out = task.dataset("test", cfg.eval_num_prompts, 10_000 + cfg.seed)
+    train = [Row(r, f"task {cfg.task} train example {i}") for i, r in enumerate(task.dataset("train", num_train,
+                                                                                              cfg.seed))]
+    held_out = [Row(r, f"task {cfg.task} test example {i}")
+                for i, r in enumerate(task.dataset("test", cfg.eval_num_prompts, 10_000 + cfg.seed))]
     return train, held_out
 
 
 def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
     """Columns other than `prompt`, each repeated `repeat` times per row (one per completion)."""
-    keys = [k for k in rows[0] if k != "prompt"] if rows else []
+    keys = list(dict.fromkeys(k for r in rows for k in r if k != "prompt"))  # a row may lack a key: None
     return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
 
 

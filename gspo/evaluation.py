@@ -22,12 +22,12 @@ def evaluate(model, tokenizer, rows: list[dict], cfg, *, sampled: bool = True) -
     columns = columns_of(rows)
     k = cfg.eval_k
     limit = getattr(cfg, "max_prompt_length", 512)
-    backend = getattr(cfg, "generation_backend", "auto")
-    runs = {"greedy": generate(model, tokenizer, prompts, 1, max_new_tokens=cfg.max_completion_length,
-                               greedy=True, max_prompt_length=limit, backend=backend)}
+    common = dict(max_new_tokens=cfg.max_completion_length, max_prompt_length=limit,
+                  truncate_prompts=getattr(cfg, "truncate_prompts", "error"),
+                  backend=getattr(cfg, "generation_backend", "auto"))
+    runs = {"greedy": generate(model, tokenizer, prompts, 1, greedy=True, **common)}
     if sampled:
-        runs["sampled"] = generate(model, tokenizer, prompts, k, max_new_tokens=cfg.max_completion_length,
-                                   temperature=cfg.eval_temperature, max_prompt_length=limit, backend=backend)
+        runs["sampled"] = generate(model, tokenizer, prompts, k, temperature=cfg.eval_temperature, **common)
     if "answer" in columns:
         out = {"eval/accuracy": float(torch.tensor(answer_match(prompts, runs["greedy"].completions, **columns)).mean())}
         if sampled:
@@ -36,11 +36,13 @@ def evaluate(model, tokenizer, rows: list[dict], cfg, *, sampled: bool = True) -
             out["eval/mean_at_k"] = right.mean().item()
             out["eval/pass_at_k"] = (right.max(dim=1).values > 0).float().mean().item()
         return out
-    reward_fns = [get_reward_fn(s) for s in cfg.reward_funcs]
+    reward_fns = [get_reward_fn(s, sandbox=cfg.sandbox) for s in cfg.reward_funcs]
+    score = dict(timeout_s=cfg.reward_timeout_s)
     weights = getattr(cfg, "reward_weights", None)
-    out = {"eval/reward": score_completions(reward_fns, weights, prompts, runs["greedy"].completions, columns)[0].mean().item()}
+    out = {"eval/reward": score_completions(reward_fns, weights, prompts, runs["greedy"].completions, columns,
+                                            **score)[0].mean().item()}
     if sampled:
         r, _ = score_completions(reward_fns, weights, runs["sampled"].prompts, runs["sampled"].completions,
-                                 columns_of(rows, k))
+                                 columns_of(rows, k), **score)
         out["eval/sampled_reward"] = r.mean().item()
     return out

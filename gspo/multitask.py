@@ -236,7 +236,7 @@ class TaskMixture:
 
     def __init__(self, specs: list[TaskSpec], train_rows: list[list[dict]], eval_rows: list[list[dict]], *,
                  weighting: str = "static", floor: float = 0.0, smoothing: float = 0.8,
-                 progress_coef: float = 0.0, seed: int = 0):
+                 progress_coef: float = 0.0, seed: int = 0, sandbox: str = "os"):
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting={weighting!r} is not one of {', '.join(WEIGHTINGS)}")
         if not 0 <= smoothing < 1:
@@ -246,7 +246,7 @@ class TaskMixture:
                              "row lists")
         self.specs, self.eval_rows = specs, eval_rows
         self.samplers = [PromptSampler(rows, seed) for rows in train_rows]
-        self.reward_fns = [[get_reward_fn(f) for f in s.reward_funcs] for s in specs]
+        self.reward_fns = [[get_reward_fn(f, sandbox=sandbox) for f in s.reward_funcs] for s in specs]
         self.weighting, self.floor, self.smoothing, self.progress_coef, self.seed = (
             weighting, floor, smoothing, progress_coef, seed)
         self.prior = [s.weight for s in specs]
@@ -263,7 +263,7 @@ class TaskMixture:
                               tokenizer, num_train) for s in specs]
         return cls(specs, [train for train, _ in splits], [held for _, held in splits], weighting=cfg.task_weighting,
                    floor=cfg.task_weight_floor, smoothing=cfg.task_weight_smoothing,
-                   progress_coef=cfg.task_progress_coef, seed=cfg.seed)
+                   progress_coef=cfg.task_progress_coef, seed=cfg.seed, sandbox=cfg.sandbox)
 
     @property
     def train_rows(self) -> list[list[dict]]:
@@ -297,7 +297,8 @@ class TaskMixture:
             start += c
 
     def score(self, rows: list[dict], prompts: list[str], completions: list[str], group_size: int, *,
-              drop_bad: bool = False, offset: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              drop_bad: bool = False, offset: int = 0, timeout_s: float | None = None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`score_completions` task by task with each task's reward functions: rewards (N,), raw values (N,).
 
         `rows` are rows offset.. of the latest batch (under torchrun a rank scores its share).
@@ -313,7 +314,8 @@ class TaskMixture:
         for k, row_span, span in self._blocks(group_size, offset, len(rows)):
             spec = self.specs[k]
             r, raw = score_completions(self.reward_fns[k], spec.reward_weights, prompts[span], completions[span],
-                                       columns_of(rows[row_span], group_size), drop_bad=drop_bad)
+                                       columns_of(rows[row_span], group_size), drop_bad=drop_bad,
+                                       timeout_s=timeout_s)
             rewards[span] = r
             for name, values in raw.items():
                 per_fn[name][span] = values
@@ -415,7 +417,7 @@ def require_references(row_lists: list[list[dict]], column: str) -> None:
 
 
 def reference_chunks(rows: list[dict], tokenizer, num_chunks: int, column: str, *, max_prompt_length: int,
-                     device) -> list[Rollout] | None:
+                     device, truncate_prompts: str = "error") -> list[Rollout] | None:
     """Prompt + reference + EOS of the rows with a `column` text, in the rollout layout, in `num_chunks` parts.
 
     Part j goes with minibatch j: references i = j, j + M, j + 2M, ...; with fewer references than
@@ -430,7 +432,8 @@ def reference_chunks(rows: list[dict], tokenizer, num_chunks: int, column: str, 
         raise ValueError("tokenizer: needs an eos token to end a reference answer")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     prompts = [r["prompt"] for r in refs]
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device)  # (n, P)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device,
+                                           truncate_prompts)  # (n, P)
     answers = [tokenizer(r[column], add_special_tokens=False)["input_ids"] + [eos] for r in refs]
     T = max(len(a) for a in answers)
     answer_ids = torch.full((len(refs), T), pad, dtype=prompt_ids.dtype)  # (n, T)

@@ -88,9 +88,8 @@ def policy_loss(
     default_low, default_high = DEFAULT_CLIP[objective]
     low = default_low if clip_low is None else clip_low
     high = default_high if clip_high is None else clip_high
-    if objective != "sapo":
-        _check_clip(low, high)
-    else:
+    check_clip(objective, clip_low, clip_high)
+    if objective == "sapo":
         if sapo_tau_pos <= 0 or sapo_tau_neg <= 0:
             raise ValueError(f"sapo_tau_pos/sapo_tau_neg: must be > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
 
@@ -221,10 +220,26 @@ def _ratio_stats(ratio: torch.Tensor, mask: torch.Tensor | None) -> dict[str, to
     return {"ratio/mean": values.mean(), "ratio/std": std, "ratio/min": values.min(), "ratio/max": values.max()}
 
 
-def _check_clip(low: float, high: float) -> None:
-    for name, value in (("clip_low", low), ("clip_high", high)):
-        if value is None or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+def check_clip(objective: str, clip_low: float | None, clip_high: float | None) -> None:
+    """ValueError unless the clip range means something for `objective` (None: its default).
+
+    The ratio is clipped to [1 - clip_low, 1 + clip_high]. A ratio is never below 0, so clip_low
+    >= 1 leaves no lower bound: meaningless for grpo/gspo/gspo_token, allowed up to 1 for cispo (its
+    default 1.0 means "no lower bound"). sapo has no hard clip (a soft gate): no clip values.
+    """
+    if objective == "sapo":
+        if clip_low is not None or clip_high is not None:
+            raise ValueError("clip_low/clip_high: sapo has no hard clip (a soft gate); leave them unset")
+        return
+    for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    if clip_low is not None:
+        top = 1.0 if objective == "cispo" else None
+        if (top is None and clip_low >= 1) or (top is not None and clip_low > top):
+            raise ValueError(f"clip_low={clip_low!r} puts the lower clip 1 - clip_low at or below 0, which no ratio "
+                             f"reaches, so {objective} would have no lower clip; use a value below 1"
+                             + (" (or 1.0, cispo's 'no lower bound')" if top else ""))
 
 
 def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, objective, aggregation,

@@ -7,10 +7,16 @@ and is skipped when rewards are combined. Metrics use the function's `__name__`.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import faulthandler
 import importlib
 import math
 import numbers
 import re
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,6 +29,7 @@ __all__ = [
     "RewardModelReward",
     "get_reward_fn",
     "score_completions",
+    "RewardError",
 ]
 
 RewardFn = Callable[..., list]
@@ -189,18 +196,24 @@ _BUILTINS: dict[str, RewardFn] = {
 }
 
 
-def get_reward_fn(spec) -> RewardFn:
+def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
     """A reward function from a spec.
 
     Specs: a built-in name ("answer_match", "format", "code_tests": sandboxed Python run against
     the `tests` column, see gspo.sandbox); "rm:<path>", a sequence-classification
     reward model saved at <path> (scored on the CPU, or pass a RewardModelReward object);
     a user's "package.module:function"; or, from Python, the callable itself.
+    `sandbox` ("os" or "weak") is the isolation code_tests gets; with "os" a machine that offers
+    no operating-system boundary refuses code_tests here, before any training.
     """
     if callable(spec):
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"reward spec must be a non-empty str, got {spec!r}")
+    if spec == "code_tests":
+        from gspo.sandbox import code_reward
+
+        return code_reward(sandbox)
     if spec in _BUILTINS:
         return _BUILTINS[spec]
     if spec.startswith("rm:"):
@@ -232,6 +245,67 @@ def _short(text, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class RewardError(RuntimeError):
+    """A reward function failed: it raised, exited, or did not return within the time limit.
+
+    The message names the function and, where one is to blame, the sample.
+    """
+
+
+_TIMED_OUT = object()  # _call's error when the function did not return in time
+
+
+def _call(fn, prompts, completions, columns, timeout_s):
+    """`fn` on deep copies of its inputs (a reward cannot alter the rollout): (value, error).
+
+    error is None, the BaseException it raised (SystemExit and KeyboardInterrupt included), or
+    `_TIMED_OUT`. With a timeout the call runs in a daemon thread, so a hung function can be left
+    behind (Python cannot stop a thread: it keeps running in the background); without one it runs
+    here, in the caller's thread. A function stuck in C code that holds the GIL cannot be left
+    behind either way (see `score_completions`).
+    """
+    args = copy.deepcopy((prompts, completions, columns))
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(args[0], args[1], **args[2])
+        except BaseException as exc:  # noqa: B036 - reported to the trainer, which decides
+            if getattr(exc, "stops_the_run", False):  # the trainer's own signal handling (run_control), not fn's
+                raise
+            box["error"] = exc
+
+    if not timeout_s:
+        target()
+    else:
+        worker = threading.Thread(target=target, name=f"gspo-reward-{_fn_name(fn)}", daemon=True)
+        with _gil_watchdog(timeout_s):  # armed first: even start() waits for the GIL
+            worker.start()
+            worker.join(timeout_s)  # interruptible: a signal handler that raises ends the wait
+        if worker.is_alive():
+            return None, _TIMED_OUT
+    return box.get("value"), box.get("error")
+
+
+@contextlib.contextmanager
+def _gil_watchdog(timeout_s: float):
+    """Last resort for a function stuck in C code that holds the GIL (a catastrophic regex, say):
+    no Python thread, signal handler included, runs again, so the wait above never returns.
+    faulthandler's watchdog is a C thread: past 2 x timeout_s + 5 s it prints every thread's
+    stack and ends the process with status 1. Disarmed as soon as the wait returns."""
+    try:
+        stream = sys.__stderr__
+        stream.fileno()  # faulthandler writes to a file descriptor
+    except (AttributeError, OSError, ValueError):  # no real stderr (pythonw, some embedders): no watchdog
+        yield
+        return
+    faulthandler.dump_traceback_later(2 * timeout_s + 5, exit=True, file=stream)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def score_completions(
     reward_fns: list,
     weights: list[float] | None,
@@ -240,17 +314,24 @@ def score_completions(
     columns: dict[str, list],
     *,
     drop_bad: bool = False,
+    timeout_s: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Run every reward fn; return total rewards (N,) float32 and each fn's raw values (N,).
 
     total[i] = sum_k weights[k] * r_k[i] over the functions that gave a value for sample i (None is
     skipped; a sample every function skipped gets 0.0). Raw values hold NaN for None and are keyed
-    by `__name__`, with "_2", "_3", ... added when names clash.
+    by `__name__`, with "_2", "_3", ... added when names clash. Each function gets deep copies of
+    prompts, completions and columns, so editing them in place changes nothing here.
 
-    A function that raises is rerun sample by sample to find the offending prompt/completion.
-    By default that, or a NaN/inf value, is an error naming the function and the sample; with
-    `drop_bad` the sample's total is NaN instead (the trainer then leaves it out, and counts it).
-    A wrong number or type of values is always an error: that is a bug in the function.
+    `timeout_s` (None or 0: no limit) bounds each call: a function that has not returned by then
+    is abandoned. A function that raises is rerun sample by sample, one after another, to find the
+    offending prompt/completion; one that times out is rerun on every sample at once (up to 8
+    threads, one shared deadline), to find the samples it hangs on. By default a failing sample,
+    or a NaN/inf value, is a `RewardError`/ValueError naming the function and the sample; with
+    `drop_bad` the sample's total is NaN instead (the trainer leaves it out, and counts it). Always
+    errors: a function that fails on every sample (a bug in it, not bad samples), one that fails on
+    the batch but on no single sample, SystemExit / KeyboardInterrupt / other BaseExceptions (a
+    reward must return, not end the run), and a wrong number or type of values.
     """
     n = len(completions)
     if len(prompts) != n:
@@ -277,10 +358,10 @@ def score_completions(
         suffix = 2
         while name in raw:
             name, suffix = f"{base}_{suffix}", suffix + 1
-        try:
-            out = fn(prompts, completions, **columns)
-        except Exception as err:
-            out = _one_by_one(fn, name, err, prompts, completions, columns, drop_bad)
+        out, error = _call(fn, prompts, completions, columns, timeout_s)
+        if error is not None:
+            batch = _Failure(name, error, timeout_s, f"the batch of {n} samples")
+            out = _one_by_one(fn, batch, prompts, completions, columns, drop_bad, timeout_s)
         if not isinstance(out, (list, tuple)):
             raise ValueError(
                 f"reward function {name!r} must return a list of {n} values, got {type(out).__name__}"
@@ -293,7 +374,7 @@ def score_completions(
         for i, value in enumerate(out):
             if value is None:
                 values.append(math.nan)
-            elif isinstance(value, _Failed):
+            elif isinstance(value, _Failure):
                 values.append(math.nan)
                 dropped[i] = True
             elif not isinstance(value, numbers.Real):
@@ -319,26 +400,92 @@ def score_completions(
     return total, raw
 
 
-class _Failed:
-    """Marks a sample on which a reward function raised (dropped under `drop_bad`)."""
+class _Failure:
+    """One failed call of a reward function: what it raised, or that it timed out, and on what."""
+
+    def __init__(self, name: str, error, timeout_s, where: str):
+        self.name, self.error, self.timeout_s, self.where = name, error, timeout_s, where
+
+    @property
+    def fatal(self) -> bool:
+        """SystemExit, KeyboardInterrupt and the like: never a bad sample, always an error."""
+        return self.error is not _TIMED_OUT and not isinstance(self.error, Exception)
+
+    def message(self) -> str:
+        if self.error is _TIMED_OUT:
+            return (f"reward function {self.name!r} did not return within reward_timeout_s={self.timeout_s:g} s "
+                    f"on {self.where}")
+        what = f"{type(self.error).__name__}: {self.error}" if str(self.error) else type(self.error).__name__
+        if self.fatal:
+            return (f"reward function {self.name!r} raised {what} on {self.where}: a reward function must return "
+                    "its values, not exit or interrupt the run")
+        return f"reward function {self.name!r} raised {what} on {self.where}"
 
 
-def _one_by_one(fn, name, err, prompts, completions, columns, drop_bad: bool) -> list:
-    """Rerun `fn` per sample after it raised on the batch: find the offending sample(s)."""
+def _sample(i: int, prompts, completions) -> str:
+    return f"sample {i} (prompt={_short(prompts[i])}, completion={_short(completions[i])})"
+
+
+def _one_by_one(fn, batch: _Failure, prompts, completions, columns, drop_bad: bool, timeout_s) -> list:
+    """Rerun `fn` per sample after it failed on the batch: find the offending sample(s)."""
+    if batch.fatal:
+        raise RewardError(batch.message()) from batch.error
+    n = len(completions)
+    one = [([prompts[i]], [completions[i]], {k: [v[i]] for k, v in columns.items()}) for i in range(n)]
+    if batch.error is _TIMED_OUT:
+        results = _probe_at_once(fn, one, timeout_s)
+    else:
+        results = [_call(fn, *args, timeout_s) for args in one]
     out = []
-    for i in range(len(completions)):
-        try:
-            value = fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()})
-            out.append(value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else _Failed())
-        except Exception as sample_err:
-            if not drop_bad:
-                raise RuntimeError(
-                    f"reward function {name!r} raised {type(sample_err).__name__}: {sample_err}; on sample {i}: "
-                    f"prompt={_short(prompts[i])}, completion={_short(completions[i])}"
-                ) from sample_err
-            out.append(_Failed())
-    if not drop_bad or all(isinstance(v, _Failed) for v in out):
-        # It raised on the batch but not on any single sample (or on every one): report the batch error.
-        raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err} "
-                           f"(on the batch of {len(completions)} samples)") from err
+    for i, (value, error) in enumerate(results):
+        if error is None and not (isinstance(value, (list, tuple)) and len(value) == 1):
+            error = ValueError(f"returned {value!r:.80} for a single sample (expected a list of one value)")
+        if error is None:
+            out.append(value[0])
+            continue
+        failure = _Failure(batch.name, error, timeout_s, _sample(i, prompts, completions))
+        if failure.fatal:
+            raise RewardError(failure.message()) from error
+        if not drop_bad:
+            raise RewardError(failure.message() + "; fix the function, or set drop_bad_rewards=true to drop such "
+                              "samples" + _ABANDONED * (error is _TIMED_OUT)) from (None if error is _TIMED_OUT else error)
+        out.append(failure)
+    if all(isinstance(v, _Failure) for v in out):
+        raise RewardError(f"{batch.message()}, and on every one of the {n} samples alone (first: "
+                          f"{out[0].message()}): a bug in the function rather than bad samples"
+                          + _ABANDONED * (batch.error is _TIMED_OUT)) from None
+    if not any(isinstance(v, _Failure) for v in out):
+        hint = "; raise reward_timeout_s" + _ABANDONED if batch.error is _TIMED_OUT else ""
+        raise RewardError(f"{batch.message()}, but on no sample alone{hint}") from (
+            None if batch.error is _TIMED_OUT else batch.error)
     return out
+
+
+_ABANDONED = " (a call that timed out is abandoned: Python cannot stop its thread, which may still run)"
+
+
+def _probe_at_once(fn, calls: list, timeout_s) -> list:
+    """`_call` results of `fn` on each sample, up to 8 at a time in daemon threads, all by one deadline.
+
+    Calls not finished by the deadline read as timed out (and are left running).
+    """
+    results = [(None, _TIMED_OUT)] * len(calls)
+    todo, lock, finished = list(range(len(calls)))[::-1], threading.Lock(), threading.Semaphore(0)
+
+    def work():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop()
+            results[i] = _call(fn, *calls[i], None)  # already in a thread of its own
+            finished.release()
+
+    deadline = time.monotonic() + timeout_s
+    with _gil_watchdog(timeout_s):
+        for _ in range(min(8, len(calls))):
+            threading.Thread(target=work, name=f"gspo-reward-probe-{_fn_name(fn)}", daemon=True).start()
+        for _ in calls:
+            if not finished.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                break
+    return list(results)

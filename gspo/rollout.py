@@ -15,6 +15,7 @@ from torch import Tensor
 from transformers import LogitsProcessorList
 
 from gspo import decode
+from gspo.config import TRUNCATIONS
 from gspo.logprobs import is_fsdp2
 
 
@@ -86,16 +87,28 @@ def eos_ids(tokenizer, model) -> list[int]:
     return ids
 
 
-def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int, device) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids and mask (B, P)."""
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int, device, truncate: str = "error"
+                   ) -> tuple[Tensor, Tensor]:
+    """Left-padded prompt ids and mask (B, P), P <= max_prompt_length.
+
+    A longer prompt is a ValueError, or with truncate="left" keeps its last max_prompt_length
+    tokens (as TRL truncates). The trainer checks every prompt before training
+    (`gspo.data.check_prompt_lengths`), so the error here is a last guard.
+    """
+    if truncate not in TRUNCATIONS:
+        raise ValueError(f"truncate must be one of {', '.join(TRUNCATIONS)}, got {truncate!r}")
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-    lengths = enc["attention_mask"].sum(-1)
+    ids, mask = enc["input_ids"], enc["attention_mask"]  # (B, P0)
+    lengths = mask.sum(-1)  # (B,)
     if int(lengths.max()) > max_prompt_length:
-        i = int(lengths.argmax())
-        raise ValueError(f"max_prompt_length: prompt {i} has {int(lengths[i])} tokens > {max_prompt_length}: {prompts[i]!r:.80}")
+        if truncate == "error":
+            i = int(lengths.argmax())
+            raise ValueError(f"max_prompt_length: prompt {i} has {int(lengths[i])} tokens > {max_prompt_length}: "
+                             f"{prompts[i]!r:.80}")
+        ids, mask = ids[:, -max_prompt_length:], mask[:, -max_prompt_length:]  # left padding: the ends are real
     if int(lengths.min()) == 0:
         raise ValueError(f"dataset: prompt {int(lengths.argmin())} encodes to no tokens")
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    return ids.to(device), mask.to(device)
 
 
 @torch.no_grad()
@@ -111,6 +124,7 @@ def generate(
     top_k: int = 0,
     greedy: bool = False,
     max_prompt_length: int = 512,
+    truncate_prompts: str = "error",
     with_logprobs: bool = False,
     routing_recorder=None,
     row_seeds: list[int] | None = None,
@@ -127,6 +141,8 @@ def generate(
     `row_seeds`: one seed per completion (N = len(prompts) * num_generations): each row draws from
     its own generator (`SeededSampler`), so a completion does not depend on which other rows share
     the batch, or the process: the same run on 1 or 8 ranks samples the same tokens.
+    `truncate_prompts`: "left" keeps the last max_prompt_length tokens of a longer prompt (see
+    `encode_prompts`); "error" refuses it.
     `backend`: "gspo" runs `gspo.decode.sample` (preallocated KV cache, same tokens as HF for the
     same seed), "hf" runs HF `generate`, "auto" the first where `decode.unsupported_reason` allows.
     """
@@ -139,7 +155,7 @@ def generate(
             raise ValueError(f"backend='gspo' cannot run this model: {reason}")
         own = reason is None
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device)  # (B, P)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device, truncate_prompts)  # (B, P)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # (N, P)
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # (N, P)
     eos = eos_ids(tokenizer, model)

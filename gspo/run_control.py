@@ -1,23 +1,28 @@
 """What keeps a training run safe to stop, resume and watch (used by trainer.py and sft.py).
 
-The output folder (an earlier run there is an error), the settings a checkpoint must agree with to
-resume, SIGINT/SIGTERM turned into a clean stop, the non-finite-update guard, the progress bar,
-and the seeded model set-up every run starts from.
+The output folder (one run at a time, an earlier run there is an error), the settings a checkpoint
+must agree with to resume, SIGINT/SIGTERM turned into a clean stop, the non-finite-update guard,
+the progress bar, and the seeded model set-up every run starts from.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 import shutil
 import signal
+import socket
 import sys
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gspo.checkpoint import clean_stale, list_checkpoints
+from gspo.checkpoint import clean_stale, list_checkpoints, remove_checkpoint
 from gspo.config import to_dict
 from gspo.models import load_model
 from gspo.multitask import saved_tasks
@@ -30,8 +35,55 @@ def save_model(model, tokenizer, path: Path, state_dict: dict | None = None) -> 
     tokenizer.save_pretrained(path)
 
 
+LOCK_FILE = ".gspo.lock"
+
+
+@contextmanager
+def run_lock(out_dir, enabled: bool = True):
+    """Hold an advisory lock (fcntl.flock) on `out_dir/.gspo.lock` for the run's life.
+
+    A second run into the same folder gets a ValueError naming the holder (pid, host, start time).
+    The kernel drops the lock when its process ends, however it ends, so a killed run's lock file
+    never blocks the next run. Creates `out_dir`. Where fcntl is missing (Windows) nothing is locked.
+    """
+    out = Path(out_dir)
+    if not enabled:
+        yield
+        return
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output_dir {out} is a file, not a folder")
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise OSError(err.errno, f"output_dir {out} cannot be written ({err.strerror})", err.filename) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "holder unknown"
+            raise ValueError(f"output_dir {out} is in use by another run ({holder}); wait for it to end, stop it, "
+                             "or choose another output_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                  .encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def prepare_output_dir(cfg, resuming: bool = False) -> Path:
-    """The run's folder; an earlier run's files there are an error unless overwriting or resuming."""
+    """The run's folder; an earlier run's files there are an error unless overwriting or resuming.
+
+    Call it holding `run_lock`: it removes half-written checkpoints, which only a dead run leaves.
+    """
     out = Path(cfg.output_dir)
     clean_stale(out) if out.is_dir() else None  # half-written checkpoints of a killed run
     old = [out / METRICS_FILE, out / SAMPLES_FILE, *sorted(out.glob("checkpoint-*"))]
@@ -92,7 +144,7 @@ def discard_newer_checkpoints(out_dir: Path, step: int, allowed: bool) -> None:
         raise ValueError(f"resume: {newer[-1].name} is newer than checkpoint-{step}; resume from latest, or set "
                          "overwrite_output_dir=true to delete the newer checkpoints")
     for path in newer:
-        shutil.rmtree(path)
+        remove_checkpoint(path)
 
 
 def seeded_model(cfg) -> tuple[torch.device, torch.nn.Module, object]:
@@ -123,23 +175,36 @@ class TrainingAborted(RuntimeError):
 
 
 class TrainingInterrupted(TrainingAborted):
-    """SIGINT/SIGTERM arrived; the step in flight was finished and checkpointed."""
+    """SIGINT/SIGTERM arrived; the run stopped at a checkpoint (`step`: the last step it holds)."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"{signal.Signals(signum).name} at step {step}; checkpoint saved to {checkpoint}; "
+        super().__init__(f"{signal.Signals(signum).name} after step {step}; checkpoint saved to {checkpoint}; "
                          "continue with --resume latest")
 
 
-class StopSignals:
-    """Turns SIGINT/SIGTERM into a request to stop after the current step (a second one stops at once).
+class StepAbandoned(Exception):
+    """A signal arrived while the step could still be dropped whole (nothing of it applied yet)."""
 
-    Installed only in the main thread (Python delivers signals there); `restore` puts back the
-    previous handlers.
+    stops_the_run = True  # raised by a signal handler, maybe inside a reward: gspo.rewards lets it through
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class StopSignals:
+    """Turns SIGINT/SIGTERM into a clean stop; a second one stops at once.
+
+    While `abandonable` is set (the trainer sets it from sampling through pi_old, before the step's
+    first optimizer step), a signal raises `StepAbandoned` right away, even out of a wait on a hung
+    reward function: the trainer then checkpoints the last completed step and exits. Otherwise the
+    step in flight is finished first. Installed only in the main thread (Python delivers signals
+    there); `restore` puts back the previous handlers.
     """
 
     def __init__(self):
-        self.requested, self.previous = 0, {}
+        self.requested, self.previous, self.abandonable = 0, {}, False
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self.previous[signum] = signal.signal(signum, self._handle)
@@ -150,6 +215,11 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.requested = signum
+        if self.abandonable:
+            self.abandonable = False
+            print(f"\n{signal.Signals(signum).name}: dropping this unfinished step and saving a checkpoint of the "
+                  "last completed one (send it again to stop at once)", file=sys.stderr, flush=True)
+            raise StepAbandoned(signum)
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
               "(send it again to stop at once)", file=sys.stderr, flush=True)
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from gspo.config import SFTConfig, to_dict
-from gspo.data import load_splits
+from gspo.data import load_splits, where
 from gspo.evaluation import evaluate
 from gspo.tracking import MetricsLogger
-from gspo.run_control import Progress, prepare_output_dir, save_model, seeded_model
+from gspo.run_control import Progress, prepare_output_dir, run_lock, save_model, seeded_model
 
 
 def encode_pairs(tokenizer, rows: list[dict], answer_column: str, max_length: int) -> list[tuple[list[int], int]]:
@@ -27,11 +27,12 @@ def encode_pairs(tokenizer, rows: list[dict], answer_column: str, max_length: in
     out = []
     for i, r in enumerate(rows):
         if answer_column not in r or not isinstance(r[answer_column], str):
-            raise ValueError(f"dataset: row {i} has no text column {answer_column!r} (the SFT target)")
+            raise ValueError(f"dataset: {where(r, i)}: no text column {answer_column!r} (the SFT target)")
         prompt = tokenizer(r["prompt"])["input_ids"]
         answer = tokenizer(r[answer_column], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         if len(prompt) + len(answer) > max_length:
-            raise ValueError(f"max_length: row {i} has {len(prompt) + len(answer)} tokens > {max_length}")
+            raise ValueError(f"dataset: {where(r, i)}: prompt + answer have {len(prompt) + len(answer)} tokens > "
+                             f"max_length={max_length}")
         out.append((prompt + answer, len(prompt)))
     return out
 
@@ -51,6 +52,11 @@ def collate(pairs: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tens
 
 def sft(cfg: SFTConfig) -> dict:
     """Supervised fine-tuning as configured; saves the model to `output_dir/model`."""
+    with run_lock(cfg.output_dir):  # one run per output_dir
+        return _sft(cfg)
+
+
+def _sft(cfg: SFTConfig) -> dict:
     started = time.perf_counter()
     out_dir = prepare_output_dir(cfg)
     device, model, tokenizer = seeded_model(cfg)

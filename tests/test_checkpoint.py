@@ -1,8 +1,11 @@
-"""Checkpoints: exact round trips (RNG, optimizer, scheduler, weights), atomic writes, safe loading."""
+"""Checkpoints: exact round trips (RNG, optimizer, scheduler, weights), atomic writes, safe loading, integrity."""
 
+import errno
+import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from gspo.checkpoint import (MANIFEST_FILE, OPTIMIZER_FILE, capture_rng, clean_stale, latest_checkpoint,
-                             list_checkpoints, load_checkpoint, load_model_weights, resolve_resume, restore_rng,
-                             save_checkpoint)
+from gspo.checkpoint import (MANIFEST_FILE, OPTIMIZER_FILE, capture_rng, check_finite_state, clean_stale,
+                             latest_checkpoint, list_checkpoints, load_checkpoint, load_model_weights, resolve_resume,
+                             restore_rng, save_checkpoint, set_aside_damaged, verify_checkpoint)
 from gspo.tasks import build_char_tokenizer
 
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -53,6 +56,16 @@ def test_rng_round_trip_is_exact_for_every_generator():
     restore_rng(state, {"shuffle": shuffle})
     assert draws(shuffle) == first
     assert moved_on != first  # so the equality above is not a coincidence of stuck generators
+
+
+def test_a_checkpoint_can_hold_rng_states_captured_earlier(tmp_path):
+    shuffle = torch.Generator().manual_seed(4)
+    torch.manual_seed(3)
+    earlier = capture_rng({"shuffle": shuffle})  # say, when a step began that is then dropped
+    first = draws(shuffle)
+    save_checkpoint(tmp_path, 1, rng_state=earlier)
+    load_checkpoint(tmp_path / "checkpoint-1", rng_generators={"shuffle": shuffle})
+    assert draws(shuffle) == first  # the draws since `earlier` come again, not the ones after saving
 
 
 def test_restore_rng_rejects_other_generator_names():
@@ -157,8 +170,10 @@ def test_latest_and_resolve_resume(tmp_path):
     save_checkpoint(tmp_path, 5, keep=None)
     save_checkpoint(tmp_path, 12, keep=None)  # "checkpoint-12" < "checkpoint-5" as text: steps compare as numbers
     (tmp_path / "checkpoint-20").mkdir()  # a folder that never got its manifest
-    (tmp_path / ".tmp-checkpoint-30-1").mkdir()
-    assert resolve_resume("latest", tmp_path) == latest_checkpoint(tmp_path) == tmp_path / "checkpoint-12"
+    (tmp_path / ".tmp-checkpoint-30-1").mkdir()  # an interrupted save: not damage, ignored
+    with pytest.raises(ValueError, match=r"resume='latest': .*checkpoint-20: no checkpoint.json.*latest_valid"):
+        resolve_resume("latest", tmp_path)  # the newest must verify: no silent fall back
+    assert resolve_resume("latest_valid", tmp_path) == latest_checkpoint(tmp_path) == tmp_path / "checkpoint-12"
     assert resolve_resume(str(tmp_path / "checkpoint-5"), tmp_path) == tmp_path / "checkpoint-5"
     with pytest.raises(ValueError, match="checkpoint-20'.*no checkpoint.json.*never finished"):
         resolve_resume(str(tmp_path / "checkpoint-20"), tmp_path)
@@ -198,7 +213,7 @@ def test_failed_save_keeps_previous_checkpoint_and_leaves_nothing_partial(tmp_pa
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match=r"^checkpoint-2 could not be written \(disk full\); the previous checkpoints"):
         save_checkpoint(tmp_path, 2, optimizer=optimizer, trainer_state={"step": 2})
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1"]
     assert load_checkpoint(latest_checkpoint(tmp_path), optimizer=optimizer)["trainer_state"] == {"step": 1}
@@ -275,9 +290,7 @@ def test_tampered_optimizer_file_is_refused_without_running_it(tmp_path):
     path = save_checkpoint(tmp_path, 1, optimizer=optimizer)
     marker = tmp_path / "pwned"
     torch.save({"state": {}, "param_groups": [], "x": Payload(str(marker))}, path / OPTIMIZER_FILE)
-    manifest = json.loads((path / MANIFEST_FILE).read_text())  # a careful attacker fixes the sizes too
-    manifest["files"][OPTIMIZER_FILE] = (path / OPTIMIZER_FILE).stat().st_size
-    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    rehash(path, OPTIMIZER_FILE)  # a careful attacker fixes the manifest too
     with pytest.raises(ValueError, match="optimizer.pt: refused, it holds objects other than tensors"):
         load_checkpoint(path, optimizer=optimizer)
     assert not marker.exists()
@@ -292,3 +305,283 @@ def test_sharded_weights_load_in_place(tmp_path):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
     with pytest.raises(ValueError, match="no model.safetensors"):
         load_model_weights(other, tmp_path / "missing")
+
+
+# ------------------------------------------------------------------------------- integrity
+def rehash(path, name: str) -> None:
+    """Rewrite `name`'s manifest entry to match the file: only a check of the content can then object."""
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    data = (path / name).read_bytes()
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def flip_middle_byte(file) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_manifest_holds_the_sha256_and_size_of_every_file(tmp_path):
+    model, optimizer, scheduler, shuffle = fresh_training(0)
+    path = save_checkpoint(tmp_path, 3, model=model, tokenizer=build_char_tokenizer(), optimizer=optimizer,
+                           scheduler=scheduler, rng_generators={"shuffle": shuffle})
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    on_disk = {p.name for p in path.iterdir()} - {MANIFEST_FILE}
+    assert manifest["version"] == 2 and set(manifest["files"]) == on_disk
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng.json", "tokenizer.json"} <= on_disk
+    for name, entry in manifest["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+
+
+def test_a_same_size_change_in_any_file_is_named_at_resume_not_when_listing(tmp_path):
+    model, optimizer, scheduler, shuffle = fresh_training(0)
+    train_steps(model, optimizer, scheduler, shuffle, 1)
+    path = save_checkpoint(tmp_path, 12, model=model, optimizer=optimizer, trainer_state={"sampler": {"pos": 4}})
+    other = tiny_dense(1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    for name in ["model.safetensors", "optimizer.pt", "rng.json", "trainer_state.json"]:
+        size = (path / name).stat().st_size
+        flip_middle_byte(path / name)
+        assert (path / name).stat().st_size == size
+        with pytest.raises(ValueError, match=rf"checkpoint-12: {name} does not match its sha256 in checkpoint.json "
+                                             r"\(damaged or modified\)$"):
+            verify_checkpoint(path)
+        with pytest.raises(ValueError, match=rf"resume='latest': .*checkpoint-12: {name} does not match.*latest_valid"):
+            resolve_resume("latest", tmp_path)
+        assert list_checkpoints(tmp_path) == [path]  # sizes only, as documented: pruning stays cheap
+        with pytest.raises(ValueError, match=rf"{name} does not match its sha256"):
+            load_checkpoint(path, model=other)
+        assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())  # refused before copying
+        flip_middle_byte(path / name)  # flipped back: the same bytes verify again
+        verify_checkpoint(path)
+
+
+def test_nan_weights_under_a_matching_manifest_are_refused_before_loading(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_checkpoint(tmp_path, 12, model=tiny_dense(0))
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors["model.layers.0.mlp.up_proj.weight"][5, 7] = float("nan")
+    size = file.stat().st_size
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    assert file.stat().st_size == size
+    rehash(path, "model.safetensors")
+    verify_checkpoint(path)  # the hash agrees: only the finite check stands between this and sampling
+    other = tiny_dense(1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    message = r"checkpoint-12/model.safetensors: model.layers.0.mlp.up_proj.weight holds NaN/inf$"
+    with pytest.raises(ValueError, match=message):
+        load_model_weights(other, path)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(path, model=other)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_nan_optimizer_state_under_a_matching_manifest_is_refused_before_loading(tmp_path):
+    model, optimizer, scheduler, shuffle = fresh_training(0)
+    train_steps(model, optimizer, scheduler, shuffle, 1)
+    path = save_checkpoint(tmp_path, 12, model=model, optimizer=optimizer, scheduler=scheduler)
+    state = torch.load(path / OPTIMIZER_FILE, weights_only=True)
+    state["state"][3]["exp_avg_sq"].view(-1)[0] = float("nan")
+    size = (path / OPTIMIZER_FILE).stat().st_size
+    with open(path / OPTIMIZER_FILE, "wb") as f:  # as save_checkpoint writes it (a path lays out the zip apart)
+        torch.save(state, f)
+    assert (path / OPTIMIZER_FILE).stat().st_size == size  # still unpickles, same size: only its values changed
+    rehash(path, OPTIMIZER_FILE)
+    model2, optimizer2, scheduler2, _ = fresh_training(1)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    message = r"checkpoint-12/optimizer.pt: state of parameter 3 \('exp_avg_sq'\) holds NaN/inf$"
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(path, model=model2, optimizer=optimizer2, scheduler=scheduler2)
+    # Nothing was copied in: not the weights (loaded after the state check), not the optimizer or schedule.
+    assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
+    assert len(optimizer2.state) == 0 and scheduler2.last_epoch == 0
+
+
+@pytest.mark.parametrize("name, text", [("rng.json", "garbage"), ("rng.json", '{"python": 1}'),
+                                        ("trainer_state.json", "{not json")])
+def test_garbage_json_under_a_matching_manifest_is_named(tmp_path, name, text):
+    model, optimizer, scheduler, shuffle = fresh_training(0)
+    path = save_checkpoint(tmp_path, 12, model=model, optimizer=optimizer, scheduler=scheduler)
+    (path / name).write_text(text)
+    rehash(path, name)
+    model2, optimizer2, scheduler2, _ = fresh_training(1)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"checkpoint-12/{name}: not the (JSON|RNG states) gspo writes"):
+        load_checkpoint(path, model=model2, optimizer=optimizer2, scheduler=scheduler2)
+    if text == "garbage" or name != "rng.json":  # unreadable JSON is refused before anything is copied in
+        assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
+
+
+def test_check_finite_state_names_the_first_bad_floating_tensor_only():
+    state = {"state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.tensor([0.5, float("inf")])}},
+             "param_groups": [{"lr": 0.1, "params": [0]}]}
+    with pytest.raises(ValueError, match=r"^fsdp optimizer: state of parameter 0 \('exp_avg'\) holds NaN/inf$"):
+        check_finite_state(state, "fsdp optimizer")
+    with pytest.raises(ValueError, match=r"^s: \['ema'\]\[1\] holds NaN/inf$"):
+        check_finite_state({"ema": [torch.ones(2), torch.tensor([float("nan")])]}, "s")
+    # ReduceLROnPlateau starts with best=inf (a Python float) and integer tensors cannot be NaN.
+    check_finite_state({"best": float("inf"), "ids": torch.tensor([1, 2]), "w": torch.zeros(3)}, "s")
+
+
+def small_run(run_dir, steps) -> None:
+    for step in steps:
+        save_checkpoint(run_dir, step, trainer_state={"step": step}, keep=None)
+
+
+def test_latest_names_a_damaged_newest_checkpoint_and_latest_valid_is_the_explicit_fall_back(tmp_path):
+    truncated, unfinished = tmp_path / "truncated", tmp_path / "unfinished"
+    small_run(truncated, [1, 2])
+    small_run(unfinished, [1, 2])
+    with open(truncated / "checkpoint-2" / "rng.json", "r+b") as f:
+        f.truncate(100)
+    (unfinished / "checkpoint-2" / MANIFEST_FILE).unlink()
+    (truncated / ".tmp-checkpoint-3-7").mkdir()  # an interrupted save is not damage: still ignored
+    for run_dir, problem in [(truncated, r"rng.json has 100 bytes, the manifest says \d+ \(truncated or modified\)"),
+                             (unfinished, r"no checkpoint.json, so it is not a gspo checkpoint")]:
+        listing = sorted(p.name for p in run_dir.iterdir())
+        with pytest.raises(ValueError, match=rf"resume='latest': the newest checkpoint fails verification: "
+                                             rf".*checkpoint-2: {problem}.*--resume latest_valid.*or pass a "):
+            resolve_resume("latest", run_dir)
+        assert resolve_resume("latest_valid", run_dir) == run_dir / "checkpoint-1"
+        assert list_checkpoints(run_dir) == [run_dir / "checkpoint-1"]  # listing skips the damaged one
+        assert sorted(p.name for p in run_dir.iterdir()) == listing  # resolving renamed and deleted nothing
+    (truncated / "checkpoint-1" / MANIFEST_FILE).unlink()
+    with pytest.raises(ValueError, match=r"resume='latest_valid': no checkpoint under .* verifies: .*checkpoint-2: "):
+        resolve_resume("latest_valid", truncated)
+
+
+def test_set_aside_damaged_keeps_the_bytes_out_of_reach_of_saves_and_prunes(tmp_path):
+    small_run(tmp_path, [1, 2, 3])
+    (tmp_path / "checkpoint-1" / MANIFEST_FILE).unlink()  # damaged, but not newer than the resumed step: stays
+    with open(tmp_path / "checkpoint-3" / "trainer_state.json", "a") as f:
+        f.write(" ")
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-3").iterdir()}
+    assert set_aside_damaged(tmp_path, newer_than=2) == [tmp_path / "checkpoint-3.damaged"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-3.damaged").iterdir()} == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2", "checkpoint-3.damaged"]
+    # The resumed run writes step 3 again and prunes to one: checkpoints 1 and 2 go, the damaged copy stays.
+    save_checkpoint(tmp_path, 3, trainer_state={"again": True}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-3.damaged"]
+    (tmp_path / "checkpoint-3" / MANIFEST_FILE).unlink()
+    assert set_aside_damaged(tmp_path, newer_than=2) == [tmp_path / "checkpoint-3.damaged-2"]  # the name is taken
+    save_checkpoint(tmp_path, 4, keep=1)
+    assert clean_stale(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3.damaged", "checkpoint-3.damaged-2",
+                                                          "checkpoint-4"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-3.damaged").iterdir()} == kept
+    assert set_aside_damaged(tmp_path, newer_than=0) == []  # checkpoint-4 verifies
+
+
+def test_prune_counts_only_complete_checkpoints(tmp_path):
+    small_run(tmp_path, [1, 2, 3])
+    (tmp_path / "checkpoint-3" / MANIFEST_FILE).unlink()
+    save_checkpoint(tmp_path, 4, keep=2)
+    # Counting folders would have kept 3 (damaged) and 4, leaving one usable checkpoint; 2 and 4 are kept,
+    # the damaged 3 left for set_aside_damaged, only 1 (older than every kept one) deleted.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
+
+
+def test_version_1_manifest_resumes_by_size_with_a_warning(tmp_path):
+    import warnings
+
+    optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    path = save_checkpoint(tmp_path, 1, optimizer=optimizer, trainer_state={"step": 1})
+    manifest = json.loads((path / MANIFEST_FILE).read_text())  # as the previous release wrote it: sizes only
+    manifest.update(version=1, files={k: v["size"] for k, v in manifest["files"].items()})
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match="checkpoint-1: a version-1 checkpoint: its checkpoint.json carries no "
+                                         "content hashes"):
+        assert resolve_resume("latest", tmp_path) == path
+    with pytest.warns(UserWarning, match="no content hashes"):
+        assert load_checkpoint(path, optimizer=optimizer)["trainer_state"] == {"step": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # listing hashes nothing, so it has nothing to warn about
+        assert list_checkpoints(tmp_path) == [path]
+    with open(path / "rng.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(ValueError, match=r"rng.json has \d+ bytes, the manifest says"):
+        verify_checkpoint(path, hashes=False)
+
+
+# ------------------------------------------------------------------------------- write failures
+WRITER = textwrap.dedent("""
+    import json, resource, signal, subprocess, sys
+    from pathlib import Path
+    import torch
+    from safetensors.torch import save_file
+    from gspo.checkpoint import load_checkpoint, save_checkpoint
+
+    run_dir, mode = Path(sys.argv[1]), sys.argv[2]
+    small = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    save_checkpoint(run_dir, 1, optimizer=small, trainer_state={"step": 1})  # every file under 64 KB
+    if mode == "fsize":  # files may not grow past 64 KB: a write past it fails with EFBIG (SIGXFSZ ignored)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+
+    class Model:  # writes its weights with safetensors, as save_pretrained does
+        def save_pretrained(self, path):
+            save_file({"w": torch.zeros(1 << 16)}, str(Path(path) / "model.safetensors"))  # 256 KB
+
+    lin = torch.nn.Linear(256, 256)
+    big = torch.optim.AdamW(lin.parameters())
+    lin(torch.ones(1, 256)).sum().backward()
+    big.step()  # exp_avg, exp_avg_sq: 256 KB each
+
+    def attempt(what, **kwargs):
+        try:
+            save_checkpoint(run_dir, 2, **kwargs)
+            out = {"what": what, "errno": None}
+        except OSError as err:
+            out = {"what": what, "errno": err.errno, "message": str(err)}
+        print(json.dumps({**out, "left": sorted(p.name for p in run_dir.iterdir())}), flush=True)
+
+    attempt("torch.save", optimizer=big)
+    attempt("safetensors", model=Model())
+    attempt("json", trainer_state={"log": "x" * (1 << 18)})
+    if mode == "tmpfs":
+        subprocess.run(["mount", "-o", "remount,ro", str(run_dir)], check=True)
+        attempt("read-only", trainer_state={})
+    out = load_checkpoint(run_dir / "checkpoint-1", optimizer=torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+    print(json.dumps({"loaded": out["trainer_state"]}), flush=True)
+""")
+
+
+def check_write_failures(out: str, code: int, cause: str) -> None:
+    *attempts, loaded = [json.loads(line) for line in out.splitlines()]
+    assert [a["what"] for a in attempts[:3]] == ["torch.save", "safetensors", "json"]
+    for a in attempts:
+        want_code, want_cause = (errno.EROFS, "Read-only file system") if a["what"] == "read-only" else (code, cause)
+        assert a["errno"] == want_code, a
+        assert a["message"].startswith(f"[Errno {want_code}] checkpoint-2 could not be written ({want_cause}); "
+                                       "the previous checkpoints are intact"), a
+        assert a["left"] == ["checkpoint-1"], a  # no partial folder, nothing earlier touched
+    assert loaded == {"loaded": {"step": 1}}
+
+
+def test_write_failures_name_the_cause_and_keep_the_previous_checkpoints(tmp_path):
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), "fsize"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    check_write_failures(done.stdout, errno.EFBIG, "File too large")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoint-1"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="a tmpfs mount needs root and unshare")
+def test_a_full_or_read_only_disk_keeps_the_previous_checkpoints(tmp_path):
+    script, run_dir = tmp_path / "writer.py", tmp_path / "run"
+    script.write_text(WRITER)
+    run_dir.mkdir()
+    # A private mount namespace: the 128 KB tmpfs is seen by this child only and vanishes with it.
+    shell = f'mount -t tmpfs -o size=128k tmpfs "$0" || exit 77; exec {sys.executable} {script} "$0" tmpfs'
+    done = subprocess.run(["unshare", "--mount", "sh", "-c", shell, str(run_dir)], capture_output=True, text=True,
+                          timeout=120)
+    if done.returncode == 77 or done.stderr.startswith("unshare:"):
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    check_write_failures(done.stdout, errno.ENOSPC, "No space left on device")

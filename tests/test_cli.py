@@ -27,6 +27,7 @@ def gspo(*args, cwd):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_train_from_yaml_with_override_and_plot_and_eval(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({**TINY, "max_steps": 3, "output_dir": "out"}))
     done = gspo("train", "--config", "run.yaml", "max_steps=2", "objective=grpo", "learning_rate=1e-3", cwd=tmp_path)
@@ -59,6 +60,7 @@ def test_train_help_lists_every_field_with_its_doc():
     assert "Prompts per rollout batch (B)." in done.stdout and docs["num_generations"].startswith("Completions")
 
 
+@pytest.mark.slow
 def test_bad_override_is_one_clear_line(tmp_path):
     done = gspo("train", "learning_rat=1e-5", cwd=tmp_path)
     assert done.returncode == 2
@@ -69,6 +71,7 @@ def test_bad_override_is_one_clear_line(tmp_path):
     assert done.returncode == 2 and "no such directory" in done.stderr
 
 
+@pytest.mark.slow
 def test_sft_command_saves_a_model(tmp_path):
     done = gspo("sft", "model=tiny-dense", "num_examples=8", "max_steps=2", "batch_size=4", "eval_steps=1",
                 "eval_num_prompts=2", "output_dir=sft", "progress=false",
@@ -119,6 +122,7 @@ def test_config_errors(overrides, message):
         load_config(TrainConfig, None, overrides)
 
 
+@pytest.mark.slow
 def test_moe_replay_through_the_cli(tmp_path):
     small_moe = ("model_overrides={num_hidden_layers: 2, hidden_size: 32, moe_intermediate_size: 16, "
                  "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16}")

@@ -47,7 +47,7 @@ def test_chat_prompts_render_with_the_template():
     assert rows[0]["prompt"] == tok.apply_chat_template([{"role": "user", "content": "12+30="}], tokenize=False,
                                                         add_generation_prompt=True)
     assert "12+30=" in rows[0]["prompt"]
-    with pytest.raises(ValueError, match="row 0 prompt must be"):
+    with pytest.raises(ValueError, match="row 0: prompt must be"):
         render_prompts([{"prompt": ""}], tok)
 
 

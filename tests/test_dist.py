@@ -93,6 +93,7 @@ def assert_same_run(a: Path, b: Path, rel: float = 5e-5, metric_rel: float = 1e-
         assert (tensor - wb[key]).abs().max() <= rel * scale, key
 
 
+@pytest.mark.slow
 def test_two_process_ddp_and_fsdp_match_one_process(runs):
     one = runs / "one"
     start = load_file(one / "model" / "model.safetensors")
@@ -103,12 +104,14 @@ def test_two_process_ddp_and_fsdp_match_one_process(runs):
     assert start  # (loaded above)
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes(runs):
     lines = (runs / "ddp" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]  # one writer, no duplicates
     assert sorted(p.name for p in (runs / "ddp").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["ddp", "fsdp"])
 def test_two_process_checkpoint_resumes_on_two_or_one_processes(runs, source):
     for nproc, batch in ((2, 2), (1, 4)):
@@ -128,6 +131,7 @@ def test_two_process_checkpoint_resumes_on_two_or_one_processes(runs, source):
             assert_same_run(runs / "one", target)
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_holds_full_weights_and_single_process_optimizer_layout(runs):
     from gspo.checkpoint import load_state_file
 
@@ -143,6 +147,7 @@ def test_fsdp_checkpoint_holds_full_weights_and_single_process_optimizer_layout(
         assert float(of["state"][i]["step"]) == float(state["step"]) == 4.0  # 2 RL steps x 2 minibatches
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_run_with_a_message(runs):
     started = time.monotonic()
     done = run(runs, 2, "per_device_batch_size=2", "output_dir=dead", "reward_funcs=[rewards_mod:dies]",
@@ -169,6 +174,7 @@ def test_unavailable_backend_or_bad_mode_is_a_clear_error(monkeypatch):
     assert dist.setup(torch.device("cpu"), "fsdp", 30) == dist.Dist(mode="fsdp")
 
 
+@pytest.mark.slow
 def test_moe_routing_replay_and_drift_match_one_process(tmp_path):
     """old_policy replay (2 epochs: rows recorded on one rank are replayed on another) under ddp, and
     rollout replay (records gathered with the rollout) under fsdp, log what one process logs."""
@@ -190,6 +196,7 @@ def test_moe_routing_replay_and_drift_match_one_process(tmp_path):
         assert "moe/expert_change_frac" in last and "moe/replay_mismatch_frac" in last
 
 
+@pytest.mark.slow
 def test_multitask_mixture_with_dynamic_weights_matches_one_process(tmp_path):
     (tmp_path / "rewards_mod.py").write_text(REWARD)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({

@@ -213,6 +213,7 @@ def test_stat_handles_nan_and_single_values():
 
 
 # ------------------------------------------------------------------------------- micro lab, for real
+@pytest.mark.slow
 def test_micro_lab_end_to_end(tmp_path):
     cfg = lab(tmp_path, objectives=["grpo", "gspo"], models=["dense"], seeds=[0], depths=[], search={},
               num_layers=1, max_steps=2, eval_steps=1, per_device_batch_size=2, num_generations=4, num_minibatches=2,

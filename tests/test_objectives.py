@@ -114,7 +114,7 @@ def test_gspo_gradient_matches_eq10():
     old = torch.randn(N, T, dtype=D)
     logp = (old + 1e-3 * torch.randn(N, T, dtype=D)).requires_grad_()
     adv = torch.randn(N, dtype=D)
-    loss, stats = policy_loss(logp, old, adv, mask, objective="gspo", clip_low=1.0, clip_high=1.0)
+    loss, stats = policy_loss(logp, old, adv, mask, objective="gspo", clip_low=0.99, clip_high=1.0)
     loss.backward()
     s = (((logp - old) * mask).sum(-1) / lengths).exp().detach()
     expected = -(s * adv / (N * lengths))[:, None] * mask
@@ -330,7 +330,11 @@ def _ok():
         (lambda a: {**a, "objective": "grpo", "aggregation": "seq_mean_token_sum_norm"}, "norm_length"),
         (lambda a: {**a, "kl_coef": 0.1}, "ref_logprobs: required"),
         (lambda a: {**a, "kl_estimator": "k4", "objective": "grpo"}, "kl_estimator: unknown"),
-        (lambda a: {**a, "clip_low": -0.1}, "clip_low: must be"),
+        (lambda a: {**a, "clip_low": -0.1}, "clip_low=-0.1 must be"),
+        (lambda a: {**a, "clip_low": 2.0}, r"clip_low=2.0 puts the lower clip 1 - clip_low at or below 0"),
+        (lambda a: {**a, "clip_low": 1.0, "objective": "grpo"}, "grpo would have no lower clip"),
+        (lambda a: {**a, "clip_low": 1.5, "objective": "cispo"}, "cispo's 'no lower bound'"),
+        (lambda a: {**a, "clip_high": 0.2, "objective": "sapo"}, "sapo has no hard clip"),
         (lambda a: {**a, "advantages": t([[1.0, 1.0]])}, "use objective='gspo_token'"),
         (lambda a: {**a, "logprobs": t([-1.0, -2.0]), "old_logprobs": t([-1.0, -2.0]), "mask": t([1, 1])},
          "logprobs: expected shape"),

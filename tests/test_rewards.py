@@ -1,11 +1,14 @@
 import math
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
 
 from gspo.rewards import (
+    RewardError,
     RewardModelReward,
     _extract_answer,
     answer_match,
@@ -125,7 +128,7 @@ def test_score_completions_errors():
     def boom(prompts, completions, **_):
         raise KeyError("missing column")
 
-    with pytest.raises(RuntimeError, match="reward function 'boom' raised KeyError") as info:
+    with pytest.raises(RewardError, match="reward function 'boom' raised KeyError") as info:
         score_completions([boom], None, prompts, completions, {})
     msg = str(info.value)
     assert "What is 2+2?" in msg and "xxxx" in msg and "x" * 300 not in msg  # first sample, truncated
@@ -154,8 +157,8 @@ def test_bad_reward_names_the_offending_sample_or_drops_it():
             raise ValueError("cannot parse")
         return [1.0] * len(completions)
 
-    with pytest.raises(RuntimeError, match=r"'picky' raised ValueError: cannot parse; on sample 1: prompt='p1', "
-                                           r"completion='BAD'"):
+    with pytest.raises(RewardError, match=r"'picky' raised ValueError: cannot parse on sample 1 \(prompt='p1', "
+                                         r"completion='BAD'\); fix the function, or set drop_bad_rewards=true"):
         score_completions([picky], None, prompts, completions, {})
     total, raw = score_completions([picky, _const("half", [0.5, 0.5, math.inf])], None, prompts, completions, {},
                                    drop_bad=True)
@@ -166,8 +169,80 @@ def test_bad_reward_names_the_offending_sample_or_drops_it():
     def always(prompts, completions, **_):
         raise OSError("disk gone")
 
-    with pytest.raises(RuntimeError, match=r"'always' raised OSError: disk gone \(on the batch of 3 samples\)"):
+    with pytest.raises(RewardError, match=r"'always' raised OSError: disk gone on the batch of 3 samples, and on every "
+                                         r"one of the 3 samples alone .*a bug in the function rather than bad samples"):
         score_completions([always], None, prompts, completions, {}, drop_bad=True)  # nothing left to keep
+
+    def only_in_batches(prompts, completions, **_):
+        if len(completions) > 1:
+            raise MemoryError("batch too big")
+        return [1.0]
+
+    with pytest.raises(RewardError, match=r"raised MemoryError: batch too big on the batch of 3 samples, but on no "
+                                         r"sample alone"):
+        score_completions([only_in_batches], None, prompts, completions, {}, drop_bad=True)
+
+
+def _sleeps_on(marker: str, seconds: float):
+    def sleepy(prompts, completions, **_):
+        if any(marker in c for c in completions):
+            time.sleep(seconds)
+        return [1.0] * len(completions)
+
+    return sleepy
+
+
+def test_a_reward_that_hangs_is_abandoned_after_the_timeout():
+    prompts, completions = ["p0", "p1", "p2", "p3"], ["ok", "HANG", "ok", "HANG too"]
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"'sleepy' did not return within reward_timeout_s=0.2 s on sample 1 "
+                                         r"\(prompt='p1', completion='HANG'\)"):
+        score_completions([_sleeps_on("HANG", 30)], None, prompts, completions, {}, timeout_s=0.2)
+    # one timeout for the batch, one for the per-sample probes (run at once): not one per sample
+    assert time.monotonic() - start < 1.5
+    total, raw = score_completions([_sleeps_on("HANG", 30)], None, prompts, completions, {}, timeout_s=0.2,
+                                   drop_bad=True)
+    assert total[[0, 2]].tolist() == [1.0, 1.0] and total[[1, 3]].isnan().all()  # the hanging samples dropped
+    # slow on the batch, fast on every sample: raise the limit, says the error
+    with pytest.raises(RewardError, match=r"did not return within .* on the batch of 4 samples, but on no sample "
+                                         r"alone; raise reward_timeout_s"):
+        score_completions([_slow_batches], None, prompts, completions, {}, timeout_s=0.3, drop_bad=True)
+    # no limit: the call runs in this thread (rewards that use signals work)
+    seen = []
+    score_completions([lambda p, c, **_: seen.append(threading.current_thread()) or [0.0] * 4], None, prompts,
+                      completions, {}, timeout_s=0)
+    assert seen == [threading.main_thread()]
+
+
+def _slow_batches(prompts, completions, **_):
+    time.sleep(0.6 if len(completions) > 1 else 0)
+    return [0.5] * len(completions)
+
+
+@pytest.mark.parametrize("error, shown", [(SystemExit(0), "SystemExit: 0"), (SystemExit(7), "SystemExit: 7"),
+                                          (KeyboardInterrupt(), "KeyboardInterrupt"),
+                                          (GeneratorExit(), "GeneratorExit")])
+def test_exiting_from_a_reward_is_an_error_never_a_dropped_sample(error, shown):
+    def leaves(prompts, completions, **_):
+        raise error
+
+    for drop_bad in (False, True):
+        with pytest.raises(RewardError, match=rf"'leaves' raised {shown} on the batch of 2 samples: a reward function "
+                                             r"must return its values, not exit or interrupt the run"):
+            score_completions([leaves], None, ["p", "q"], ["a", "b"], {}, drop_bad=drop_bad, timeout_s=5)
+
+
+def test_rewards_get_copies_of_their_inputs():
+    prompts, completions, columns = ["p", "q"], ["a", "b"], {"answer": [["1"], ["2"]]}
+
+    def vandal(prompts, completions, answer, **_):
+        prompts[0], completions[:] = "X", []
+        answer[0].append("X")
+        return [1.0, 1.0]
+
+    for timeout in (0, 5):
+        score_completions([vandal], None, prompts, completions, columns, timeout_s=timeout)
+        assert (prompts, completions, columns) == (["p", "q"], ["a", "b"], {"answer": [["1"], ["2"]]})
 
 
 def _const_obj(name, obj):

@@ -1,8 +1,10 @@
 """Sandboxed code reward: hostile programs are contained within their limits, correct ones score 1.
 
 Each hostile case asserts three things: the run failed (reward 0), the harm did not happen
-(no file written, no secret printed, no connection made) and it ended within its time limit.
-Where cheap, a control run with the audit hook off shows the test could see the harm.
+(no file written, no secret printed, no connection made, no process signalled or left behind)
+and it ended within its time limit. The OS boundary's cases run with the audit hook on and off,
+so the kernel alone is shown to hold; where cheap, a control run (the weak sandbox without its
+hook, or no sandbox) shows the same program does the harm, so the test can fail.
 """
 
 import os
@@ -20,21 +22,49 @@ import pytest
 
 from gspo import sandbox
 from gspo.rewards import get_reward_fn
-from gspo.sandbox import CodeReward, describe_sandbox, extract_code, network_isolation, run_sandboxed
+from gspo.sandbox import (
+    CodeReward,
+    SandboxUnavailable,
+    code_reward,
+    describe_sandbox,
+    extract_code,
+    network_isolation,
+    run_sandboxed,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="uses Linux rlimits and namespaces")
+
+
+def _no_os_boundary() -> str | None:
+    try:
+        sandbox.check_sandbox("os")
+    except SandboxUnavailable as exc:
+        return str(exc)
+    return None
+
+
+NO_OS = _no_os_boundary() if sys.platform == "linux" else "not Linux"
+MODE = "weak" if NO_OS else "os"  # without bubblewrap the scoring and limit tests use the weak sandbox
+needs_os = pytest.mark.skipif(NO_OS is not None, reason=f"needs bubblewrap (CI has it): {NO_OS}")
+HOOK = pytest.mark.parametrize("audit_hook", [True, False], ids=["hook", "kernel_only"])
 
 SMALL = dict(timeout_s=5.0, memory_mb=256)
 ADD = "def add(a, b):\n    return a + b\n"
 
 
 def run(code: str, tests: str = "", **limits):
-    return run_sandboxed(textwrap.dedent(code), textwrap.dedent(tests), **{**SMALL, **limits})
+    return run_sandboxed(textwrap.dedent(code), textwrap.dedent(tests), **{"sandbox": MODE, **SMALL, **limits})
+
+
+def unsandboxed(program: str) -> subprocess.CompletedProcess:
+    """The control: the same program in a plain interpreter, no sandbox at all."""
+    return subprocess.run([sys.executable, "-I", "-S", "-c", textwrap.dedent(program)],
+                          capture_output=True, text=True, timeout=30)
 
 
 def kernel_refuses_forks() -> bool:
-    # RLIMIT_NPROC binds any user but root; as root the sandbox switches to uid 65534 via setpriv.
-    return os.geteuid() != 0 or sandbox._launcher()[2].startswith("uid")
+    # RLIMIT_NPROC binds any user but root; the OS boundary and weak's setpriv never run as root.
+    return MODE == "os" or os.geteuid() != 0 or "runs as: uid" in describe_sandbox("weak")
 
 
 @pytest.fixture
@@ -46,10 +76,24 @@ def open_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def outside_dirs(open_dir):
+    """open_dir, and where we may make one, a world-writable dir inside the interpreter's prefix,
+    which the OS boundary shows read-only (a system python run by a normal user: open_dir only)."""
+    try:
+        visible = tempfile.mkdtemp(prefix="gspo-visible-", dir=os.path.realpath(sys.base_prefix))
+    except OSError:
+        yield [open_dir]
+        return
+    os.chmod(visible, 0o777)
+    yield [open_dir, visible]
+    shutil.rmtree(visible, ignore_errors=True)
+
+
 # ---- scoring ---------------------------------------------------------------------------------
 
 def test_correct_code_scores_one_and_wrong_code_zero():
-    reward = CodeReward(**SMALL, workers=2)
+    reward = CodeReward(**SMALL, workers=2, sandbox=MODE)
     completions = [
         f"Here you go:\n```python\n{ADD}```\nDone.",  # fenced
         ADD,  # bare program
@@ -80,13 +124,35 @@ def test_files_inside_the_sandbox_dir_work_and_the_dir_is_removed():
         os.mkdir("d")
         with open("d/f.txt", "w") as f:
             f.write("fine")
-        print(os.getcwd())
+        print(os.getcwd(), sorted(os.listdir(".")))
         """,
         "assert open('d/f.txt').read() == 'fine'\nos.chmod('d', 0)  # cleanup must still work",
     )
     assert r.passed, r.stderr
-    workdir = r.stdout.strip()
+    workdir, listing = r.stdout.split(" ", 1)
+    assert listing == "['d']\n"  # solution.py and tests.py were deleted before the program ran
     assert os.path.basename(workdir).startswith("gspo-sandbox-") and not os.path.exists(workdir)
+
+
+@needs_os
+@pytest.mark.parametrize("max_file_mb, tmpfs_mb", [(2, 16), (8, 32)])  # max(16 MB, 4 x max_file_mb)
+def test_the_working_dir_is_a_tmpfs_bounded_by_max_file_mb(max_file_mb, tmpfs_mb):
+    # A file-writing loop fills the run's own tmpfs, never a disk; 1 MB files fill it exactly.
+    program = """
+        import errno
+        block, total, stop = b"x" * 2**20, 0, None
+        for i in range(40):  # 40 MB wanted
+            try:
+                with open(f"f{i}", "wb") as f:
+                    f.write(block)
+                total += len(block)
+            except OSError as err:
+                stop = errno.errorcode[err.errno]
+                break
+        print(total // 2**20, stop)
+        """
+    r = run(program, "assert stop is None", max_file_mb=max_file_mb)
+    assert r.stdout == f"{tmpfs_mb} ENOSPC\n" and not r.passed and r.duration_s < 5
 
 
 @pytest.mark.parametrize(
@@ -156,6 +222,33 @@ def test_memory_bomb_is_refused():
     assert fits.passed, fits.stderr
 
 
+KILLED_RUNS = {
+    "timeout": ("import os, time\nprint(os.getcwd(), flush=True)\ntime.sleep(30)", dict(timeout_s=1)),
+    "output_limit": ("import os\nprint(os.getcwd(), flush=True)\nwhile True:\n    print('y' * 1000)",
+                     dict(max_output_bytes=10_000)),
+}
+
+
+@pytest.mark.parametrize("how", sorted(KILLED_RUNS))
+def test_a_killed_run_leaves_no_process_behind(how):
+    # The program runs in its own session (bwrap --new-session), outside the group the trainer
+    # kills; it must still be gone when run_sandboxed returns. Its dir name, unique per run, is in
+    # the argv of every process of the run (bwrap's and the interpreter's).
+    program, limits = KILLED_RUNS[how]
+    r = run(program, "assert True", **limits)
+    workdir = r.stdout.split("\n", 1)[0]
+    assert r.killed == how and not r.passed and r.duration_s < 5 and "gspo-sandbox-" in workdir
+    survivors = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if workdir.encode() in f.read():
+                    survivors.append(pid)
+        except OSError:
+            pass  # exited while we looked
+    assert survivors == []
+
+
 FORK_LOOP = """
 import os, signal
 made, refused = 0, None
@@ -173,7 +266,7 @@ print("made", made, "refused", refused)
 """
 
 
-@pytest.mark.parametrize("audit_hook", [True, False], ids=["hook", "kernel_only"])
+@HOOK
 def test_fork_loop_is_refused(audit_hook):
     if not audit_hook and not kernel_refuses_forks():
         pytest.skip("the trainer is root and setpriv is unavailable: only the audit hook refuses forks")
@@ -209,6 +302,27 @@ def test_signalling_the_trainer_is_refused():
     assert not r.passed and "could signal" not in r.stdout and "PermissionError" in r.stderr
 
 
+@needs_os
+def test_the_kernel_keeps_the_trainers_processes_out_of_reach():
+    # No audit hook: a real SIGKILL at a real process; should containment fail, only the victim dies.
+    with subprocess.Popen(["sleep", "30"]) as victim:
+        try:
+            program = f"""
+                import os, signal
+                for pid, sig in (({victim.pid}, signal.SIGKILL), ({os.getpid()}, 0)):  # victim, trainer
+                    try:
+                        os.kill(pid, sig)
+                        print("signalled", pid)
+                    except OSError as err:
+                        print(type(err).__name__)
+                """
+            r = run(program, "assert False", audit_hook=False)
+            assert r.stdout == "ProcessLookupError\nProcessLookupError\n"  # other pid namespace
+            assert victim.poll() is None and r.duration_s < 5
+        finally:
+            victim.kill()
+
+
 def test_huge_print_is_cut_and_stopped():
     for program in ("while True:\n    print('y' * 1000)", "print('x' * 50_000_000)",
                     "import sys\nwhile True:\n    sys.stderr.write('z' * 1000)"):
@@ -219,32 +333,172 @@ def test_huge_print_is_cut_and_stopped():
 
 # ---- filesystem, environment, network ---------------------------------------------------------
 
-def test_writing_outside_the_sandbox_dir_is_refused(open_dir):
-    program = f"""
-        import os, pathlib
-        outside = {open_dir!r}
+WRITE_ATTEMPTS = """
+    import errno, os, pathlib
+    names = []
+    for outside in {targets!r}:
+        mark = outside + "/" + {marker!r}
         attempts = [
-            lambda: open(outside + "/a.txt", "w").write("x"),
-            lambda: pathlib.Path(outside, "b.txt").write_text("x"),
-            lambda: os.mkdir(outside + "/c"),
-            lambda: os.open(outside + "/d.txt", os.O_WRONLY | os.O_CREAT),
-            lambda: open("../" + os.path.basename(outside) + "/e.txt", "w"),  # relative escape
-            lambda: (open("mine.txt", "w").close(), os.rename("mine.txt", outside + "/f.txt")),
+            lambda: open(mark + "a.txt", "w").write("x"),
+            lambda: pathlib.Path(mark + "b.txt").write_text("x"),
+            lambda: os.mkdir(mark + "c"),
+            lambda: os.open(mark + "d.txt", os.O_WRONLY | os.O_CREAT),
+            lambda: (open("mine.txt", "w").close(), os.rename("mine.txt", mark + "f.txt")),
         ]
-        wrote = 0
+        if outside == {open_dir!r}:
+            attempts.append(lambda: open("../" + os.path.basename(outside) + "/e.txt", "w"))  # relative
         for attempt in attempts:
             try:
                 attempt()
-                wrote += 1
+                names.append("WROTE")
+            except PermissionError as err:
+                names.append("hook" if err.errno is None else errno.errorcode[err.errno])
             except OSError as err:
-                print(type(err).__name__)
+                names.append(errno.errorcode[err.errno])
+    print(" ".join(names))
+    """
+
+
+@HOOK
+def test_writing_outside_the_sandbox_dir_is_refused(outside_dirs, audit_hook):
+    if not audit_hook and NO_OS:
+        pytest.skip(f"needs bubblewrap: {NO_OS}")
+    marker = f"gspo-marker-{uuid.uuid4().hex[:8]}-"
+    system = [os.path.realpath(sys.base_prefix), "/usr", "/tmp", "/"]  # bound read-only, or the sandbox's own
+    open_dir, targets = outside_dirs[0], [*outside_dirs, *system]
+    program = WRITE_ATTEMPTS.format(targets=targets, open_dir=open_dir, marker=marker)
+
+    def written_in_system():
+        return [f"{d}/{n}" for d in system for n in os.listdir(d) if n.startswith(marker)]
+
+    try:
+        r = run(program, "assert 'WROTE' in names", audit_hook=audit_hook)
+        assert not r.passed and r.duration_s < 5
+        assert all(os.listdir(d) == [] for d in outside_dirs) and written_in_system() == []
+        names = r.stdout.split()
+        if audit_hook:
+            assert names == ["hook"] * (6 + 5 * (len(targets) - 1))
+        else:  # the open dir does not exist inside; what does is read-only (a rename: across mounts)
+            assert names == ["ENOENT"] * 6 + (["EROFS"] * 4 + ["EXDEV"]) * (len(targets) - 1)
+        # control: the weak sandbox without its hook does write there, so this test can fail
+        control = run(program, "assert 'WROTE' in names", audit_hook=False, sandbox="weak")
+        assert control.passed and f"{marker}a.txt" in os.listdir(open_dir)
+    finally:  # the control (or a broken sandbox) may have written into world-writable /tmp
+        for path in written_in_system():
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+SQLITE = {
+    # the attack that scored 1.0 under the audit hook alone: it never sees ATTACH
+    "attach": "db = sqlite3.connect(':memory:')\ndb.execute(f\"ATTACH DATABASE '{target}' AS evil\")\n"
+    "db.execute('CREATE TABLE evil.t (x)')",
+    "uri": "db = sqlite3.connect(f'file:{target}?mode=rwc', uri=True)\ndb.execute('CREATE TABLE t (x)')",
+}
+
+
+@needs_os
+@HOOK
+@pytest.mark.parametrize("how", sorted(SQLITE))
+def test_sqlite_cannot_write_outside(outside_dirs, how, audit_hook):
+    for folder in outside_dirs:
+        target = os.path.join(folder, "evil.db")
+        program = f"import sqlite3\ntarget = {target!r}\n" + SQLITE[how] + "\ndb.commit()\nwrote = True\n"
+        r = run(program, "assert wrote", audit_hook=audit_hook)
+        assert not r.passed and r.duration_s < 5 and os.listdir(folder) == []
+        expected = "sqlite URIs are not allowed" if how == "uri" and audit_hook else "unable to open database"
+        assert expected in r.stderr
+        # control: with no sandbox the same program creates the database
+        assert unsandboxed(program).returncode == 0 and os.listdir(folder) == ["evil.db"]
+        os.remove(target)
+
+
+CTYPES = """
+    import ctypes, errno, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    results = []
+    for path in {paths!r}:
+        for call in (lambda p: libc.creat(p, 0o644), lambda p: libc.open(p, os.O_WRONLY | os.O_CREAT, 0o644)):
+            fd = call(path.encode())
+            results.append("WROTE" if fd >= 0 else errno.errorcode[ctypes.get_errno()])
+    print(" ".join(results))
+    """
+
+
+@needs_os
+@HOOK
+def test_ctypes_cannot_write_outside(outside_dirs, audit_hook):
+    # libc's open() straight from ctypes: no audit event, so only the kernel can refuse it
+    program = CTYPES.format(paths=[f"{d}/a.txt" for d in outside_dirs])
+    r = run(program, "assert 'WROTE' in results", audit_hook=audit_hook)
+    assert not r.passed and r.duration_s < 5 and all(os.listdir(d) == [] for d in outside_dirs)
+    if audit_hook:
+        assert "importing ctypes is not allowed" in r.stderr
+    else:  # the open dir does not exist inside; the prefix is read-only
+        assert r.stdout.split() == ["ENOENT", "ENOENT", "EROFS", "EROFS"][: 2 * len(outside_dirs)]
+    control = unsandboxed(program)
+    assert control.stdout.split() == ["WROTE"] * 2 * len(outside_dirs)
+    assert os.listdir(outside_dirs[0]) == ["a.txt"]
+
+
+@needs_os
+@HOOK
+def test_proc_writes_are_refused(audit_hook):
+    # Each write puts back the value just read, so even a failed sandbox changes nothing.
+    paths = ["/proc/sys/kernel/core_pattern", "/proc/sys/vm/overcommit_memory",
+             f"/proc/{os.getpid()}/oom_score_adj", "/proc/1/oom_score_adj"]  # the trainer; the sandbox's init
+    program = f"""
+        import errno
+        results = []
+        for path in {paths!r}:
+            try:
+                value = open(path).read()
+                with open(path, "w") as f:
+                    f.write(value)
+                results.append("WROTE")
+            except PermissionError as err:
+                results.append("hook" if err.errno is None else errno.errorcode[err.errno])
+            except OSError as err:
+                results.append(errno.errorcode[err.errno])
+        print(" ".join(results))
         """
-    r = run(program, "assert wrote > 0")
-    assert not r.passed and os.listdir(open_dir) == [] and r.duration_s < 5
-    assert r.stdout.split() == ["PermissionError"] * 6
-    # control: without the audit hook the same program does write there, so this test can fail
-    control = run(program, "assert wrote > 0", audit_hook=False)
-    assert control.passed and "a.txt" in os.listdir(open_dir)
+    before = open("/proc/sys/kernel/core_pattern").read()
+    r = run(program, "assert 'WROTE' in results[:3]", audit_hook=audit_hook)  # the sandbox's init is its own
+    assert not r.passed and r.duration_s < 5 and open("/proc/sys/kernel/core_pattern").read() == before
+    results = r.stdout.split()
+    if audit_hook:
+        assert results == ["hook"] * 4
+    else:
+        # the trainer's pid does not exist in the sandbox's /proc; its init is root's when we are root
+        assert results == ["EACCES", "EACCES", "ENOENT", "EACCES" if os.geteuid() == 0 else "WROTE"]
+    if os.geteuid() == 0:  # control: root outside the sandbox writes them all (the same values)
+        control = unsandboxed(program)
+        assert control.stdout.split() == ["WROTE"] * 4, control.stderr
+
+
+@needs_os
+def test_the_kernel_confines_the_process():
+    program = """
+        import os
+        status = dict(line.split(":\\t", 1) for line in open("/proc/self/status").read().splitlines())
+        print(status["Uid"].split()[0], status["NoNewPrivs"])
+        print(" ".join(status[k] for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")))
+        print(" ".join(sorted(os.listdir("/"))))
+        pids = sorted(p for p in os.listdir("/proc") if p.isdigit())
+        print(os.path.exists("/etc"), os.path.exists(PKG), pids)
+        import ctypes, errno
+        failed = ctypes.CDLL(None, use_errno=True).unshare(0x10000000)  # CLONE_NEWUSER
+        print(errno.errorcode[ctypes.get_errno()] if failed else "made")
+        """
+    r = run(program.replace("PKG", repr(os.path.dirname(sandbox.__file__))), "assert False", audit_hook=False)
+    ids, caps, top, rest, nested = r.stdout.splitlines()
+    assert ids == f"{65534 if os.geteuid() == 0 else os.getuid()} 1"  # uid, no_new_privs
+    assert caps == " ".join(["0000000000000000"] * 5)  # inheritable, permitted, effective, bounding, ambient
+    top = set(top.split())
+    assert {"usr", "proc", "dev", "tmp"} <= top and not top & {"etc", "home", "var", "work", "opt", "srv"}
+    # no /etc, none of the trainer's code; /proc shows bwrap's init and the interpreter only
+    assert rest == "False False ['1', '2']"
+    # where the description promises it (bwrap >= 0.8, not root); as root it stays possible (no seccomp)
+    assert nested == ("ENOSPC" if "no nested user namespaces" in describe_sandbox() else "made")
 
 
 def test_the_users_home_and_environment_are_not_readable(monkeypatch, open_dir):
@@ -261,7 +515,7 @@ def test_the_users_home_and_environment_are_not_readable(monkeypatch, open_dir):
         import os
         print("HOME=" + os.environ["HOME"], "ENV=" + ",".join(sorted(os.environ)))
         leaked = []
-        trainer_env = f"/proc/{{os.getppid()}}/environ"
+        trainer_env = "/proc/{os.getpid()}/environ"
         for path in (os.path.expanduser("~/secret.txt"), {secret_path!r}, trainer_env):
             try:
                 leaked.append(open(path).read())
@@ -274,22 +528,27 @@ def test_the_users_home_and_environment_are_not_readable(monkeypatch, open_dir):
                 print(type(err).__name__)
         print(leaked)
         """
-    r = run(program, "assert leaked")
-    assert not r.passed and r.duration_s < 5
-    output = r.stdout + r.stderr
-    assert secret not in output and token not in output and "secret.txt" not in r.stdout
-    home, env = r.stdout.split("\n", 1)[0].split(" ")
-    assert home.startswith("HOME=") and open_dir not in home and "gspo-sandbox-" in home
-    assert set(env[len("ENV="):].split(",")) == {"HOME", "LANG", "LC_ALL", "PATH", "TMPDIR"}
-    assert r.stdout.split("\n")[1:] == ["FileNotFoundError"] + ["PermissionError"] * 4 + ["[]", ""]
-    # control: without the audit hook the secret is printed, so this test can see a leak
-    control = run(program, "assert leaked", audit_hook=False)
+    runs = [(True, ["FileNotFoundError"] + ["PermissionError"] * 4)]  # the hook refuses
+    if not NO_OS:
+        runs.append((False, ["FileNotFoundError"] * 5))  # the kernel alone: none of it exists inside
+    for audit_hook, errors in runs:
+        r = run(program, "assert leaked", audit_hook=audit_hook)
+        assert not r.passed and r.duration_s < 5
+        output = r.stdout + r.stderr
+        assert secret not in output and token not in output and "secret.txt" not in r.stdout
+        home, env = r.stdout.split("\n", 1)[0].split(" ")
+        assert home.startswith("HOME=") and open_dir not in home and "gspo-sandbox-" in home
+        names = {"HOME", "LANG", "LC_ALL", "PATH", "TMPDIR"} | ({"PWD"} if MODE == "os" else set())  # bwrap's
+        assert set(env[len("ENV="):].split(",")) == names
+        assert r.stdout.split("\n")[1:] == errors + ["[]", ""]
+    # control: the weak sandbox without its hook prints the secret, so this test can see a leak
+    control = run(program, "assert leaked", audit_hook=False, sandbox="weak")
     assert secret in control.stdout
 
 
-@pytest.mark.parametrize("audit_hook", [True, False], ids=["hook", "netns_only"])
+@HOOK
 def test_sockets_cannot_reach_the_trainer(audit_hook):
-    if not audit_hook and network_isolation() != "netns":
+    if not audit_hook and network_isolation(MODE) != "netns":
         pytest.skip("no network namespace here: only the audit hook blocks the network")
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -299,15 +558,76 @@ def test_sockets_cannot_reach_the_trainer(audit_hook):
         program += "s.sendall(b'hi')"
         r = run(program, "assert s is not None", audit_hook=audit_hook)
         assert not r.passed and r.duration_s < 5
-        assert ("PermissionError" if audit_hook else "OSError") in r.stderr
+        # bwrap's namespace has its own loopback, nothing listening; unshare's has no route at all
+        refusals = ["PermissionError"] if audit_hook else ["ConnectionRefusedError", "Network is unreachable"]
+        assert any(refusal in r.stderr for refusal in refusals), r.stderr
         server.settimeout(0.2)
         with pytest.raises(socket.timeout):  # nothing ever connected
             server.accept()
 
 
+# ---- modes: os refuses where it cannot start, weak when asked ---------------------------------
+
 def test_isolation_is_reported():
-    assert network_isolation() in ("netns", "audit_hook")
-    assert describe_sandbox().startswith("network: ")
+    weak = describe_sandbox("weak")
+    assert weak.startswith("boundary: weak (no mount namespace") and "audit hook" in weak
+    assert network_isolation("weak") in ("netns", "audit_hook")
+    if NO_OS:
+        assert describe_sandbox().startswith("boundary: none (bwrap")
+    else:
+        assert describe_sandbox().startswith("boundary: bubblewrap (private mount namespace, read-only system")
+        assert network_isolation() == "netns"
+
+
+def test_weak_mode_still_runs_when_asked(open_dir):
+    assert run(ADD, "assert add(1, 2) == 3", sandbox="weak").passed
+    r = run(f"open({open_dir!r} + '/a.txt', 'w')", "assert True", sandbox="weak")
+    assert not r.passed and "PermissionError: sandbox: writing" in r.stderr and os.listdir(open_dir) == []
+
+
+def _fake_bwrap(folder, marker: str = "") -> str:
+    """A bwrap that fails the way one does without namespace rights."""
+    path = os.path.join(folder, "bwrap")
+    with open(path, "w") as f:
+        f.write(f"#!/bin/sh\n{marker}echo 'bwrap: Creating new namespace failed: Operation not permitted' >&2\n"
+                "exit 1\n")
+    os.chmod(path, 0o755)
+    return path
+
+
+def test_os_mode_without_a_working_bwrap_refuses(monkeypatch, tmp_path):
+    # GSPO_BWRAP, the documented way to name the binary, is the seam: no module internals swapped.
+    reasons = {str(tmp_path / "missing"): f"bwrap not found (GSPO_BWRAP={tmp_path / 'missing'})",
+               _fake_bwrap(tmp_path): "bwrap failed: bwrap: Creating new namespace failed: Operation not permitted",
+               }
+    for path, reason in reasons.items():
+        monkeypatch.setenv("GSPO_BWRAP", path)
+        for attempt in (lambda: run_sandboxed(ADD, "assert True"), lambda: code_reward(**SMALL),
+                        lambda: CodeReward(**SMALL)(["p"], [ADD], tests=["assert True"]), network_isolation):
+            with pytest.raises(SandboxUnavailable) as caught:
+                attempt()
+            message = str(caught.value)
+            assert isinstance(caught.value, ValueError) and "\n" not in message and reason in message
+            assert "apt-get install bubblewrap" in message and "sandbox='weak'" in message
+        assert describe_sandbox() == f"boundary: none ({reason}); sandbox='os' runs raise SandboxUnavailable"
+        assert CodeReward(**SMALL).sandbox == "os"  # building one does not probe
+        assert code_reward(sandbox="weak", **SMALL)(["p"], [ADD], tests=["assert add(1, 2) == 3"]) == [1.0]
+
+
+def test_importing_the_sandbox_does_not_probe(tmp_path):
+    marker = tmp_path / "probed"
+    env = {**os.environ, "GSPO_BWRAP": _fake_bwrap(tmp_path, f"touch {marker}\n")}
+    code = ("import os, gspo.sandbox as s\nprint(os.path.exists(%r), s.code_tests.sandbox)\n"
+            "try:\n    s.code_reward()\nexcept s.SandboxUnavailable:\n    print(os.path.exists(%r))\n")
+    out = subprocess.run([sys.executable, "-c", code % (str(marker), str(marker))], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout == "False os\nTrue\n", out.stderr
+
+
+@needs_os
+def test_code_reward_checks_now_and_scores():
+    reward = code_reward(**SMALL)
+    assert reward.sandbox == "os" and reward(["p"], [ADD], tests=["assert add(2, 2) == 4"]) == [1.0]
 
 
 # ---- batches, extraction, arguments, registry ------------------------------------------------
@@ -315,16 +635,15 @@ def test_isolation_is_reported():
 def test_parallel_batch_keeps_order_and_bounds_the_workers():
     completions = [ADD, "while True:\n    pass", "def add(a, b):\n    return 0", f"```python\n{ADD}```", ADD]
     tests = ["assert add(1, 2) == 3"] * 5
-    assert CodeReward(timeout_s=1, memory_mb=256, workers=4)(["p"] * 5, completions, tests=tests) == [
-        1.0, 0.0, 0.0, 1.0, 1.0,
-    ]
+    reward = CodeReward(timeout_s=1, memory_mb=256, workers=4, sandbox=MODE)
+    assert reward(["p"] * 5, completions, tests=tests) == [1.0, 0.0, 0.0, 1.0, 1.0]
     sleepers, tests = ["import time\ntime.sleep(30)"] * 4, ["assert True"] * 4
     start = time.monotonic()
-    rewards = CodeReward(timeout_s=1, memory_mb=256, workers=4)(["p"] * 4, sleepers, tests=tests)
+    rewards = CodeReward(timeout_s=1, memory_mb=256, workers=4, sandbox=MODE)(["p"] * 4, sleepers, tests=tests)
     assert rewards == [0.0] * 4
     assert time.monotonic() - start < 3.5  # four 1 s timeouts at once, not one after another
     start = time.monotonic()
-    CodeReward(timeout_s=1, memory_mb=256, workers=2)(["p"] * 4, sleepers, tests=tests)
+    CodeReward(timeout_s=1, memory_mb=256, workers=2, sandbox=MODE)(["p"] * 4, sleepers, tests=tests)
     assert time.monotonic() - start >= 2.0  # at most two at a time: two rounds of 1 s each
 
 
@@ -351,11 +670,15 @@ def test_bad_arguments_raise_value_error_naming_them():
         run_sandboxed("pass", max_output_bytes=0)
     with pytest.raises(ValueError, match="code"):
         run_sandboxed(b"pass")
+    for bad_mode in (lambda: run_sandboxed("pass", sandbox="docker"), lambda: CodeReward(sandbox="OS"),
+                     lambda: code_reward(sandbox=None), lambda: describe_sandbox("none")):
+        with pytest.raises(ValueError, match=r"sandbox must be one of 'os', 'weak', got"):
+            bad_mode()
     with pytest.raises(ValueError, match="workers"):
         CodeReward(workers=0)
     with pytest.raises(ValueError, match="tests_column"):
         CodeReward(tests_column="")
-    reward = CodeReward(**SMALL)
+    reward = CodeReward(**SMALL, sandbox=MODE)
     with pytest.raises(ValueError, match="tests_column 'tests' is not among the dataset columns"):
         reward(["p"], [ADD], answer=["1"])
     with pytest.raises(ValueError, match="tests has 0 entries, expected 1"):
@@ -365,10 +688,11 @@ def test_bad_arguments_raise_value_error_naming_them():
     with pytest.raises(ValueError, match=r"tests\[0\] must be a str"):
         reward(["p"], [ADD], tests=[5])
     assert reward(["p"], [ADD], tests=[None]) == [None]  # no tests: no opinion
-    renamed = CodeReward(**SMALL, tests_column="checks")
+    renamed = CodeReward(**SMALL, tests_column="checks", sandbox=MODE)
     assert renamed(["p"], [ADD], checks=["assert add(1, 1) == 2"]) == [1.0]
 
 
+@needs_os
 def test_get_reward_fn_code_tests():
     fn = get_reward_fn("code_tests")
     assert fn.__name__ == "code_tests"

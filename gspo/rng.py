@@ -1,0 +1,61 @@
+"""Every random-number generator's state as exact JSON, for checkpoints and exact resume.
+
+    state = capture_rng({"shuffle": shuffle})   # Python, NumPy, torch CPU (+ CUDA), named generators
+    restore_rng(state, {"shuffle": shuffle})
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+
+import numpy as np
+import torch
+
+
+def capture_rng(generators: dict[str, torch.Generator] | None = None) -> dict:
+    """Every RNG state as JSON-able data: Python, NumPy, torch CPU, CUDA (if in use), named generators."""
+    version, internal, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = {
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        "numpy": {"bit_generator": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": _b64(torch.get_rng_state()),
+        "generators": {k: _b64(g.get_state()) for k, g in (generators or {}).items()},
+    }
+    # Only when CUDA is already initialised: asking would otherwise start a context on every GPU.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict, generators: dict[str, torch.Generator] | None = None) -> None:
+    """Undo `capture_rng`: set every global RNG and each named generator to the captured state.
+
+    The generator names must match the captured ones exactly. CUDA states are set for the GPUs
+    present (none on a CPU-only machine, where a CUDA run cannot be resumed bit for bit anyway).
+    """
+    generators = generators or {}
+    saved = state.get("generators", {})
+    if set(saved) != set(generators):
+        raise ValueError(f"rng_generators: names {sorted(generators)} do not match the checkpoint's {sorted(saved)}")
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["bit_generator"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(_unb64(state["torch"]))
+    for name, gen in generators.items():
+        gen.set_state(_unb64(saved[name]))
+    if state.get("cuda") and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_unb64(s), i)
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
