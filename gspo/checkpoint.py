@@ -145,7 +145,7 @@ def prune_checkpoints(run_dir, keep: int, *, protect=None) -> list[Path]:
     oldest = _step(kept[0]) if len(kept) == keep else -1
     doomed = [p for p in _named_checkpoints(Path(run_dir)) if _step(p) < oldest and p.resolve() != protect]
     for path in doomed:
-        _remove_atomically(path)
+        remove_checkpoint(path)
     return doomed
 
 
@@ -422,11 +422,7 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 def remove_checkpoint(path) -> None:
     """Delete a checkpoint folder; renamed out of the checkpoint-<step> names first, so a kill midway
     leaves no half checkpoint for `resolve_resume("latest")` to refuse."""
-    _remove_atomically(Path(path))
-
-
-def _remove_atomically(path: Path) -> None:
-    # Renamed out of the checkpoint-<step> namespace first, so a kill mid-delete leaves no half checkpoint.
+    path = Path(path)
     trash = path.parent / f"{TMP_PREFIX}trash-{path.name}-{os.getpid()}"
     os.replace(path, trash)
     shutil.rmtree(trash)

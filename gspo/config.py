@@ -332,15 +332,14 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
 
 def _read_yaml_file(path: Path) -> dict:
     """The mapping in a YAML config file; every problem is a ValueError naming the file (and line)."""
+    from gspo.data import utf8_text  # light: the standard library only
     if not path.is_file():
         raise ValueError(f"config: file not found: {path}" + (" (it is a folder)" if path.is_dir() else ""))
     try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = path.read_bytes()[: err.start].count(b"\n") + 1
-        raise ValueError(f"config: {path} line {line}: not UTF-8 text (byte {path.read_bytes()[err.start]:#04x})") from None
+        data = path.read_bytes()
     except OSError as err:
         raise ValueError(f"config: {path}: cannot be read ({err.strerror})") from None
+    text = utf8_text(data, f"config: {path}")
     loaded = _yaml_value(text, f"config: {path}") or {}
     if not isinstance(loaded, dict):
         raise ValueError(f"config: {path} must hold a mapping of field: value, got {type(loaded).__name__}")

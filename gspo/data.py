@@ -60,24 +60,27 @@ def _names(keys) -> str:
     return ", ".join(str(k).replace("\n", "\\n").replace("\r", "\\r") for k in keys)
 
 
+def utf8_text(data: bytes, where: str) -> str:
+    """`data` decoded as UTF-8 (a byte-order mark dropped); else a ValueError naming `where`, line and column."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise ValueError(f"{where} line {line}: not UTF-8 text (byte {data[err.start]:#04x} at column {column})"
+                         ) from None
+
+
 def _read_json(path: Path) -> list[Row]:
     """JSON Lines (one object per line), or one JSON array of objects; errors name the line."""
-    data = path.read_bytes()
-    lines = data.split(b"\n")
+    text = utf8_text(path.read_bytes(), f"dataset: {path}")
     rows, first_error = [], None
-    for number, raw in enumerate(lines, start=1):
-        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
-            raw = raw[3:]
-        if not raw.strip():
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
             continue
         where = f"{path} line {number}"
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"dataset: {where}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
-                             f"{err.start + 1})") from None
-        try:
-            value = json.loads(text)
+            value = json.loads(line)
         except (json.JSONDecodeError, RecursionError) as err:
             first_error = first_error or (where, err)
             break
@@ -93,12 +96,9 @@ def _read_json(path: Path) -> list[Row]:
         where, err = first_error
         raise ValueError(f"dataset: {where}: invalid JSON ({_json_problem(err)})") from None
     try:  # not JSON Lines: one JSON document (a list of row objects)
-        value = json.loads(data.decode("utf-8-sig"))
-    except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        raise ValueError(f"dataset: {path} line {line}: not UTF-8 text (byte {data[err.start]:#04x})") from None
+        value = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as err:
-        if first_error is not None and data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"{":  # meant as JSON Lines
+        if first_error is not None and text.lstrip()[:1] == "{":  # meant as JSON Lines
             where, err = first_error
             raise ValueError(f"dataset: {where}: invalid JSON ({_json_problem(err)})") from None
         line = getattr(err, "lineno", None)
@@ -125,12 +125,7 @@ def _read_table(path: Path, kind: str | None) -> list[Row]:
         if kind == "csv":
             import pandas
 
-            data = path.read_bytes()
-            try:
-                text = data.decode("utf-8-sig")
-            except UnicodeDecodeError as err:
-                line = data[: err.start].count(b"\n") + 1
-                raise ValueError(f"dataset: {path} line {line}: not UTF-8 text (byte {data[err.start]:#04x})") from None
+            text = utf8_text(path.read_bytes(), f"dataset: {path}")
             if not text.strip():
                 return []
             frame = pandas.read_csv(io.StringIO(text))

@@ -29,7 +29,7 @@ import torch
 from gspo import dist
 from gspo.advantages import group_advantages, group_stats
 from gspo.checkpoint import (OPTIMIZER_FILE, capture_rng, check_finite_state, load_checkpoint, load_model_weights,
-                             load_state_file, resolve_resume, save_checkpoint, set_aside_damaged, verify_checkpoint)
+                             load_state_file, resolve_resume, save_checkpoint, set_aside_damaged)
 from gspo.config import TrainConfig, to_dict
 from gspo.data import PromptSampler, check_prompt_lengths, columns_of, load_splits
 from gspo.evaluation import evaluate
@@ -65,10 +65,6 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
     out_dir = prepare_output_dir(cfg, resuming) if d.is_main else Path(cfg.output_dir)  # an earlier run there: error
     dist.barrier(d)
     checkpoint = resolve_resume(cfg.resume_from_checkpoint, out_dir) if resuming else None  # hashed in full
-    if checkpoint is not None and d.is_main:  # damaged checkpoints newer than it: kept, out of the way
-        for moved in set_aside_damaged(out_dir, verify_checkpoint(checkpoint, hashes=False)["step"]):
-            print(f"resume: {moved.name.split('.damaged')[0]} failed verification; set aside as {moved} "
-                  "(nothing deleted)", file=sys.stderr, flush=True)
     device, model, tokenizer = seeded_model(cfg)
     replay = cfg.routing_replay != "none"
     if replay:
@@ -140,7 +136,10 @@ def _train(cfg: TrainConfig, d: dist.Dist) -> dict:
                                 scheduler=scheduler, rng_generators={"shuffle": shuffle},  # RNGs last: draw nothing before
                                 hashes=False)  # resolve_resume hashed it
         check_resumable(state["config"], cfg, state["step"], W)
-        if d.is_main:
+        if d.is_main:  # newer checkpoints: damaged ones kept out of the way, valid ones only deleted if allowed
+            for moved in set_aside_damaged(out_dir, state["step"]):
+                print(f"resume: {moved.name.split('.damaged')[0]} failed verification; set aside as {moved} "
+                      "(nothing deleted)", file=sys.stderr, flush=True)
             discard_newer_checkpoints(out_dir, state["step"], cfg.overwrite_output_dir)
         sampler.load_state_dict(state["trainer_state"]["sampler"])
         guard.load_state_dict(state["trainer_state"]["guard"])

@@ -161,7 +161,7 @@ GOOD_ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(1, 12)
 CONFIG_CASES = [
     ("yaml_syntax", b"max_steps: [1, 2\nlearning_rate: 1e-3\n", (),
      r"run2.yaml line 2 column \d+: invalid YAML \(expected ',' or ']'"),
-    ("not_utf8", b"max_steps: 2\nseed: \xff\n", (), r"run2.yaml line 2: not UTF-8 text \(byte 0xff\)"),
+    ("not_utf8", b"max_steps: 2\nseed: \xff\n", (), r"run2.yaml line 2: not UTF-8 text \(byte 0xff at column 7\)"),
     ("not_a_mapping", b"- a\n- b\n", (), r"must hold a mapping of field: value, got list"),
     ("unknown_key", b"max_step: 3\n", (), r"unknown key 'max_step'; did you mean 'max_steps'\?"),
     ("clip_low_2", b"clip_low: 2.0\n", (), r"clip_low=2.0 puts the lower clip 1 - clip_low at or below 0"),
@@ -205,7 +205,7 @@ def data_cases():
         ("too_long_prompt_line_7", "d.jsonl", jsonl(GOOD_ROWS[:6] + [long_prompt] + GOOD_ROWS[6:]),
          r"d.jsonl line 7: the prompt has 4\d tokens > max_prompt_length=30; raise max_prompt_length, or set "
          r"truncate_prompts=left"),
-        ("csv_not_utf8", "d.csv", b"prompt,answer\n1+1=,2\n\xff,3\n", r"d.csv line 3: not UTF-8 text"),
+        ("csv_not_utf8", "d.csv", b"prompt,answer\n1+1=,2\n\xff,3\n", r"d.csv line 3: not UTF-8 text \(byte 0xff at column 1\)"),
         ("bad_chat", "d.jsonl", jsonl([{"prompt": [{"role": "user"}], "answer": "1"}] * 3),
          r"d.jsonl line 1: chat messages must be a non-empty list of \{role, content\} string pairs"),
     ]
