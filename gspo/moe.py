@@ -402,6 +402,18 @@ def expert_change_frac(
     neither record has -1 (free routing). Returns (overall, per-router list); NaN if no token
     counts. This is GSPO sec. 5.3's "fraction of activated experts that change".
     """
+    changed, total = expert_change_counts(before, after, mask)
+    per_layer = (changed / total).tolist()  # 0/0 -> nan where nothing counts
+    overall = (changed.sum() / total.sum()).item()
+    return overall, per_layer
+
+
+def expert_change_counts(before: RoutingRecord, after: RoutingRecord, mask: Tensor | None = None
+                         ) -> tuple[Tensor, Tensor]:
+    """(changed (R,), total (R,)) float64: the counts behind `expert_change_frac`, per router.
+
+    Counts add across batches (or ranks): the fraction of a union is sum(changed) / sum(total).
+    """
     if before.layers != after.layers or before.shape != after.shape or before.top_k != after.top_k:
         raise ValueError(
             f"before and after must have equal layers, (N, L) and top_k; got {before.layers}/{before.shape}/"
@@ -417,6 +429,4 @@ def expert_change_frac(
     kept = (a[..., :, None] == b[..., None, :]).any(-1)  # (R, N, L, k)
     changed = (~kept & valid[..., None]).sum(dim=(1, 2, 3)).double()  # (R,)
     total = valid.sum(dim=(1, 2)).double() * after.top_k  # (R,)
-    per_layer = (changed / total).tolist()  # 0/0 -> nan where nothing counts
-    overall = (changed.sum() / total.sum()).item()
-    return overall, per_layer
+    return changed, total

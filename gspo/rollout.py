@@ -143,24 +143,17 @@ def generate(
     the batch, or the process: the same run on 1 or 8 ranks samples the same tokens.
     `truncate_prompts`: "left" keeps the last max_prompt_length tokens of a longer prompt (see
     `encode_prompts`); "error" refuses it.
-    `backend`: "gspo" runs `gspo.decode.sample` (preallocated KV cache, same tokens as HF for the
-    same seed), "hf" runs HF `generate`, "auto" the first where `decode.unsupported_reason` allows.
+    `backend`: a registered generator (GENERATORS): "gspo" runs `gspo.decode.sample` (preallocated
+    KV cache, same tokens as HF for the same seed), "hf" runs HF `generate`; "auto" the first
+    registered one that can run the model.
     """
-    if backend not in ("auto", "gspo", "hf"):
-        raise ValueError(f"backend must be 'auto', 'gspo' or 'hf'; got {backend!r}")
-    own = backend != "hf"
-    if own:
-        reason = decode.unsupported_reason(model)
-        if reason is not None and backend == "gspo":
-            raise ValueError(f"backend='gspo' cannot run this model: {reason}")
-        own = reason is None
+    chosen = pick_generator(model, backend)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device, truncate_prompts)  # (B, P)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # (N, P)
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # (N, P)
     eos = eos_ids(tokenizer, model)
     pad = pad_id(tokenizer, model)
-    sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     seeded = None
     if row_seeds is not None and not greedy:
         if len(row_seeds) != prompt_ids.shape[0]:
@@ -168,19 +161,12 @@ def generate(
         if top_p < 1 or top_k:
             raise ValueError("row_seeds: seeded sampling draws from the full softmax; top_p/top_k are not supported")
         seeded = SeededSampler(row_seeds, temperature, device)
-        sampling = {"logits_processor": LogitsProcessorList([seeded])}  # argmax of logits/T + Gumbel noise
     was_training = model.training
     model.eval()
     with routing_recorder if routing_recorder is not None else nullcontext() as recorder:
-        if own:
-            completion_ids, sampler_lp = decode.sample(
-                model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_ids=eos,
-                pad_token_id=pad, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
-                seeded_sampler=seeded, with_logprobs=with_logprobs)  # (N, T), (N, T) or None
-        else:
-            completion_ids, sampler_lp = _hf_generate(
-                model, prompt_ids, prompt_mask, eos, pad, sampling, seeded, temperature,
-                max_new_tokens=max_new_tokens, greedy=greedy, with_logprobs=with_logprobs)
+        completion_ids, sampler_lp = GENERATORS[chosen].sample(
+            model, prompt_ids, prompt_mask, eos=eos, pad=pad, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, greedy=greedy, seeded=seeded, with_logprobs=with_logprobs)  # (N, T), (N, T)
     model.train(was_training)
     cmask = completion_mask_from_ids(completion_ids, eos)  # (N, T)
     completion_ids = torch.where(cmask, completion_ids, torch.full_like(completion_ids, pad))
@@ -206,9 +192,63 @@ def generate(
     )
 
 
-def _hf_generate(model, prompt_ids, prompt_mask, eos, pad, sampling, seeded, temperature, *,
-                 max_new_tokens, greedy, with_logprobs) -> tuple[Tensor, Tensor | None]:
+@dataclass(frozen=True)
+class GeneratorBackend:
+    """A registered way to sample completions, and what it can do (checked when a Generator is built).
+
+    `sample(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k,
+    greedy, seeded, with_logprobs) -> (completion ids (N, T), sampler log-probs (N, T) or None)`;
+    `unsupported(model)`: why it cannot run `model`, or None.
+    """
+
+    sample: object
+    unsupported: object
+    seeded_rows: bool = True  # honours per-row seeds (SeededSampler)
+    routing_record: bool = True  # its forwards can be recorded by gspo.moe.record_routing
+    logprobs: bool = True  # returns the sampler's own log-probs (mu)
+
+
+GENERATORS: dict[str, GeneratorBackend] = {}
+
+
+def register_generator(name: str, backend: GeneratorBackend) -> GeneratorBackend:
+    if name in GENERATORS or name == "auto":
+        raise ValueError(f"generator {name!r} is already registered")
+    GENERATORS[name] = backend
+    return backend
+
+
+def generator_choices() -> tuple[str, ...]:
+    """The values `generation_backend` accepts: "auto" (the first registered one that can run the model) and each name."""
+    return ("auto", *GENERATORS)
+
+
+def pick_generator(model, backend: str) -> str:
+    """The registered generator `backend` names, or for "auto" the first that can run `model`."""
+    if backend not in generator_choices():
+        raise ValueError(f"backend must be one of {', '.join(map(repr, generator_choices()))}; got {backend!r}")
+    if backend != "auto":
+        reason = GENERATORS[backend].unsupported(model)
+        if reason is not None:
+            raise ValueError(f"backend={backend!r} cannot run this model: {reason}")
+        return backend
+    return next(name for name, b in GENERATORS.items() if b.unsupported(model) is None)
+
+
+def _native_sample(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, greedy,
+                   seeded, with_logprobs) -> tuple[Tensor, Tensor | None]:
+    """gspo's decode loop (gspo/decode.py): preallocated KV cache, the same tokens as HF for the same seed."""
+    return decode.sample(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                         pad_token_id=pad, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
+                         seeded_sampler=seeded, with_logprobs=with_logprobs)
+
+
+def _hf_generate(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, greedy,
+                 seeded, with_logprobs) -> tuple[Tensor, Tensor | None]:
     """HF `generate`: completion ids (N, T) and, if asked, the sampler's log-probs (N, T)."""
+    sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    if seeded is not None:
+        sampling = {"logits_processor": LogitsProcessorList([seeded])}  # argmax of logits/T + Gumbel noise
     out = model.generate(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
@@ -234,6 +274,10 @@ def _hf_generate(model, prompt_ids, prompt_mask, eos, pad, sampling, seeded, tem
         torch.log_softmax(s.float(), -1).gather(-1, completion_ids[:, j : j + 1]).squeeze(-1)
         for j, s in enumerate(steps)], dim=1)  # (N, T)
     return completion_ids, sampler_lp
+
+
+register_generator("gspo", GeneratorBackend(_native_sample, decode.unsupported_reason))
+register_generator("hf", GeneratorBackend(_hf_generate, lambda model: None))
 
 
 class SeededSampler:
@@ -264,3 +308,36 @@ def row_seeds(seed: int, step: int, first_row: int, count: int) -> list[int]:
 def pad_id(tokenizer, model) -> int:
     """The id completions are padded with: the tokenizer's pad token, else the first stop token."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, model)[0]
+
+
+class Generator:
+    """The sampling plug of the trainer: G completions per prompt from the policy being trained.
+
+    Built once; `sample(prompts, step, first_row)` returns this rank's `Rollout` with the sampler's
+    own log-probs (mu) when asked, the experts it used when `recorder` is given, and per-row seeds
+    (global row numbers from `first_row`) when `seeded`. `sync(policy)` after the updates: a
+    no-op here, the sampler is the policy itself (an inference engine would load the new weights).
+    """
+
+    def __init__(self, model, tokenizer, cfg, *, seeded: bool, recorder=lambda: None, records: bool = False):
+        self.model, self.tokenizer, self.cfg, self.seeded, self.recorder = model, tokenizer, cfg, seeded, recorder
+        name = pick_generator(model, cfg.generation_backend)
+        backend = GENERATORS[name]
+        needs = {"seeded_rows": seeded, "routing_record": records, "logprobs": cfg.use_sampler_logprobs}
+        missing = [what for what, needed in needs.items() if needed and not getattr(backend, what)]
+        if missing:
+            raise ValueError(f"generation_backend={name!r} cannot provide {', '.join(missing)}, which this run "
+                             "needs (seeded_sampling or torchrun, routing_replay=rollout, use_sampler_logprobs)")
+
+    def sample(self, prompts: list[str], step: int, first_row: int) -> Rollout:
+        cfg, G = self.cfg, self.cfg.num_generations
+        return generate(self.model, self.tokenizer, prompts, G, max_new_tokens=cfg.max_completion_length,
+                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                        max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts,
+                        with_logprobs=cfg.use_sampler_logprobs,
+                        routing_recorder=self.recorder(),
+                        row_seeds=row_seeds(cfg.seed, step, first_row, len(prompts) * G) if self.seeded else None,
+                        backend=cfg.generation_backend)
+
+    def sync(self, policy) -> None:
+        pass

@@ -161,17 +161,17 @@ def test_a_dead_rank_stops_the_run_with_a_message(runs):
 def test_unavailable_backend_or_bad_mode_is_a_clear_error(monkeypatch):
     import torch.distributed as tdist
 
-    from gspo import dist
+    from gspo.parallel import Topology
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(tdist, "is_gloo_available", lambda: False)
     with pytest.raises(ValueError, match="backend 'gloo' .*not available"):
-        dist.setup(torch.device("cpu"), "ddp", 30)
+        Topology.setup(torch.device("cpu"), "ddp", 30)
     with pytest.raises(ValueError, match="distributed='zero3' is not one of ddp, fsdp"):
-        dist.setup(torch.device("cpu"), "zero3", 30)
+        Topology.setup(torch.device("cpu"), "zero3", 30)
     monkeypatch.setenv("WORLD_SIZE", "1")  # no launcher: nothing distributed, whatever the mode
-    assert dist.setup(torch.device("cpu"), "fsdp", 30) == dist.Dist(mode="fsdp")
+    assert Topology.setup(torch.device("cpu"), "fsdp", 30) == Topology(mode="fsdp")
 
 
 @pytest.mark.slow
@@ -228,3 +228,26 @@ def test_resume_on_another_world_size_needs_the_same_global_batch():
         check_resumable(saved, cfg(3), 1, 2)
     with pytest.raises(ValueError, match=r"seeded_sampling=True \(now False\)"):
         check_resumable(saved, cfg(8), 1)
+
+
+@pytest.mark.slow
+def test_a_rank_holding_no_row_of_a_minibatch_trains_a_stand_in_of_weight_zero(tmp_path):
+    """Minibatches of one sequence: in every minibatch one rank holds no row and runs a stand-in row
+    (fsdp's forwards are collective) that must count for nothing. Token-mean losses (cispo) weigh each
+    rank by its tokens; an MoE model checks that experts only the stand-in used get no update."""
+    from tests.test_trainer import SMALL_MOE
+
+    (tmp_path / "rewards_mod.py").write_text(REWARD)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "model": "tiny-moe", "model_overrides": SMALL_MOE, "task": "add3", "max_steps": 3, "num_generations": 2,
+        "num_minibatches": 4, "objective": "cispo", "max_completion_length": 8, "learning_rate": 1e-3,
+        "eval_num_prompts": 2, "eval_k": 1, "progress": False, "device": "cpu", "log_samples_steps": 0,
+        "reward_funcs": ["rewards_mod:digit"], "seeded_sampling": True, "eval_steps": 0}))
+    one = run(tmp_path, 1, "per_device_batch_size=2", "output_dir=one")
+    assert one.returncode == 0, one.stderr[-2000:]
+    for mode in ("ddp", "fsdp"):
+        two = run(tmp_path, 2, "per_device_batch_size=1", f"output_dir={mode}", f"distributed={mode}")
+        assert two.returncode == 0, two.stderr[-2000:]
+        assert_same_run(tmp_path / "one", tmp_path / mode)
+    rewards = [r["reward/mean"] for r in read_jsonl(tmp_path / "one" / "metrics.jsonl")[1:]]
+    assert any(r > 0 for r in rewards)  # a learning signal: the weights moved

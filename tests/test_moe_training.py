@@ -14,7 +14,8 @@ from gspo.moe import expert_change_frac, find_routers, record_routing
 from gspo.rollout import generate
 from gspo.tasks import get_task
 from gspo.tracking import read_jsonl
-from gspo.trainer import free_routing, minibatch_logprobs, minibatch_logprobs_and_routing, train
+from gspo.routing import free_routing, minibatch_logprobs, minibatch_logprobs_and_routing
+from gspo.trainer import train
 
 # 2 decoder layers, each a Qwen3-MoE block with 8 experts, top-2
 SMALL_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 2,

@@ -13,7 +13,8 @@ from gspo.models import load_model
 from gspo.rollout import generate
 from gspo.tasks import get_task
 from gspo.tracking import read_jsonl
-from gspo.trainer import minibatch_logprobs, train
+from gspo.routing import minibatch_logprobs
+from gspo.trainer import train
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 32}
@@ -156,18 +157,32 @@ def test_missing_prompt_column_is_a_clear_error(tmp_path):
         train(tiny_cfg(tmp_path, task=None, dataset=str(path)))
 
 
-def test_pi_old_forward_skips_the_first_minibatch(tmp_path, monkeypatch):
-    """Minibatch 1 is on-policy: its pi_old is its training forward (bitwise equal, test above), so the
-    pi_old pass runs M - 1 forwards per step; the training passes run M."""
-    import gspo.trainer
+def test_pi_old_forward_skips_the_first_minibatch(tmp_path):
+    """Minibatch 1 is on-policy: its pi_old is its training forward (bitwise equal, test above), so
+    `prepare` runs M - 1 pi_old forwards and leaves minibatch 1's rows at 0. The Routing plug is the seam."""
+    from gspo.parallel import Topology
+    from gspo.routing import NoRouting
+    from gspo.step import gather_scores, prepare
 
-    calls = {"no_grad": 0, "grad": 0}
-    real = gspo.trainer.completion_logprobs
+    class Counting:
+        def __init__(self, records: bool):
+            self.records_pi_old, self.calls = records, []
 
-    def counting(*args, **kwargs):
-        calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
-        return real(*args, **kwargs)
+        def logprobs(self, model, rollout, minibatches, logp_kwargs, writes=None):
+            self.calls.append([len(idx) for idx in minibatches])
+            return NoRouting().logprobs(model, rollout, minibatches, logp_kwargs, writes)
 
-    monkeypatch.setattr(gspo.trainer, "completion_logprobs", counting)
-    train(tiny_cfg(tmp_path, num_minibatches=4, per_device_batch_size=2, num_generations=4, max_steps=2))
-    assert calls == {"no_grad": 2 * 3, "grad": 2 * 4}
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    cfg = tiny_cfg(tmp_path, num_minibatches=4, num_epochs=2, per_device_batch_size=2)
+    prompts = [r["prompt"] for r in get_task("add3").dataset("train", 2, 0)]
+    for records, expected in ((False, [[2, 2, 2]]), (True, [[2, 2, 2, 2]])):
+        rollout = generate(model, tok, prompts, 4, max_new_tokens=6)
+        scores = gather_scores(Topology(), rollout, torch.arange(8, dtype=torch.float32), {}, [tok.eos_token_id])
+        routing = Counting(records)
+        batch = prepare(rollout, scores, cfg=cfg, topology=Topology(), routing=routing, model=model, ref_model=None,
+                        shuffle=torch.Generator().manual_seed(0))
+        assert routing.calls == expected and batch.first_on_policy is not records
+        assert [len(parts) for parts in batch.epochs] == [4, 4]  # both epochs planned up front
+        first = batch.epochs[0][0].index
+        assert bool((batch.rollout.old_logprobs[first] == 0).all()) is not records
+        assert sorted(torch.cat([p.index for p in batch.epochs[1]]).tolist()) == list(range(8))

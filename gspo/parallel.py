@@ -1,0 +1,338 @@
+"""Topology: one process, DDP or FSDP2 under torchrun. The trainer's only view of other ranks.
+
+    torchrun --nproc_per_node 2 -m gspo train --config run.yaml distributed=ddp
+
+How a step is split: every rank draws the same global batch of B * world prompts and keeps its
+B (whole groups of G, so advantages need nothing from other ranks). It samples, scores and keeps
+its N / world sequences: rollouts stay on the rank that sampled them. Each epoch's minibatch
+partition of the global rollout is drawn from the shared seed, the same on every rank; a rank
+trains the rows of a global minibatch that it holds (`Topology.part`), its loss weighted by its
+share of the minibatch's units (sequences or tokens), so the summed gradient is the gradient of
+the single-process loss. Statistics travel as (value, weight) pairs and are recombined
+(`Topology.reduce`), so the logged metrics are the single-process ones.
+
+What crosses ranks per step (docs/distributed.md): the gradients (one all-reduce per minibatch
+under ddp; fsdp's own all-gathers and reduce-scatters), one all-gather of a few scalars per
+sequence (rewards, each reward function's value, length, stop flag), one all-gather of ~20
+statistics per minibatch, and a stop flag. Never token tensors, texts or routing records.
+
+Modes: `ddp` keeps a full replica per rank and averages gradients with one bucketed all-reduce
+after backward. We do not use the `DistributedDataParallel` wrapper: its gradient hooks need
+the forward to go through the wrapper, and our log-prob path calls the backbone and output head
+directly to avoid full-vocabulary logits. `fsdp` shards parameters, gradients and optimizer state
+with FSDP2 `fully_shard` (each decoder layer, then the root); its forwards are collective, so a
+rank that holds no row of a minibatch runs a stand-in row with weight 0 (`Part`). Single-process runs never
+import torch.distributed, and every method below is then the identity or a no-op.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+MODES = ("ddp", "fsdp")
+
+
+def launched() -> bool:
+    """True inside torchrun (or any launcher that sets WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@dataclass(frozen=True)
+class Part:
+    """This rank's rows of one global minibatch: `index` numbers rows of its local rollout (N_local,).
+
+    `units`: this rank's count of the units the loss averages over (sequences or tokens), `total`
+    the global minibatch's. `weight` 0 marks a stand-in row (a rank holding none of the minibatch): it
+    runs the forwards every fsdp rank must run, and counts for nothing.
+    """
+
+    index: torch.Tensor  # (n,) local row numbers
+    units: float
+    total: float
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process stands; world_size 1 means no torch.distributed at all."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    mode: str = "ddp"
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.enabled and self.mode == "fsdp"
+
+    @property
+    def can_abandon_step(self) -> bool:
+        """A signal may drop a step whole in one process; ranks must agree, so under torchrun it finishes."""
+        return not self.enabled
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def setup(device: torch.device, mode: str, timeout_s: float) -> "Topology":
+        """Join the process group torchrun describes in the environment: gloo on CPU, nccl on CUDA."""
+        if not launched():
+            return Topology(mode=mode)
+        import torch.distributed as dist
+
+        if mode not in MODES:
+            raise ValueError(f"config: distributed={mode!r} is not one of {', '.join(MODES)}")
+        if not dist.is_available():
+            raise ValueError("torchrun: this torch build has no torch.distributed")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        available = dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available()
+        if not available:
+            raise ValueError(f"torchrun: backend {backend!r} (for device {device.type}) is not available in this "
+                             "torch build")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if not dist.is_initialized():
+            # A rank that dies leaves the others blocked in a collective: the timeout turns that into an error.
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                    device_id=torch.device("cuda", local) if backend == "nccl" else None)
+        return Topology(rank, world, local, mode)
+
+    def teardown(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def wrap(self, model):
+        """`fsdp`: shard each decoder layer, then the root (FSDP2). `ddp`: replicas start equal."""
+        if not self.enabled:
+            return model
+        import torch.distributed as dist
+
+        if self.mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in _decoder_layers(model):
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0)
+        return model
+
+    # ------------------------------------------------------------------ one step's rows
+    def batch_share(self, per_rank: int) -> slice:
+        """This rank's rows of a global batch of per_rank * world_size rows (rank order)."""
+        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def part(self, idx: torch.Tensor, num_local: int, units_per_row: torch.Tensor | None) -> Part:
+        """This rank's rows of the global minibatch `idx` (global row numbers, rank r holds
+        r * num_local .. (r+1) * num_local - 1), and its share of the minibatch's units.
+
+        `units_per_row`: (N,) the units each global row counts for (its tokens), or None (one sequence each).
+        """
+        total = float(len(idx)) if units_per_row is None else float(units_per_row[idx].sum())
+        if not self.enabled:
+            return Part(idx, total, total)
+        first = self.rank * num_local
+        mine = idx[(idx >= first) & (idx < first + num_local)]  # (n,) in the minibatch's order
+        if len(mine) == 0:  # none here: a stand-in row, weight 0 (fsdp's forwards are collective)
+            return Part(torch.zeros(1, dtype=idx.dtype), 0.0, total, weight=0.0)
+        units = float(len(mine)) if units_per_row is None else float(units_per_row[mine].sum())
+        return Part(mine - first, units, total)
+
+    def loss_scale(self, part: Part) -> float:
+        """Weight of this rank's loss (a mean over `part.units`) so gradients combine into the global
+        minibatch's gradient: ddp sums gradients across ranks, fsdp averages them (hence world_size)."""
+        share = part.units / part.total if part.total else 0.0
+        return part.weight * share * (self.world_size if self.sharded else 1)
+
+    def backward(self, loss: torch.Tensor, part: Part) -> None:
+        """Backpropagate this rank's share of the minibatch loss (`loss_scale`; 1 in one process).
+
+        A stand-in row (weight 0) skips it under ddp, where a parameter no rank used must keep grad
+        None; fsdp's backward is collective, so there it runs, scaled by 0.
+        """
+        if part.weight or self.sharded:
+            (loss * self.loss_scale(part)).backward()
+
+    def replicated_scale(self) -> float:
+        """Weight of a loss every rank computes in full (the SFT term), so the gradients add up to it once."""
+        return 1.0 if self.sharded or not self.enabled else 1.0 / self.world_size
+
+    # ------------------------------------------------------------------ communication
+    def gather_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """(k, N_local) per-sequence scalars of every rank -> (k, N) in rank order (the global row order)."""
+        if not self.enabled:
+            return values
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(values) for _ in range(self.world_size)]
+        dist.all_gather(parts, values.contiguous())
+        return torch.cat(parts, dim=1)
+
+    def reduce(self, stats: dict, weights: dict) -> dict:
+        """Statistics of the global minibatch from every rank's (value, weight) pairs.
+
+        A `*/min` or `*/max` key takes the extreme over ranks, a `*/std` key (population std) is
+        recombined with its `*/mean` sibling, anything else is the weighted mean. A weight is the
+        count the value averages over on this rank (0: no such units here, the value is ignored).
+        One process: `stats` as they are.
+        """
+        if not self.enabled or not stats:
+            return stats
+        import torch.distributed as dist
+
+        keys = list(stats)
+        mine = torch.tensor([[float(stats[k]) for k in keys], [float(weights[k]) for k in keys]],
+                            dtype=torch.float64)  # (2, K)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine)
+        values, w = torch.stack(parts).unbind(1)  # (W, K) each
+        out = {}
+        for j, key in enumerate(keys):
+            seen = w[:, j] > 0  # (W,)
+            v, wj = values[seen, j], w[seen, j]
+            if key.endswith("/min"):
+                out[key] = v.min()
+            elif key.endswith("/max"):
+                out[key] = v.max()
+            elif key.endswith("/std"):  # pooled population variance: within-rank plus between-rank spread
+                means = values[seen, keys.index(key[: -len("std")] + "mean")]
+                mean = (wj * means).sum() / wj.sum()
+                out[key] = ((wj * (v.square() + (means - mean).square())).sum() / wj.sum()).sqrt()
+            else:
+                out[key] = (wj * v).sum() / wj.sum() if len(v) else torch.tensor(math.nan, dtype=torch.float64)
+        return {k: v.float() for k, v in out.items()}
+
+    def average_gradients(self, model) -> None:
+        """ddp: sum the (pre-scaled) gradients of all ranks in one flat all-reduce.
+
+        A parameter no rank used (an MoE expert nobody routed to) keeps grad None, as it would in a
+        single process, so AdamW leaves it and its moments alone. fsdp reduces gradients itself.
+        """
+        if not self.enabled or self.mode != "ddp":
+            return
+        import torch.distributed as dist
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)  # (P,)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([used.to(grads[0].device)] + [g.reshape(-1) for g in grads])  # one bucket
+        dist.all_reduce(flat)
+        used, offset = flat[: len(params)], len(params)
+        for p, u in zip(params, used.tolist()):
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone() if u > 0 else None
+            offset += n
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (e.g. a stop signal seen by one rank)."""
+        if not self.enabled:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t)
+        return bool(t.item() > 0)
+
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state(self, model, optimizer) -> dict:
+        """What `save_checkpoint` needs to write the single-process layout; every rank must call it.
+
+        fsdp gathers the full weights and optimizer state onto rank 0 (None elsewhere); otherwise
+        the replicas are written as they are.
+        """
+        if not self.sharded:
+            return {"model_state_dict": None, "optimizer": optimizer, "optimizer_state_dict": None}
+        return {"model_state_dict": self.full_weights(model), "optimizer": None,
+                "optimizer_state_dict": _full_optimizer_state(model, optimizer, self)}
+
+    def full_weights(self, model) -> dict | None:
+        """fsdp: the full (unsharded) weights on CPU, on rank 0 (None elsewhere); every rank must call it.
+
+        Tied aliases (an output head sharing the embedding) are left out, as `save_pretrained` of the
+        unwrapped model leaves them out. Not sharded: None (the model holds them).
+        """
+        if not self.sharded:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.is_main:
+            return None
+        return {k: v for k, v in sd.items() if k not in tied_aliases(model)}
+
+    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        """Put a single-process layout optimizer state (a checkpoint's) into `optimizer`, sharding it under fsdp."""
+        if not self.sharded:
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = [name for name, _ in model.named_parameters()]
+        groups = state.get("param_groups", [])
+        count = sum(len(g["params"]) for g in groups)
+        if count != len(names):
+            raise ValueError(f"resume: the checkpoint's optimizer holds {count} parameters, the model has {len(names)}")
+        by_name = {"state": {names[i]: s for i, s in state["state"].items()},
+                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
+        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def _full_optimizer_state(model, optimizer, topology: Topology) -> dict | None:
+    """fsdp: the whole optimizer state on CPU, on rank 0 (None elsewhere); every rank must call it.
+
+    Laid out as a single process's `optimizer.state_dict()` (parameters numbered in
+    `model.parameters()` order, one group), so a checkpoint resumes the same way under fsdp, ddp or
+    in one process, on any number of ranks.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not topology.is_main:
+        return None
+    number = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return {"state": {number[name]: state for name, state in sd["state"].items()},
+            "param_groups": [{**g, "params": [number[name] for name in g["params"]]} for g in sd["param_groups"]]}
+
+
+def _decoder_layers(model) -> list:
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(backbone, "layers", None)
+    if layers is None:
+        raise ValueError(f"fsdp: cannot find the decoder layers of {type(model).__name__} (expected .layers)")
+    return list(layers)
+
+
+def tied_aliases(model) -> set[str]:
+    """Names of parameters that are another parameter under a second name (tied weights)."""
+    first = {n for n, _ in model.named_parameters()}
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - first
+
+
+def device_for(spec: str) -> torch.device | None:
+    """Under torchrun with CUDA, each process takes the GPU of its LOCAL_RANK; None: not our call."""
+    if launched() and spec in ("auto", "cuda") and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return None

@@ -1,0 +1,228 @@
+"""The stages of one RL step after sampling: score, prepare, update (per minibatch) and metrics.
+
+    rollout --gather_scores--> Scores (N,) --prepare--> Batch (advantages, pi_old, pi_ref, minibatch plan)
+            --Learner.update x M x epochs--> per-minibatch stats --step_metrics--> one metrics line
+
+Every stage works on this rank's rows and asks the Topology (gspo/parallel.py) for the little it
+needs from other ranks; in one process each of those calls is the identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gspo.advantages import group_advantages, group_stats
+from gspo.logprobs import completion_logprobs
+from gspo.objectives import DEFAULT_AGGREGATION, policy_loss
+from gspo.parallel import Part, Topology
+from gspo.rollout import Rollout
+from gspo.routing import minibatch_logprobs
+
+
+@dataclass
+class Scores:
+    """Per-sequence scalars of the whole global batch, (N,) each, the same on every rank."""
+
+    rewards: torch.Tensor  # (N,) float32, NaN where a sample was dropped
+    valid: torch.Tensor  # (N,) bool
+    per_fn: dict  # reward function name -> (N,) its raw values
+    lengths: torch.Tensor  # (N,) float32 completion tokens
+    stopped: torch.Tensor  # (N,) bool: ended on a stop token (not at the length limit)
+
+
+def gather_scores(topology: Topology, rollout: Rollout, rewards: torch.Tensor, per_fn: dict,
+                  stop_ids: list[int]) -> Scores:
+    """This rank's rewards, reward-function values, lengths and stop flags, joined with every rank's.
+
+    One all-gather of (3 + functions) numbers per sequence; float64 on the wire, so every value
+    comes back exactly in its own dtype.
+    """
+    lengths = rollout.completion_mask.sum(-1).float()  # (n,)
+    stopped = ended_with_eos(rollout, stop_ids)  # (n,)
+    local = [rewards, lengths, stopped, *per_fn.values()]
+    every = topology.gather_rows(torch.stack([v.detach().cpu().double() for v in local]))  # (3 + F, N)
+    back = [row.to(v.dtype) for row, v in zip(every, local)]
+    rewards, lengths, stopped, *values = back
+    return Scores(rewards, torch.isfinite(rewards), dict(zip(per_fn, values)), lengths, stopped)
+
+
+@dataclass
+class Batch:
+    """What the updates of one step train on, computed once."""
+
+    rollout: Rollout  # this rank's rows, with rewards, advantages, old_logprobs (pi_old), ref_logprobs, routing
+    scores: Scores
+    epochs: list  # num_epochs lists of M Parts: this rank's rows of each global minibatch
+    first_on_policy: bool  # the first minibatch's pi_old is its own first training forward (left to update)
+
+
+def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routing, model, ref_model,
+            shuffle: torch.Generator) -> Batch:
+    """Advantages, the minibatch plan of every epoch, pi_old and pi_ref log-probs: the step's Batch.
+
+    Advantages are normalised within each group of G (a dropped sample gets 0). The plan
+    partitions the global rollout from the shared `shuffle` generator, the same on every rank.
+    pi_old is computed once per rollout, on the first epoch's minibatch shapes. The first
+    minibatch is on-policy (same weights, same shapes): its pi_old is its first training
+    forward's own log-probs, detached (ratio exactly 1), so it is not computed here, unless
+    routing replay "old_policy" (GSPO sec. 5.3) needs the experts this forward records.
+    With use_sampler_logprobs (GSPO sec. 5.4) the sampler's likelihoods (mu) serve as pi_old.
+    """
+    device, G, M = rollout.input_ids.device, cfg.num_generations, cfg.num_minibatches
+    share = topology.batch_share(rollout.num_sequences)
+    advantages = group_advantages(scores.rewards, G, scale=cfg.advantage_scale, valid=scores.valid)  # (N,)
+    rollout.rewards, rollout.advantages = scores.rewards[share].to(device), advantages[share].to(device)  # (n,)
+    token_units = (cfg.aggregation or DEFAULT_AGGREGATION[cfg.objective]) == "token_mean"
+    units = scores.lengths if token_units else None
+    N = len(scores.rewards)
+    epochs = [[topology.part(idx, rollout.num_sequences, units)
+               for idx in torch.randperm(N, generator=shuffle).chunk(M)] for _ in range(cfg.num_epochs)]
+    first_on_policy = not cfg.use_sampler_logprobs and not routing.records_pi_old
+    logp_kwargs = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
+    with torch.no_grad():
+        if cfg.use_sampler_logprobs:
+            rollout.old_logprobs = rollout.sampler_logprobs  # (n, T)
+        else:
+            parts = epochs[0][1:] if first_on_policy else epochs[0]
+            rollout.old_logprobs = routing.logprobs(model, rollout, [p.index for p in parts], logp_kwargs,
+                                                    writes=[p.weight > 0 for p in parts])  # (n, T)
+        if ref_model is not None:
+            rollout.ref_logprobs = minibatch_logprobs(ref_model, rollout, [p.index for p in epochs[0]], logp_kwargs,
+                                                      writes=[p.weight > 0 for p in epochs[0]])  # (n, T)
+    return Batch(rollout, scores, epochs, first_on_policy)
+
+
+class Learner:
+    """One optimizer step per minibatch: policy loss (+ auxiliary term), guard, statistics."""
+
+    def __init__(self, cfg, model, optimizer, scheduler, guard, *, topology: Topology, routing, aux,
+                 loss_fn=policy_loss):
+        self.model, self.optimizer, self.scheduler, self.guard = model, optimizer, scheduler, guard
+        self.topology, self.routing, self.aux, self.loss_fn = topology, routing, aux, loss_fn
+        self.max_grad_norm = cfg.max_grad_norm
+        self.loss_kwargs = dict(objective=cfg.objective, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                aggregation=cfg.aggregation, norm_length=cfg.max_completion_length,
+                                kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
+        self.logp_kwargs = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
+        self.units = stat_units(cfg.objective, cfg.aggregation or DEFAULT_AGGREGATION[cfg.objective])
+
+    def update(self, batch: Batch, i: int, part: Part, *, on_policy: bool, step: int) -> dict:
+        """Train minibatch `i` (this rank's `part` of it); returns its statistics (single-process values)."""
+        rollout, model = batch.rollout, self.model
+        mb = rollout.select(part.index)
+        watch = self.routing.watch(mb, part.weight)
+        with watch.replaying():
+            with watch.recording():
+                logp, entropy = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
+                                                    with_entropy=True, **self.logp_kwargs)  # (n, t), (n, t)
+            if on_policy:  # prepare left this minibatch's pi_old to this forward
+                mb.old_logprobs = logp.detach()  # (n, t)
+                if part.weight:
+                    rollout.old_logprobs[part.index, : mb.completion_len] = mb.old_logprobs
+            loss, stats = self.loss_fn(logp, mb.old_logprobs, mb.advantages, mb.completion_mask,
+                                       ref_logprobs=mb.ref_logprobs, **self.loss_kwargs)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.topology.backward(loss, part)  # this rank's share of the minibatch's loss
+        term, aux_stats = self.aux.backward(i, model, self.topology.replicated_scale())
+        self.topology.average_gradients(model)
+        mask = mb.completion_mask
+        local = {**stats, "loss": loss.detach(), "entropy": (entropy.detach() * mask).sum() / mask.sum()}
+        counts = {"sequences": part.weight * mb.num_sequences, "tokens": part.weight * float(mask.sum())}
+        shared = self.topology.reduce(local, {k: counts[self.units.get(k, "tokens")] for k in local})
+        loss, mean_entropy = shared.pop("loss") + term, shared.pop("entropy")
+        stats = {**shared, **aux_stats, "grad/norm": grad_norm(model, self.max_grad_norm)}
+        if torch.isfinite(loss) and torch.isfinite(stats["grad/norm"]):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.guard.ok()
+        else:  # non-finite guard: weights are never updated with NaN/inf (nor the schedule advanced)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.guard.skip(step, loss, stats["grad/norm"])
+        stats["entropy"] = mean_entropy
+        stats.update(self.topology.reduce(*watch.after_step()))
+        return stats
+
+
+def stat_units(objective: str, aggregation: str) -> dict[str, str]:
+    """What each loss statistic averages over ("sequences" or "tokens"), so ranks can recombine them.
+
+    Sequence-level objectives' ratios and clip fractions are per sequence; token-level ones per
+    token. The losses follow their aggregation (token_mean: tokens; the others: a mean over
+    sequences). Entropy and `kl/approx` are token means.
+    """
+    ratio = "sequences" if objective in ("gspo", "gspo_token") else "tokens"
+    loss = "tokens" if aggregation == "token_mean" else "sequences"
+    return {"loss": loss, "loss/policy": loss, "loss/kl": loss, "kl/approx": "tokens", "entropy": "tokens",
+            **{f"ratio/{k}": ratio for k in ("mean", "std", "min", "max")},
+            "clip/low_frac": ratio, "clip/high_frac": ratio}
+
+
+def step_metrics(scores: Scores, step_stats: list[dict], task_metrics: dict, *, group_size: int, drop_bad: bool,
+                 skipped: int, lr: float, t_rollout: float, t_train: float) -> dict:
+    """One step's metrics line (before evaluation): rewards, groups, losses and ratios, lengths, time."""
+    rewards, valid, lengths = scores.rewards, scores.valid, scores.lengths
+    return {
+        "reward/mean": rewards[valid].mean().item(),
+        "reward/std": rewards[valid].std().item(),
+        **{f"reward/{name}": float(np.nanmean(v.numpy())) if not torch.isnan(v).all() else float("nan")
+           for name, v in scores.per_fn.items()},
+        **group_stats(rewards, group_size, valid),
+        **task_metrics,
+        **({"reward/dropped": int((~valid).sum())} if drop_bad else {}),
+        "guard/skipped_steps": skipped,
+        **reduce_stats(step_stats),
+        "completion/mean_len": lengths.mean().item(),
+        "completion/max_len": lengths.max().item(),
+        "completion/truncated_frac": (~scores.stopped).float().mean().item(),
+        "lr": lr,
+        "time/rollout_s": t_rollout,
+        "time/train_s": t_train,
+        "throughput/tokens_per_s": lengths.sum().item() / (t_rollout + t_train),
+    }
+
+
+def reduce_stats(step_stats: list[dict]) -> dict[str, float]:
+    """Average minibatch stats over the step; extremes of the ratio keep their extremes.
+
+    `grad/norm_std` is the spread of the gradient norm across the step's minibatches (GSPO
+    sec. 4: token-level ratios make gradients noisier); 0 with a single minibatch.
+    """
+    out = {}
+    for key in step_stats[0]:
+        values = torch.stack([torch.as_tensor(s[key]).float() for s in step_stats])
+        if key == "ratio/min":
+            out[key] = values.min().item()
+        elif key == "ratio/max":
+            out[key] = values.max().item()
+        else:
+            out[key] = values.mean().item()
+        if key == "grad/norm":
+            out["grad/norm_std"] = values.std().item() if len(values) > 1 else 0.0
+    return out
+
+
+def grad_norm(model, max_norm: float) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+
+
+def ended_with_eos(rollout: Rollout, stop_ids: list[int]) -> torch.Tensor:
+    """(N,) True where the completion stopped on a stop token rather than at the length limit."""
+    T = rollout.completion_len
+    completion = rollout.input_ids[:, -T:]  # (N, T)
+    last = rollout.completion_mask.sum(-1) - 1  # (N,) index of the last real token
+    final = completion.gather(1, last[:, None]).squeeze(1)  # (N,)
+    return torch.isin(final, torch.tensor(stop_ids, device=final.device))
+
+
+def sample_records(rollout: Rollout, count: int) -> list[dict]:
+    return [{"prompt": rollout.prompts[i], "completion": rollout.completions[i],
+             "reward": rollout.rewards[i].item(), "advantage": rollout.advantages[i].item()}
+            for i in range(min(count, rollout.num_sequences))]
