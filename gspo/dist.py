@@ -74,15 +74,6 @@ def setup(device: torch.device, mode: str, timeout_s: float) -> Dist:
     return Dist(rank, world, local, mode)
 
 
-def device_for(spec: str) -> torch.device | None:
-    """Under torchrun with CUDA, each process takes the GPU of its LOCAL_RANK; None: not our call."""
-    if launched() and spec in ("auto", "cuda") and torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return None
-
-
 def teardown(d: Dist) -> None:
     if d.enabled:
         import torch.distributed as dist

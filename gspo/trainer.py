@@ -36,13 +36,16 @@ from gspo.evaluation import evaluate
 from gspo.logprobs import completion_logprobs, is_fsdp2, position_ids_from_mask
 from gspo.moe import (RoutingRecord, expert_change_frac, find_routers, record_routing, replay_routing,
                       require_replay_support)
-from gspo.multitask import TaskMixture, reference_chunks, require_references, sft_backward, sft_coef_at
+from gspo.models import resolve_device, seeded_model
+from gspo.multitask import TaskMixture
 from gspo.objectives import DEFAULT_AGGREGATION, policy_loss
 from gspo.rewards import get_reward_fn, score_completions
 from gspo.rollout import Rollout, eos_ids, generate, pad_id, row_seeds
 from gspo.run_control import (NonFiniteGuard, Progress, StepAbandoned, StopSignals, TrainingInterrupted,
-                              check_resumable, discard_newer_checkpoints, prepare_output_dir, resolve_device, run_lock,
-                              save_model, saved_config, seeded_model)
+                              check_resumable, discard_newer_checkpoints, prepare_output_dir, run_lock, save_model,
+                              saved_config)
+from gspo.schedules import lr_schedule
+from gspo.supervised import reference_chunks, require_references, sft_backward, sft_coef_at
 from gspo.tracking import MetricsLogger
 
 
@@ -51,7 +54,7 @@ def train(cfg: TrainConfig) -> dict:
 
     Under torchrun every rank calls this; see gspo/dist.py for how the work is split.
     """
-    d = dist.setup(dist.device_for(cfg.device) or resolve_device(cfg.device), cfg.distributed, cfg.dist_timeout_s)
+    d = dist.setup(resolve_device(cfg.device), cfg.distributed, cfg.dist_timeout_s)
     try:
         with run_lock(cfg.output_dir, enabled=d.is_main):  # one run per output_dir (rank 0 holds it)
             return _train(cfg, d)
@@ -484,20 +487,6 @@ def sample_records(rollout: Rollout, count: int) -> list[dict]:
     return [{"prompt": rollout.prompts[i], "completion": rollout.completions[i],
              "reward": rollout.rewards[i].item(), "advantage": rollout.advantages[i].item()}
             for i in range(min(count, rollout.num_sequences))]
-
-
-def lr_schedule(kind: str, warmup: int, total: int):
-    def factor(i: int) -> float:
-        if warmup and i < warmup:
-            return (i + 1) / warmup
-        frac = (i - warmup) / max(1, total - warmup)
-        if kind == "linear":
-            return max(0.0, 1.0 - frac)
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
-        return 1.0
-
-    return factor
 
 
 def fused_adamw(model) -> dict:
