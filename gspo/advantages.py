@@ -1,5 +1,8 @@
 """Group-relative advantages (GRPO / GSPO) and group statistics. Pure functions.
 
+Advantage estimators are registered by name (`register_estimator`); `advantage_scale` in the
+config picks one, and `group_advantages` checks the inputs and dispatches to it.
+
 Rewards arrive as a flat (N,) tensor, N = B * G, ordered group by group: the G
 completions of prompt 0, then the G of prompt 1, and so on.
 """
@@ -7,19 +10,44 @@ completions of prompt 0, then the G of prompt 1, and so on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-SCALES = ("group", "batch", "none")
+ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
+"""The registry, name -> estimator(rewards, group_size, eps, valid) -> (N,) advantages; config's `advantage_scale`."""
+
+
+def register_estimator(name: str):
+    """Decorator: register `estimator(rewards (N,), group_size, eps, valid) -> advantages (N,)` as `name`.
+
+    `valid` is None when every sample counts, else an (N,) bool tensor with at least one False; a
+    sample marked False gets advantage 0 and is left out of every mean and std. `group_advantages`
+    has checked the inputs before an estimator runs.
+    """
+    if name in ESTIMATORS:
+        raise ValueError(f"advantage estimator {name!r} is already registered")
+
+    def add(estimator):
+        ESTIMATORS[name] = estimator
+        return estimator
+
+    return add
+
+
+def unregister_estimator(name: str) -> None:
+    """Remove estimator `name` from the registry (e.g. one a test registered)."""
+    if ESTIMATORS.pop(name, None) is None:
+        raise ValueError(f"advantage estimator {name!r} is not registered")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
                      valid: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = (r_i - mean of its group) / (std + eps). rewards: (N,) -> advantages (N,).
 
-    scale: "group" divides by the group's std (DeepSeekMath sec. 4.1.2, GSPO eq. (6));
-    "batch" by the std of the whole batch (as in REINFORCE++); "none" only centres
-    (Dr. GRPO argues the std division biases toward easy or hard prompts).
+    scale: a registered estimator (ESTIMATORS). "group" divides by the group's std (DeepSeekMath
+    sec. 4.1.2, GSPO eq. (6)); "batch" by the std of the whole batch (as in REINFORCE++); "none" only
+    centres (Dr. GRPO argues the std division biases toward easy or hard prompts).
     The std is the population std (divide by G), so a group whose rewards all agree gets
     exactly zero advantage and never NaN.
     valid: optional (N,) bool; samples marked False (a dropped reward, possibly NaN) get
@@ -34,8 +62,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         raise ValueError(f"group_size: must be a positive int, got {group_size!r}")
     if rewards.numel() == 0 or rewards.numel() % group_size:
         raise ValueError(f"rewards: length {rewards.numel()} is not a positive multiple of group_size {group_size}")
-    if scale not in SCALES:
-        raise ValueError(f"scale: unknown {scale!r}; choose one of {', '.join(SCALES)}")
+    if scale not in ESTIMATORS:
+        raise ValueError(f"scale: unknown {scale!r}; choose one of {', '.join(ESTIMATORS)}")
     if valid is None:
         valid = torch.ones_like(rewards, dtype=torch.bool)
     elif valid.shape != rewards.shape or valid.dtype != torch.bool:
@@ -46,35 +74,54 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         raise ValueError(f"rewards: non-finite value at index {int(bad.nonzero()[0, 0])}")
     if eps <= 0:
         raise ValueError(f"eps: must be > 0, got {eps}")
-    if valid.all():
-        return _advantages(rewards, group_size, scale, eps)
-    keep = valid.view(-1, group_size).double()  # (B, G)
-    r = torch.where(valid, rewards, 0).double().view(-1, group_size)  # (B, G)
-    count = keep.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
-    centred = (r - (r * keep).sum(dim=1, keepdim=True) / count) * keep  # (B, G) dropped samples: 0
-    if scale == "group":
+    return ESTIMATORS[scale](rewards, group_size, eps, None if valid.all() else valid)
+
+
+@register_estimator("group")
+def group_scaled(rewards: torch.Tensor, group_size: int, eps: float, valid: torch.Tensor | None) -> torch.Tensor:
+    """GRPO: centred within the group, divided by the group's population std (+ eps)."""
+    r, centred, count = _centred(rewards, group_size, valid)  # (B, G), (B, G), (B, 1) or None
+    if valid is None:
+        std = r.std(dim=1, unbiased=False, keepdim=True)  # (B, 1)
+    else:
         std = ((centred**2).sum(dim=1, keepdim=True) / count).sqrt()  # (B, 1) population std of the valid
-    elif scale == "batch":
+    return _flat(centred / (std + eps), rewards)  # (N,)
+
+
+@register_estimator("batch")
+def batch_scaled(rewards: torch.Tensor, group_size: int, eps: float, valid: torch.Tensor | None) -> torch.Tensor:
+    """Centred within the group, divided by the population std of the whole batch (+ eps)."""
+    _, centred, _ = _centred(rewards, group_size, valid)  # (B, G)
+    if valid is None:
+        std = rewards.double().std(unbiased=False).expand(1, 1)  # (1, 1)
+    else:
         flat = torch.where(valid, rewards, 0).double()  # (N,)
         n = valid.sum().clamp(min=1)
         std = (((flat - flat.sum() / n) ** 2 * valid).sum() / n).sqrt().expand(1, 1)  # (1, 1)
-    else:
-        return centred.view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
-    adv = centred / (std + eps)  # (B, G)
-    return adv.view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+    return _flat(centred / (std + eps), rewards)  # (N,)
 
 
-def _advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: float) -> torch.Tensor:
-    """group_advantages when every sample is valid."""
-    r = rewards.double().view(-1, group_size)  # (B, G)
-    centred = r - r.mean(dim=1, keepdim=True)  # (B, G)
-    if scale == "group":
-        std = r.std(dim=1, unbiased=False, keepdim=True)  # (B, 1)
-    elif scale == "batch":
-        std = rewards.double().std(unbiased=False).expand(1, 1)  # (1, 1)
-    else:
-        return centred.view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
-    adv = centred / (std + eps)  # (B, G)
+@register_estimator("none")
+def centred_only(rewards: torch.Tensor, group_size: int, eps: float, valid: torch.Tensor | None) -> torch.Tensor:
+    """Dr. GRPO: centred within the group, not divided by any std."""
+    return _flat(_centred(rewards, group_size, valid)[1], rewards)  # (N,)
+
+
+def _centred(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(B, G) rewards in float64, minus their group's mean of the valid ones (dropped samples: 0),
+    and (B, 1) valid counts (None when `valid` is None: every sample counts)."""
+    if valid is None:
+        r = rewards.double().view(-1, group_size)  # (B, G)
+        return r, r - r.mean(dim=1, keepdim=True), None
+    keep = valid.view(-1, group_size).double()  # (B, G)
+    r = torch.where(valid, rewards, 0).double().view(-1, group_size)  # (B, G)
+    count = keep.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    return r, (r - (r * keep).sum(dim=1, keepdim=True) / count) * keep, count  # dropped samples: 0
+
+
+def _flat(adv: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """(B, G) -> (N,) in the rewards' float dtype (float32 for integer rewards)."""
     return adv.view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 

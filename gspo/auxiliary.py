@@ -8,7 +8,7 @@ reference answers, coef * NLL(reference | prompt), with its own forward outside 
 
 from __future__ import annotations
 
-from gspo.multitask import reference_chunks, require_references, sft_backward, sft_coef_at
+from gspo.supervised import reference_chunks, require_references, sft_backward, sft_coef_at
 
 
 def auxiliary_term(cfg, tokenizer, device, train_rows: list[list[dict]]):

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from gspo.config import LabConfig, SFTConfig, TrainConfig, config_help
+from gspo.config import SFTConfig, TrainConfig, config_help
+from gspo.lab import LabConfig
 
 
 # Exit statuses (README, "Reliability"): 0 done; 2 a user or environment error (config, data, reward
@@ -124,7 +125,7 @@ def _run(args, argv=None) -> int:
         from gspo.config import make_config
         from gspo.data import load_splits
         from gspo.evaluation import evaluate
-        from gspo.run_control import seeded_model
+        from gspo.models import seeded_model
 
         cfg = make_config(TrainConfig, {"model": args.model, "task": None if args.dataset else args.task,
                                         "dataset": args.dataset, "eval_num_prompts": args.num_prompts,

@@ -19,10 +19,8 @@ from pathlib import Path
 
 import yaml
 
-OBJECTIVE_CHOICES = ("gspo", "grpo", "gspo_token", "cispo", "sapo")
-SCHEDULES = ("constant", "linear", "cosine")
-REPLAY_MODES = ("none", "old_policy", "rollout")
-TRUNCATIONS = ("error", "left")
+from gspo.data import TRUNCATIONS, utf8_text
+from gspo.schedules import SCHEDULES
 
 
 @dataclass
@@ -108,7 +106,7 @@ class TrainConfig(ModelConfig):
     sft_column: str = "solution"
     """Column holding the reference completion of the supervised term (built-in tasks: the worked solution)."""
     objective: str = "gspo"
-    """Policy objective: gspo (sequence ratio), grpo (token ratio), gspo_token, cispo, sapo."""
+    """Policy objective: gspo (sequence ratio), grpo (token ratio), gspo_token, cispo, sapo, or one registered with gspo.objectives.register_objective."""
     clip_low: float | None = None
     """Lower clip range: ratio >= 1 - clip_low. Default per objective: gspo 3e-4, grpo 0.2."""
     clip_high: float | None = None
@@ -116,7 +114,7 @@ class TrainConfig(ModelConfig):
     aggregation: str | None = None
     """Loss aggregation: seq_mean_token_mean, token_mean (DAPO) or seq_mean_token_sum_norm (Dr. GRPO); default per objective."""
     advantage_scale: str = "group"
-    """Advantage normalisation: group (GRPO), batch, or none (Dr. GRPO)."""
+    """Advantage normalisation: group (GRPO), batch, none (Dr. GRPO), or one registered with gspo.advantages.register_estimator."""
     num_minibatches: int = 4
     """Optimizer steps per rollout batch (GSPO paper: 4); minibatches after the first are off-policy."""
     num_epochs: int = 1
@@ -215,80 +213,6 @@ class SFTConfig(ModelConfig):
     """Show a progress bar."""
 
 
-@dataclass
-class LabConfig:
-    """Stability lab (`gspo lab`): a grid of short RL runs comparing objectives on dense and MoE models."""
-
-    output_dir: str = "runs/lab"
-    """Lab folder: cold starts, one folder per run, report.md and plots. Rerunning continues where it stopped."""
-    task: str = "add3"
-    """Built-in task every run trains and evaluates on."""
-    objectives: list = field(default_factory=lambda: ["grpo", "gspo", "gspo_token"])
-    """Objectives compared in the main grid."""
-    models: list = field(default_factory=lambda: ["dense", "moe"])
-    """Architectures: dense (tiny-dense preset) and/or moe (tiny-moe preset), at depth `num_layers`."""
-    routing_replay: list = field(default_factory=lambda: ["none", "old_policy"])
-    """Routing replay modes tried on MoE runs (dense runs use none); replay runs use GRPO only unless `replay_all_objectives`."""
-    replay_all_objectives: bool = False
-    """Also run GSPO variants with routing replay (the paper's claim needs GRPO with replay only)."""
-    seeds: list = field(default_factory=lambda: [0, 1, 2])
-    """RL seeds; every seed starts from the same cold-start model, so the spread is the RL's own."""
-    num_layers: int = 4
-    """Decoder layers of the main grid's models."""
-    max_steps: int = 40
-    """RL steps per run."""
-    per_device_batch_size: int = 8
-    """Prompts per rollout batch (B)."""
-    num_generations: int = 8
-    """Completions per prompt (G)."""
-    num_minibatches: int = 4
-    """Optimizer steps per rollout batch: the off-policy degree (GSPO paper: 4)."""
-    max_completion_length: int = 48
-    """Maximum new tokens per completion."""
-    learning_rate: float = 1e-4
-    """AdamW learning rate of the RL runs."""
-    warmup_steps: int = 4
-    """Linear warmup of the RL runs, in optimizer steps."""
-    eval_steps: int = 10
-    """Held-out evaluation every this many RL steps (and before and after)."""
-    eval_num_prompts: int = 100
-    """Held-out prompts per evaluation."""
-    eval_k: int = 4
-    """Samples per held-out prompt (mean@k, pass@k)."""
-    depths: list = field(default_factory=lambda: [2, 4, 8])
-    """MoE depths of the routing-drift sweep (claim C3); empty skips it."""
-    depth_steps: int = 10
-    """RL steps of each depth-sweep run (GRPO, no replay)."""
-    search: dict = field(default_factory=lambda: {
-        "minibatches_16": {"num_minibatches": 16},
-        "lr_3e-4": {"learning_rate": 3e-4},
-        "sampler_logprobs": {"use_sampler_logprobs": True},
-    })
-    """Search for a regime where the objectives differ: label -> TrainConfig overrides, run for `search_objectives` on `search_model`."""
-    search_objectives: list = field(default_factory=lambda: ["grpo", "gspo"])
-    """Objectives run under each search setting."""
-    search_model: str = "moe"
-    """Architecture of the search runs (the paper's instability is an MoE one), no routing replay."""
-    search_seeds: list | None = field(default_factory=lambda: [0, 1])
-    """Seeds of the search runs; null: `seeds`."""
-    sft_max_steps: int = 400
-    """Cold-start SFT steps (upper bound; it stops at `sft_target_accuracy`)."""
-    sft_target_accuracy: float = 0.4
-    """Greedy held-out accuracy at which the cold start stops, leaving room for RL."""
-    train_overrides: dict | None = None
-    """Extra TrainConfig fields applied to every RL run, e.g. {max_completion_length: 96}."""
-    device: str = "cpu"
-    """Device of every run: cpu (the lab's timings are CPU ones), cuda or auto."""
-    workers: int = 0
-    """Runs at a time, each in its own process on one CPU thread; 0: one per CPU core."""
-
-
-QUICK_LAB = dict(objectives=["grpo", "gspo"], seeds=[0, 1], num_layers=2, max_steps=20, eval_steps=10,
-                 eval_num_prompts=50, depths=[2, 4], depth_steps=5, search={"lr_3e-4": {"learning_rate": 3e-4}},
-                 search_seeds=[0], sft_max_steps=300)
-"""`gspo lab --quick`: 2-layer main grid, fewer objectives, seeds, steps and held-out prompts; one search setting."""
-
-
 # ------------------------------------------------------------------------------- machinery
 def field_docs(cls) -> dict[str, str]:
     """Field name -> the docstring written under it (searching base classes too)."""
@@ -332,7 +256,6 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
 
 def _read_yaml_file(path: Path) -> dict:
     """The mapping in a YAML config file; every problem is a ValueError naming the file (and line)."""
-    from gspo.data import utf8_text  # light: the standard library only
     if not path.is_file():
         raise ValueError(f"config: file not found: {path}" + (" (it is a folder)" if path.is_dir() else ""))
     try:
@@ -379,13 +302,15 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _choice(cfg, name: str, choices) -> None:
+def check_choice(cfg, name: str, choices) -> None:
+    """ValueError unless `cfg.<name>` is one of `choices` (a tuple, or a registry's names)."""
     value = getattr(cfg, name)
     if value not in choices:
         raise ValueError(f"config: {name}={value!r} is not one of {', '.join(map(str, choices))}")
 
 
-def _positive(cfg, *names: str, allow_zero: bool = False) -> None:
+def check_positive(cfg, *names: str, allow_zero: bool = False) -> None:
+    """ValueError unless each `cfg.<name>` is > 0 (>= 0 with allow_zero); None (an automatic value) passes."""
     for name in names:
         value = getattr(cfg, name)
         if value is None:  # an optional setting left to its automatic value
@@ -395,87 +320,105 @@ def _positive(cfg, *names: str, allow_zero: bool = False) -> None:
 
 
 def validate(cfg) -> None:
-    """Check choices, ranges and consistency before anything is loaded."""
-    if isinstance(cfg, LabConfig):
-        return _validate_lab(cfg)
-    _choice(cfg, "dtype", ("float32", "bfloat16", "float16", "auto"))
+    """Check choices, ranges and consistency before anything is loaded.
+
+    Allowed values are read from the modules that own them (objectives and advantage estimators from
+    their registries). Those imports are made here, not at the top, so that `import gspo.config` (and
+    so `gspo --help`) stays free of torch. A config class outside the ModelConfig family
+    (gspo.lab.LabConfig) brings its own `validate` method.
+    """
+    if not isinstance(cfg, ModelConfig):
+        return cfg.validate()
+    from gspo.models import DTYPES
+    from gspo.sandbox import SANDBOX_MODES  # light: the probe runs only when code_tests is built
+
+    check_choice(cfg, "dtype", DTYPES)
     if not (cfg.device in ("auto", "cpu", "cuda", "mps") or (cfg.device.startswith("cuda:")
                                                                and cfg.device[5:].isdigit())):
         raise ValueError(f"config: device={cfg.device!r} is not one of auto, cpu, cuda, cuda:<i>, mps")
     if cfg.task is None and cfg.dataset is None and getattr(cfg, "tasks", None) is None:
         raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder)")
-    _positive(cfg, "eval_num_prompts", "eval_k", "eval_temperature")
-    _positive(cfg, "reward_timeout_s", allow_zero=True)
-    from gspo.sandbox import SANDBOX_MODES  # light: the probe runs only when code_tests is built
-
-    _choice(cfg, "sandbox", SANDBOX_MODES)
+    check_positive(cfg, "eval_num_prompts", "eval_k", "eval_temperature")
+    check_positive(cfg, "reward_timeout_s", allow_zero=True)
+    check_choice(cfg, "sandbox", SANDBOX_MODES)
     _reward_specs(cfg.reward_funcs if hasattr(cfg, "reward_funcs") else [])
     if isinstance(cfg, TrainConfig):
-        _choice(cfg, "objective", OBJECTIVE_CHOICES)
-        _choice(cfg, "lr_scheduler", SCHEDULES)
-        _choice(cfg, "advantage_scale", ("group", "batch", "none"))
-        _choice(cfg, "kl_estimator", ("k1", "k2", "k3"))
-        _choice(cfg, "routing_replay", REPLAY_MODES)
-        _choice(cfg, "distributed", ("ddp", "fsdp"))
-        _positive(cfg, "dist_timeout_s")
-        if cfg.seeded_sampling and (cfg.top_p < 1 or cfg.top_k):
-            raise ValueError("config: seeded_sampling draws from the full softmax; set top_p=1 and top_k=0")
-        if cfg.aggregation is not None:
-            _choice(cfg, "aggregation", ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"))
-            if cfg.objective in ("gspo", "gspo_token") and cfg.aggregation != "seq_mean_token_mean":
-                raise ValueError(f"config: aggregation={cfg.aggregation!r} would weight {cfg.objective} sequences by "
-                                 "length; use seq_mean_token_mean (the default)")
-        _positive(cfg, "max_steps", "per_device_batch_size", "num_generations", "max_prompt_length",
-                  "max_completion_length", "temperature", "num_minibatches", "num_epochs", "learning_rate",
-                  "logprob_chunk_size", "log_samples_count", "max_consecutive_skips", "save_total_limit")
-        _positive(cfg, "kl_coef", "weight_decay", "warmup_steps", "max_grad_norm", "top_k", "eval_steps",
-                  "save_steps", "log_samples_steps", allow_zero=True)
-        if not 0 < cfg.top_p <= 1:
-            raise ValueError(f"config: top_p={cfg.top_p!r} must be in (0, 1]")
-        from gspo.objectives import check_clip  # pure math; no torch work at import
-
-        try:
-            check_clip(cfg.objective, cfg.clip_low, cfg.clip_high)
-        except ValueError as err:
-            raise ValueError(f"config: {err}") from None
-        _choice(cfg, "truncate_prompts", TRUNCATIONS)
-        if cfg.num_generations < 2:
-            raise ValueError("config: num_generations must be >= 2: group advantages need at least two completions")
-        n = cfg.per_device_batch_size * cfg.num_generations
-        if n % cfg.num_minibatches:
-            raise ValueError(f"config: per_device_batch_size * num_generations = {n} is not divisible by "
-                             f"num_minibatches={cfg.num_minibatches}")
-        if not cfg.reward_funcs:
-            raise ValueError("config: reward_funcs is empty; give at least one reward function")
-        if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
-            raise ValueError(f"config: reward_weights has {len(cfg.reward_weights)} entries but reward_funcs has "
-                             f"{len(cfg.reward_funcs)}")
-        for i, w in enumerate(cfg.reward_weights or []):
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-                raise ValueError(f"config: reward_weights[{i}]={w!r} must be a finite number")
-        if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
-            raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
-                             "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")
-        if cfg.use_sampler_logprobs and (cfg.top_p < 1 or cfg.top_k):
-            raise ValueError("config: use_sampler_logprobs with top_p < 1 or top_k > 0 would train on a truncated "
-                             "distribution's log-probs; disable one of them")
-        _choice(cfg, "task_weighting", ("static", "dynamic"))
-        _choice(cfg, "generation_backend", ("auto", "gspo", "hf"))
-        _choice(cfg, "sft_schedule", ("constant", "linear", "cosine"))
-        _positive(cfg, "task_weight_floor", "task_progress_coef", "sft_coef", allow_zero=True)
-        if not 0 <= cfg.task_weight_smoothing < 1:
-            raise ValueError(f"config: task_weight_smoothing={cfg.task_weight_smoothing!r} must be in [0, 1)")
-        if cfg.tasks is not None:  # the entries are checked where they are parsed (imported only when used)
-            from gspo.multitask import check_tasks
-
-            check_tasks(cfg)
+        _validate_train(cfg)
     if isinstance(cfg, SFTConfig):
-        _positive(cfg, "max_steps", "batch_size", "learning_rate", "max_length", "eval_steps", "max_completion_length")
-        _positive(cfg, "num_examples", "warmup_steps", "weight_decay", allow_zero=True)
+        check_positive(cfg, "max_steps", "batch_size", "learning_rate", "max_length", "eval_steps",
+                       "max_completion_length")
+        check_positive(cfg, "num_examples", "warmup_steps", "weight_decay", allow_zero=True)
         if cfg.target_accuracy is not None and not 0 < cfg.target_accuracy <= 1:
             raise ValueError(f"config: target_accuracy={cfg.target_accuracy!r} must be in (0, 1]")
         if cfg.task is not None and cfg.dataset is None and cfg.num_examples == 0:
             raise ValueError("config: num_examples must be > 0 for a built-in task (its generator is endless)")
+
+
+def _validate_train(cfg: TrainConfig) -> None:
+    from gspo.advantages import ESTIMATORS
+    from gspo.moe import REPLAY_MODES
+    from gspo.multitask import WEIGHTINGS, check_tasks
+    from gspo.objectives import AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, check_aggregation, check_clip
+    from gspo.parallel import MODES
+    from gspo.rollout import generator_choices
+
+    check_choice(cfg, "objective", OBJECTIVES)
+    check_choice(cfg, "lr_scheduler", SCHEDULES)
+    check_choice(cfg, "advantage_scale", ESTIMATORS)
+    check_choice(cfg, "kl_estimator", KL_ESTIMATORS)
+    check_choice(cfg, "routing_replay", REPLAY_MODES)
+    check_choice(cfg, "distributed", MODES)
+    check_positive(cfg, "dist_timeout_s")
+    if cfg.seeded_sampling and (cfg.top_p < 1 or cfg.top_k):
+        raise ValueError("config: seeded_sampling draws from the full softmax; set top_p=1 and top_k=0")
+    if cfg.aggregation is not None:
+        check_choice(cfg, "aggregation", AGGREGATIONS)
+        _prefixed(check_aggregation, cfg.objective, cfg.aggregation)  # GSPO: no weighting by length
+    check_positive(cfg, "max_steps", "per_device_batch_size", "num_generations", "max_prompt_length",
+                   "max_completion_length", "temperature", "num_minibatches", "num_epochs", "learning_rate",
+                   "logprob_chunk_size", "log_samples_count", "max_consecutive_skips", "save_total_limit")
+    check_positive(cfg, "kl_coef", "weight_decay", "warmup_steps", "max_grad_norm", "top_k", "eval_steps",
+                   "save_steps", "log_samples_steps", allow_zero=True)
+    if not 0 < cfg.top_p <= 1:
+        raise ValueError(f"config: top_p={cfg.top_p!r} must be in (0, 1]")
+    _prefixed(check_clip, cfg.objective, cfg.clip_low, cfg.clip_high)
+    check_choice(cfg, "truncate_prompts", TRUNCATIONS)
+    if cfg.num_generations < 2:
+        raise ValueError("config: num_generations must be >= 2: group advantages need at least two completions")
+    n = cfg.per_device_batch_size * cfg.num_generations
+    if n % cfg.num_minibatches:
+        raise ValueError(f"config: per_device_batch_size * num_generations = {n} is not divisible by "
+                         f"num_minibatches={cfg.num_minibatches}")
+    if not cfg.reward_funcs:
+        raise ValueError("config: reward_funcs is empty; give at least one reward function")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        raise ValueError(f"config: reward_weights has {len(cfg.reward_weights)} entries but reward_funcs has "
+                         f"{len(cfg.reward_funcs)}")
+    for i, w in enumerate(cfg.reward_weights or []):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"config: reward_weights[{i}]={w!r} must be a finite number")
+    if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
+        raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
+                         "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")
+    if cfg.use_sampler_logprobs and (cfg.top_p < 1 or cfg.top_k):
+        raise ValueError("config: use_sampler_logprobs with top_p < 1 or top_k > 0 would train on a truncated "
+                         "distribution's log-probs; disable one of them")
+    check_choice(cfg, "task_weighting", WEIGHTINGS)
+    check_choice(cfg, "generation_backend", generator_choices())
+    check_choice(cfg, "sft_schedule", SCHEDULES)
+    check_positive(cfg, "task_weight_floor", "task_progress_coef", "sft_coef", allow_zero=True)
+    if not 0 <= cfg.task_weight_smoothing < 1:
+        raise ValueError(f"config: task_weight_smoothing={cfg.task_weight_smoothing!r} must be in [0, 1)")
+    if cfg.tasks is not None:  # the entries are checked where they are parsed
+        check_tasks(cfg)
+
+
+def _prefixed(check, *args) -> None:
+    """Run another module's check; its ValueError is raised again as a config error."""
+    try:
+        check(*args)
+    except ValueError as err:
+        raise ValueError(f"config: {err}") from None
 
 
 def _reward_specs(specs: list) -> None:
@@ -483,35 +426,6 @@ def _reward_specs(specs: list) -> None:
     for i, spec in enumerate(specs):
         if not callable(spec) and not (isinstance(spec, str) and spec.strip()):
             raise ValueError(f"config: reward_funcs[{i}]={spec!r} must be a reward name or 'module:function'")
-
-
-def _validate_lab(cfg: LabConfig) -> None:
-    for name, choices in (("objectives", OBJECTIVE_CHOICES), ("models", ("dense", "moe")),
-                          ("routing_replay", REPLAY_MODES), ("search_objectives", OBJECTIVE_CHOICES)):
-        values = getattr(cfg, name)
-        if not values:
-            raise ValueError(f"config: {name} is empty")
-        for value in values:
-            if value not in choices:
-                raise ValueError(f"config: {name} entry {value!r} is not one of {', '.join(choices)}")
-    _choice(cfg, "search_model", ("dense", "moe"))
-    for name in ("seeds", "search_seeds", "depths"):
-        values = getattr(cfg, name) or []
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
-            raise ValueError(f"config: {name}={values!r} must be a list of integers")
-    if not cfg.seeds:
-        raise ValueError("config: seeds is empty")
-    if any(d < 1 for d in cfg.depths):
-        raise ValueError(f"config: depths={cfg.depths!r} must be >= 1")
-    _positive(cfg, "num_layers", "max_steps", "per_device_batch_size", "num_generations", "num_minibatches",
-              "max_completion_length", "learning_rate", "eval_num_prompts", "eval_k", "depth_steps", "sft_max_steps")
-    _positive(cfg, "warmup_steps", "eval_steps", "workers", allow_zero=True)
-    if not 0 < cfg.sft_target_accuracy <= 1:
-        raise ValueError(f"config: sft_target_accuracy={cfg.sft_target_accuracy!r} must be in (0, 1]")
-    for label, overrides in cfg.search.items():
-        if not isinstance(overrides, dict):
-            raise ValueError(f"config: search[{label!r}] must be a mapping of TrainConfig fields, got {overrides!r}")
-    # Every run's TrainConfig is built (and so checked) by gspo.lab.expand_grid before anything runs.
 
 
 def _type_name(tp) -> str:

@@ -21,12 +21,119 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gspo.config import LabConfig, SFTConfig, TrainConfig, make_config, to_dict
+from gspo.config import SFTConfig, TrainConfig, check_choice, check_positive, load_config, make_config, to_dict
 
 PRESETS = {"dense": "tiny-dense", "moe": "tiny-moe"}
 DONE = "done.json"
 # Keys of a run's TrainConfig that may differ between two invocations of the same lab (paths, display).
 _VOLATILE = ("output_dir", "model", "progress")
+
+
+@dataclass
+class LabConfig:
+    """Stability lab (`gspo lab`): a grid of short RL runs comparing objectives on dense and MoE models."""
+
+    output_dir: str = "runs/lab"
+    """Lab folder: cold starts, one folder per run, report.md and plots. Rerunning continues where it stopped."""
+    task: str = "add3"
+    """Built-in task every run trains and evaluates on."""
+    objectives: list = field(default_factory=lambda: ["grpo", "gspo", "gspo_token"])
+    """Objectives compared in the main grid."""
+    models: list = field(default_factory=lambda: ["dense", "moe"])
+    """Architectures: dense (tiny-dense preset) and/or moe (tiny-moe preset), at depth `num_layers`."""
+    routing_replay: list = field(default_factory=lambda: ["none", "old_policy"])
+    """Routing replay modes tried on MoE runs (dense runs use none); replay runs use GRPO only unless `replay_all_objectives`."""
+    replay_all_objectives: bool = False
+    """Also run GSPO variants with routing replay (the paper's claim needs GRPO with replay only)."""
+    seeds: list = field(default_factory=lambda: [0, 1, 2])
+    """RL seeds; every seed starts from the same cold-start model, so the spread is the RL's own."""
+    num_layers: int = 4
+    """Decoder layers of the main grid's models."""
+    max_steps: int = 40
+    """RL steps per run."""
+    per_device_batch_size: int = 8
+    """Prompts per rollout batch (B)."""
+    num_generations: int = 8
+    """Completions per prompt (G)."""
+    num_minibatches: int = 4
+    """Optimizer steps per rollout batch: the off-policy degree (GSPO paper: 4)."""
+    max_completion_length: int = 48
+    """Maximum new tokens per completion."""
+    learning_rate: float = 1e-4
+    """AdamW learning rate of the RL runs."""
+    warmup_steps: int = 4
+    """Linear warmup of the RL runs, in optimizer steps."""
+    eval_steps: int = 10
+    """Held-out evaluation every this many RL steps (and before and after)."""
+    eval_num_prompts: int = 100
+    """Held-out prompts per evaluation."""
+    eval_k: int = 4
+    """Samples per held-out prompt (mean@k, pass@k)."""
+    depths: list = field(default_factory=lambda: [2, 4, 8])
+    """MoE depths of the routing-drift sweep (claim C3); empty skips it."""
+    depth_steps: int = 10
+    """RL steps of each depth-sweep run (GRPO, no replay)."""
+    search: dict = field(default_factory=lambda: {
+        "minibatches_16": {"num_minibatches": 16},
+        "lr_3e-4": {"learning_rate": 3e-4},
+        "sampler_logprobs": {"use_sampler_logprobs": True},
+    })
+    """Search for a regime where the objectives differ: label -> TrainConfig overrides, run for `search_objectives` on `search_model`."""
+    search_objectives: list = field(default_factory=lambda: ["grpo", "gspo"])
+    """Objectives run under each search setting."""
+    search_model: str = "moe"
+    """Architecture of the search runs (the paper's instability is an MoE one), no routing replay."""
+    search_seeds: list | None = field(default_factory=lambda: [0, 1])
+    """Seeds of the search runs; null: `seeds`."""
+    sft_max_steps: int = 400
+    """Cold-start SFT steps (upper bound; it stops at `sft_target_accuracy`)."""
+    sft_target_accuracy: float = 0.4
+    """Greedy held-out accuracy at which the cold start stops, leaving room for RL."""
+    train_overrides: dict | None = None
+    """Extra TrainConfig fields applied to every RL run, e.g. {max_completion_length: 96}."""
+    device: str = "cpu"
+    """Device of every run: cpu (the lab's timings are CPU ones), cuda or auto."""
+    workers: int = 0
+    """Runs at a time, each in its own process on one CPU thread; 0: one per CPU core."""
+
+    def validate(self) -> None:
+        """The checks `gspo.config.make_config` runs on a LabConfig (allowed values from their owners)."""
+        from gspo.moe import REPLAY_MODES  # here, not at the top: importing gspo.lab stays free of torch
+        from gspo.objectives import OBJECTIVES
+
+        for name, choices in (("objectives", OBJECTIVES), ("models", PRESETS),
+                              ("routing_replay", REPLAY_MODES), ("search_objectives", OBJECTIVES)):
+            values = getattr(self, name)
+            if not values:
+                raise ValueError(f"config: {name} is empty")
+            for value in values:
+                if value not in choices:
+                    raise ValueError(f"config: {name} entry {value!r} is not one of {', '.join(choices)}")
+        check_choice(self, "search_model", PRESETS)
+        for name in ("seeds", "search_seeds", "depths"):
+            values = getattr(self, name) or []
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+                raise ValueError(f"config: {name}={values!r} must be a list of integers")
+        if not self.seeds:
+            raise ValueError("config: seeds is empty")
+        if any(d < 1 for d in self.depths):
+            raise ValueError(f"config: depths={self.depths!r} must be >= 1")
+        check_positive(self, "num_layers", "max_steps", "per_device_batch_size", "num_generations", "num_minibatches",
+                       "max_completion_length", "learning_rate", "eval_num_prompts", "eval_k", "depth_steps",
+                       "sft_max_steps")
+        check_positive(self, "warmup_steps", "eval_steps", "workers", allow_zero=True)
+        if not 0 < self.sft_target_accuracy <= 1:
+            raise ValueError(f"config: sft_target_accuracy={self.sft_target_accuracy!r} must be in (0, 1]")
+        for label, overrides in self.search.items():
+            if not isinstance(overrides, dict):
+                raise ValueError(f"config: search[{label!r}] must be a mapping of TrainConfig fields, got {overrides!r}")
+        # Every run's TrainConfig is built (and so checked) by `train_config` before anything runs.
+
+
+QUICK_LAB = dict(objectives=["grpo", "gspo"], seeds=[0, 1], num_layers=2, max_steps=20, eval_steps=10,
+                 eval_num_prompts=50, depths=[2, 4], depth_steps=5, search={"lr_3e-4": {"learning_rate": 3e-4}},
+                 search_seeds=[0], sft_max_steps=300)
+"""`gspo lab --quick`: 2-layer main grid, fewer objectives, seeds, steps and held-out prompts; one search setting."""
 
 
 @dataclass
@@ -279,6 +386,4 @@ def _as_completed(futures):
 
 def load_lab_config(quick: bool = False, path=None, overrides: list[str] | None = None) -> LabConfig:
     """`gspo lab` settings: the full lab or `--quick`, then a YAML file, then key=value overrides."""
-    from gspo.config import QUICK_LAB, load_config
-
     return load_config(LabConfig, path, overrides, defaults={**QUICK_LAB, "output_dir": "runs/lab-quick"} if quick else None)

@@ -5,6 +5,7 @@
 
 Presets use the character tokenizer of `gspo.tasks`, are saved with `save_pretrained`, and
 reload with plain `AutoModelForCausalLM` / `AutoTokenizer`: nothing of ours is needed to read them.
+`seeded_model(cfg)` is where every run starts: RNGs seeded, device chosen (`resolve_device`), model loaded.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 
+import numpy as np
 import torch
+
+from gspo.parallel import launched
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +123,38 @@ def load_model(
     _fix_special_tokens(model, tokenizer)
     _disable_truncated_sampling(model)
     return model, tokenizer
+
+
+def seeded_model(cfg) -> tuple[torch.device, torch.nn.Module, object]:
+    """Seed every RNG, then load the configured model and tokenizer onto the configured device."""
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
+                                  seed=cfg.seed, overrides=cfg.model_overrides)
+    return device, model, tokenizer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch.device of a `device` setting: auto is cuda where available, else cpu.
+
+    Under torchrun with CUDA (auto or cuda), each process takes the GPU of its LOCAL_RANK, and makes
+    it the current device. A cuda setting without CUDA is a ValueError.
+    """
+    if launched() and device in ("auto", "cuda") and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"config: device={device!r} but CUDA is not available here")
+    return torch.device(device)
 
 
 def _build_preset(name: str, seed: int, overrides: dict):

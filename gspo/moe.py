@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "REPLAY_MODES",
     "Router",
     "RoutingRecord",
     "RoutingRecorder",
@@ -48,6 +49,10 @@ __all__ = [
     "replay_routing",
     "require_replay_support",
 ]
+
+REPLAY_MODES = ("none", "old_policy", "rollout")
+"""`routing_replay`: route freely, replay the experts recorded at pi_old (GSPO sec. 5.3), or replay
+those the sampler used (rollout routing replay, R3)."""
 
 
 # ----------------------------------------------------------------------------- architectures

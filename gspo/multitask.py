@@ -16,9 +16,8 @@ Task weights (`task_weighting`):
   moving, the signal of teacher-student curricula (Matiisen et al. 2017, arXiv 1707.00183,
   "Online" teacher: EMA of the change in score) and of Graves et al. 2017 (arXiv 1704.03003).
 
-Supervised term (`sft_coef`): for rows with a reference in `sft_column` (built-in tasks: the
-worked `solution`), `sft_coef * NLL(reference + EOS | prompt)` joins the policy loss of each
-minibatch, logged as `loss/sft` (the NLL) and `sft/coef` (the coefficient after its schedule).
+The optional supervised term on reference answers (`sft_coef`, in single- and multi-task runs)
+lives in gspo/supervised.py, next to the `gspo sft` encoding it shares.
 """
 
 from __future__ import annotations
@@ -35,12 +34,9 @@ import torch
 from gspo.advantages import group_stats
 from gspo.data import PromptSampler, columns_of, load_splits
 from gspo.evaluation import evaluate
-from gspo.logprobs import completion_logprobs
-from gspo.rewards import get_reward_fn, score_completions
-from gspo.rollout import Rollout, encode_prompts
+from gspo.rewards import get_reward_fn, reward_spec, score_completions
 
 WEIGHTINGS = ("static", "dynamic")
-SFT_SCHEDULES = ("constant", "linear", "cosine")
 TASK_KEYS = ("name", "task", "dataset", "eval_dataset", "reward_funcs", "reward_weights", "weight")
 
 
@@ -125,12 +121,8 @@ def saved_tasks(tasks: list | None) -> list | None:
     """The `tasks` entries as JSON: reward functions given as Python callables become "module:name"."""
     if tasks is None:
         return None
-    return [{**t, "reward_funcs": [_fn_spec(f) for f in t["reward_funcs"]]} if isinstance(t.get("reward_funcs"), list)
+    return [{**t, "reward_funcs": [reward_spec(f) for f in t["reward_funcs"]]} if isinstance(t.get("reward_funcs"), list)
             else t for t in tasks]
-
-
-def _fn_spec(f) -> str:
-    return f if isinstance(f, str) else f"{f.__module__}:{getattr(f, '__qualname__', type(f).__name__)}"
 
 
 def reward_names(fns: list) -> list[str]:
@@ -374,92 +366,3 @@ class TaskMixture:
             sampler.load_state_dict(s)
         self.signals = [TaskSignal(**s) for s in state["signals"]]
         self.weights = self._weights()
-
-
-# ------------------------------------------------------------------------------- supervised term
-def sft_nll(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-likelihood of the reference tokens: -sum(logp * mask) / sum(mask).
-
-    logprobs: (n, T) log-probs of the reference tokens (e.g. `completion_logprobs`); mask: (n, T)
-    bool, True on reference tokens (the closing EOS included). A token mean, as in `gspo.sft`.
-    Example: p = (1/2, 1/4 | 1/8), NLL = (ln 2 + ln 4 + ln 8) / 3 = 2 ln 2.
-    """
-    if logprobs.shape != mask.shape:
-        raise ValueError(f"logprobs {tuple(logprobs.shape)} and mask {tuple(mask.shape)} must have the same shape")
-    mask = mask.bool()
-    count = mask.sum()
-    if count == 0:
-        raise ValueError("mask selects no reference token")
-    return -torch.where(mask, logprobs, 0.0).sum() / count  # where, not *: a masked -inf must not give NaN
-
-
-def sft_coef_at(step: int, max_steps: int, coef: float, schedule: str = "constant") -> float:
-    """The SFT coefficient at RL step `step` (1-based): constant, or decayed toward 0 over `max_steps`.
-
-    linear: coef * (1 - (step - 1) / max_steps); cosine: coef * (1 + cos(pi (step - 1) / max_steps)) / 2.
-    Example: coef 0.5, max_steps 4, linear: 0.5, 0.375, 0.25, 0.125.
-    """
-    if schedule not in SFT_SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SFT_SCHEDULES)}")
-    frac = min(1.0, (step - 1) / max_steps)
-    if schedule == "linear":
-        return coef * (1.0 - frac)
-    if schedule == "cosine":
-        return coef * 0.5 * (1.0 + math.cos(math.pi * frac))
-    return coef
-
-
-def require_references(row_lists: list[list[dict]], column: str) -> None:
-    """ValueError unless some training row has a reference text in `column` (sft_coef > 0 needs one)."""
-    if not any(isinstance(r.get(column), str) and r[column] for rows in row_lists for r in rows):
-        raise ValueError(f"config: sft_coef > 0 but no training row has a text column {column!r} (sft_column); "
-                         "built-in tasks have `solution`")
-
-
-def reference_chunks(rows: list[dict], tokenizer, num_chunks: int, column: str, *, max_prompt_length: int,
-                     device, truncate_prompts: str = "error") -> list[Rollout] | None:
-    """Prompt + reference + EOS of the rows with a `column` text, in the rollout layout, in `num_chunks` parts.
-
-    Part j goes with minibatch j: references i = j, j + M, j + 2M, ...; with fewer references than
-    parts, part j holds reference j mod n, so every minibatch has one. None when no row has a
-    reference. Each part is a `Rollout` trimmed of all-padding columns (only ids and masks set).
-    """
-    refs = [r for r in rows if isinstance(r.get(column), str) and r[column]]
-    if not refs:
-        return None
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("tokenizer: needs an eos token to end a reference answer")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    prompts = [r["prompt"] for r in refs]
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device,
-                                           truncate_prompts)  # (n, P)
-    answers = [tokenizer(r[column], add_special_tokens=False)["input_ids"] + [eos] for r in refs]
-    T = max(len(a) for a in answers)
-    answer_ids = torch.full((len(refs), T), pad, dtype=prompt_ids.dtype)  # (n, T)
-    answer_mask = torch.zeros(len(refs), T, dtype=torch.bool)  # (n, T)
-    for i, a in enumerate(answers):
-        answer_ids[i, : len(a)] = torch.tensor(a)
-        answer_mask[i, : len(a)] = True
-    answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
-    full = Rollout(input_ids=torch.cat([prompt_ids, answer_ids], dim=1),  # (n, P+T)
-                   attention_mask=torch.cat([prompt_mask, answer_mask.long()], dim=1),  # (n, P+T)
-                   completion_mask=answer_mask, prompts=prompts, completions=[r[column] for r in refs])
-    n = len(refs)
-    parts = [list(range(j, n, num_chunks)) if n >= num_chunks else [j % n] for j in range(num_chunks)]
-    return [full.select(torch.tensor(p, device=device)) for p in parts]
-
-
-def sft_backward(model, ref: Rollout, coef: float, **logp_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backpropagate coef * NLL(reference | prompt) now (gradients add to the policy loss's).
-
-    Its own forward, so the trainer runs it outside any routing replay. Returns (coef * NLL, NLL),
-    detached. `logp_kwargs`: temperature and chunk_size, as for the policy's log-probs, so the
-    NLL is taken under the same distribution the RL loss trains.
-    """
-    logp, _ = completion_logprobs(model, ref.input_ids, ref.attention_mask, ref.completion_len,
-                                  **logp_kwargs)  # (n, T)
-    nll = sft_nll(logp, ref.completion_mask)
-    term = coef * nll
-    term.backward()
-    return term.detach(), nll.detach()

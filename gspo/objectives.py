@@ -1,4 +1,4 @@
-"""Policy objectives for group-based RL: GRPO, GSPO, GSPO-token, CISPO and SAPO.
+"""Policy objectives for group-based RL: GRPO, GSPO, GSPO-token, CISPO and SAPO, registered by name.
 
 Everything here is a pure function of tensors. Shapes:
     logprobs, old_logprobs, ref_logprobs, mask: (N, T) over completion tokens
@@ -6,36 +6,138 @@ Everything here is a pure function of tensors. Shapes:
 
 The loss is minimised; it is the negative of the paper's objective. Padded positions
 (mask == 0) never influence the loss or its gradient, whatever values they hold.
+
+Each objective is one pure function of the prepared `LossInputs`, registered with its defaults:
+
+    @register_objective("mine", default_clip=(0.2, 0.2), default_aggregation="token_mean")
+    def mine(x: LossInputs) -> tuple[Tensor, dict]: ...
+
+`policy_loss(..., objective="mine")` then runs it, and the config accepts `objective: mine`
+(OBJECTIVES, DEFAULT_CLIP and DEFAULT_AGGREGATION are read from the registry).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-OBJECTIVES = ("grpo", "gspo", "gspo_token", "cispo", "sapo")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
-# Default clip ranges (clip_low, clip_high): the ratio is clipped to [1 - low, 1 + high].
-DEFAULT_CLIP = {
-    "grpo": (0.2, 0.2),  # DeepSeekMath / PPO epsilon; DAPO's clip-higher is e.g. (0.2, 0.28)
-    "gspo": (3e-4, 4e-4),  # GSPO paper, sec. 5.1: sequence ratios live near 1
-    "gspo_token": (3e-4, 4e-4),
-    "cispo": (1.0, 0.28),  # MiniMax-M1 sets no lower bound (1 - 1.0 = 0) and tunes only the upper
-    "sapo": (None, None),  # soft gate, no hard clip
-}
-DEFAULT_AGGREGATION = {
-    "grpo": "seq_mean_token_mean",  # DeepSeekMath eq. (3): 1/G sum_i 1/|o_i| sum_t
-    "gspo": "seq_mean_token_mean",  # GSPO eq. (5): 1/G sum_i, one term per sequence
-    "gspo_token": "seq_mean_token_mean",  # GSPO eq. (13): 1/G sum_i 1/|y_i| sum_t
-    "cispo": "token_mean",  # MiniMax-M1 eq. (4): 1/sum_i|o_i| sum_i sum_t
-    "sapo": "seq_mean_token_mean",  # SAPO: 1/G sum_i 1/|y_i| sum_t
-}
-# Sequence-level objectives: any aggregation but a plain mean over sequences would give a
-# long answer more weight than a short one (TRL's GSPO does this unless told otherwise).
-_LENGTH_NEUTRAL_ONLY = ("gspo", "gspo_token")
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What every objective receives, prepared once by `policy_loss`: padding is already zeroed."""
+
+    logp: Tensor  # (N, T) log pi_theta (carries the gradient), 0 on padding
+    log_ratio: Tensor  # (N, T) log pi_theta - log pi_old, 0 on padding
+    adv: Tensor  # (N,) or (N, T) advantages as given (detached)
+    adv_t: Tensor  # (N, T) advantage of every token, 0 on padding
+    mask: Tensor  # (N, T) bool, True on completion tokens
+    maskf: Tensor  # (N, T) the mask in the log-probs' dtype
+    lengths: Tensor  # (N,) completion tokens per sequence
+    low: float | None  # ratio clipped to [1 - low, 1 + high]; None for an objective without a hard clip
+    high: float | None
+    aggregation: str  # one of AGGREGATIONS
+    norm_length: int | None  # the constant divisor of seq_mean_token_sum_norm
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A registered objective: its loss function and what the config needs to know of it."""
+
+    loss: Callable[..., tuple[Tensor, dict[str, Tensor]]]  # (LossInputs, **options) -> (policy loss, stats)
+    default_clip: tuple[float | None, float | None]  # (clip_low, clip_high); (None, None): no hard clip
+    default_aggregation: str  # one of AGGREGATIONS
+    length_neutral: bool  # a sequence-level objective: only seq_mean_token_mean keeps long answers from weighing more
+    options: tuple[str, ...]  # the keyword-only parameters of `loss`, passed through from `policy_loss`
+    ratio_unit: str = "tokens"  # what its `ratio/*` and `clip/*` stats average over: "tokens" or "sequences"
+
+
+OBJECTIVES: dict[str, Objective] = {}
+"""The registry, name -> Objective, in registration order; the config's allowed `objective` values."""
+
+
+def register_objective(name: str, *, default_clip: tuple[float | None, float | None], default_aggregation: str,
+                       length_neutral: bool = False, ratio_unit: str = "tokens"):
+    """Decorator: register `loss(x: LossInputs, **options) -> (policy loss, stats)` as objective `name`.
+
+    default_clip: (clip_low, clip_high) when the config leaves them unset; (None, None) for an objective
+    without a hard clip (clip values are then refused); a default clip_low >= 1 means "no lower bound"
+    and allows clip_low up to it. length_neutral: only seq_mean_token_mean is accepted (and the KL term is
+    averaged the same way), so no sequence weighs more for being longer. `stats` holds 0-d tensors
+    (`ratio/*`, `clip/*`); policy_loss adds `loss/*` and `kl/approx`. ratio_unit: what those stats
+    average over ("tokens", or "sequences" for one ratio per sequence), so ranks can recombine them.
+    """
+    if name in OBJECTIVES:
+        raise ValueError(f"objective {name!r} is already registered")
+    if default_aggregation not in AGGREGATIONS:
+        raise ValueError(f"default_aggregation: unknown {default_aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+    if length_neutral and default_aggregation != "seq_mean_token_mean":
+        raise ValueError("default_aggregation: a length-neutral objective aggregates with seq_mean_token_mean")
+    if ratio_unit not in ("tokens", "sequences"):
+        raise ValueError(f"ratio_unit: {ratio_unit!r} is not 'tokens' or 'sequences'")
+
+    def add(loss):
+        options = tuple(p.name for p in inspect.signature(loss).parameters.values() if p.kind is p.KEYWORD_ONLY)
+        OBJECTIVES[name] = Objective(loss, tuple(default_clip), default_aggregation, length_neutral, options,
+                                     ratio_unit)
+        return loss
+
+    return add
+
+
+def unregister_objective(name: str) -> None:
+    """Remove objective `name` from the registry (e.g. one a test registered)."""
+    if OBJECTIVES.pop(name, None) is None:
+        raise ValueError(f"objective {name!r} is not registered")
+
+
+@contextmanager
+def registered_objective(name: str, loss, **spec) -> Iterator[Objective]:
+    """`register_objective(name, **spec)(loss)` for the duration of a `with` block, then unregistered."""
+    register_objective(name, **spec)(loss)
+    try:
+        yield OBJECTIVES[name]
+    finally:
+        OBJECTIVES.pop(name, None)
+
+
+class _Column(Mapping):
+    """Read-only view name -> one field of every registered objective (always in step with OBJECTIVES)."""
+
+    def __init__(self, field: str):
+        self._field = field
+
+    def __getitem__(self, name: str):
+        return getattr(OBJECTIVES[name], self._field)
+
+    def __iter__(self):
+        return iter(OBJECTIVES)
+
+    def __len__(self) -> int:
+        return len(OBJECTIVES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+DEFAULT_CLIP = _Column("default_clip")
+"""name -> (clip_low, clip_high) defaults: the ratio is clipped to [1 - low, 1 + high]."""
+DEFAULT_AGGREGATION = _Column("default_aggregation")
+"""name -> the aggregation used when `aggregation` is None."""
+
+
+def _objective(name: str) -> Objective:
+    if name not in OBJECTIVES:
+        raise ValueError(f"objective: unknown {name!r}; choose one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]
 
 
 def policy_loss(
@@ -62,7 +164,7 @@ def policy_loss(
         old_logprobs: (N, T) log pi_old of the same tokens (treated as constants).
         advantages: (N,) per sequence, or (N, T) per token (not for `gspo`).
         mask: (N, T) 1 on completion tokens, 0 on padding; every row needs a token.
-        objective: one of OBJECTIVES.
+        objective: a registered objective (OBJECTIVES).
         clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high]; None takes
             the objective's default (DEFAULT_CLIP).
         aggregation: one of AGGREGATIONS; None takes DEFAULT_AGGREGATION[objective].
@@ -80,18 +182,14 @@ def policy_loss(
 
     Example: with logprobs == old_logprobs (on-policy) GSPO and GRPO give the same gradient.
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective: unknown {objective!r}; choose one of {', '.join(OBJECTIVES)}")
-    aggregation = DEFAULT_AGGREGATION[objective] if aggregation is None else aggregation
+    spec = _objective(objective)
+    aggregation = spec.default_aggregation if aggregation is None else aggregation
     mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, objective, aggregation,
                          norm_length, kl_coef, kl_estimator)
-    default_low, default_high = DEFAULT_CLIP[objective]
+    default_low, default_high = spec.default_clip
     low = default_low if clip_low is None else clip_low
     high = default_high if clip_high is None else clip_high
     check_clip(objective, clip_low, clip_high)
-    if objective == "sapo":
-        if sapo_tau_pos <= 0 or sapo_tau_neg <= 0:
-            raise ValueError(f"sapo_tau_pos/sapo_tau_neg: must be > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
 
     maskf = mask.to(logprobs.dtype)  # (N, T)
     # Padding may hold anything (even inf/NaN): zero it before any arithmetic so that no
@@ -103,66 +201,9 @@ def policy_loss(
     adv_t = torch.where(mask, adv_t, torch.zeros_like(adv_t))
     log_ratio = logp - old  # (N, T), 0 on padding
     lengths = maskf.sum(-1)  # (N,)
-
-    if objective == "gspo":
-        # GSPO eq. (7): s_i = (pi_theta(y_i|x) / pi_old(y_i|x)) ^ (1/|y_i|)
-        seq_log_ratio = log_ratio.sum(-1) / lengths  # (N,)
-        ratio = seq_log_ratio.exp()  # (N,)
-        clipped = ratio.clamp(1.0 - low, 1.0 + high)  # (N,)
-        # GSPO eq. (5): -min(s_i A_i, clip(s_i) A_i), one term per sequence
-        per_seq = -torch.minimum(ratio * adv, clipped * adv)  # (N,)
-        policy = per_seq.mean()
-        stats = _ratio_stats(ratio.detach(), None)
-        low_hit = (ratio < 1.0 - low) & (adv < 0)  # (N,) clipping zeroes these gradients
-        high_hit = (ratio > 1.0 + high) & (adv > 0)
-        stats["clip/low_frac"] = low_hit.float().mean()
-        stats["clip/high_frac"] = high_hit.float().mean()
-    elif objective == "gspo_token":
-        # GSPO eq. (14): s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]; equal to s_i in
-        # value, but each token carries its own gradient and may carry its own advantage.
-        seq_log_ratio = (log_ratio.sum(-1) / lengths).detach()  # (N,)
-        tok_log_ratio = seq_log_ratio[:, None] + logp - logp.detach()  # (N, T)
-        ratio = tok_log_ratio.exp()  # (N, T)
-        clipped = ratio.clamp(1.0 - low, 1.0 + high)
-        # GSPO eq. (13): token term -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})
-        per_tok = -torch.minimum(ratio * adv_t, clipped * adv_t)  # (N, T)
-        policy = _aggregate(per_tok, maskf, aggregation, norm_length)
-        seq_ratio = seq_log_ratio.exp()  # (N,)
-        stats = _ratio_stats(seq_ratio, None)
-        # Clip fractions per sequence (token mean, then sequence mean): equal to GSPO's
-        # sequence fractions when the advantage is constant within each sequence.
-        low_hit = ((seq_ratio[:, None] < 1.0 - low) & (adv_t < 0)).to(maskf.dtype)
-        high_hit = ((seq_ratio[:, None] > 1.0 + high) & (adv_t > 0)).to(maskf.dtype)
-        stats["clip/low_frac"] = _aggregate(low_hit, maskf, "seq_mean_token_mean", None)
-        stats["clip/high_frac"] = _aggregate(high_hit, maskf, "seq_mean_token_mean", None)
-    elif objective == "grpo":
-        # DeepSeekMath eq. (3) / PPO: token ratio w_t = pi_theta / pi_old
-        ratio = log_ratio.exp()  # (N, T)
-        clipped = ratio.clamp(1.0 - low, 1.0 + high)
-        per_tok = -torch.minimum(ratio * adv_t, clipped * adv_t)  # (N, T)
-        policy = _aggregate(per_tok, maskf, aggregation, norm_length)
-        stats = _ratio_stats(ratio.detach(), mask)
-        stats["clip/low_frac"] = _masked_frac((ratio < 1.0 - low) & (adv_t < 0), mask)
-        stats["clip/high_frac"] = _masked_frac((ratio > 1.0 + high) & (adv_t > 0), mask)
-    elif objective == "cispo":
-        # MiniMax-M1 eq. (4): -sg(clip(w_t)) * A * log pi_theta(y_t). The weight is truncated,
-        # never zeroed, so every token keeps a gradient.
-        ratio = log_ratio.detach().exp()  # (N, T)
-        weight = ratio.clamp(1.0 - low, 1.0 + high)  # (N, T), constant
-        per_tok = -weight * adv_t * logp  # (N, T)
-        policy = _aggregate(per_tok, maskf, aggregation, norm_length)
-        stats = _ratio_stats(ratio, mask)
-        stats["clip/low_frac"] = _masked_frac(ratio < 1.0 - low, mask)
-        stats["clip/high_frac"] = _masked_frac(ratio > 1.0 + high, mask)
-    else:  # sapo
-        # SAPO (arXiv 2511.20347): soft gate f(r) = sigmoid(tau (r - 1)) * 4 / tau replaces the
-        # hard clip; its gradient weight 4 sigmoid (1 - sigmoid) r is 1 at r = 1 and decays smoothly.
-        ratio = log_ratio.exp()  # (N, T)
-        tau = torch.where(adv_t > 0, torch.full_like(adv_t, sapo_tau_pos), torch.full_like(adv_t, sapo_tau_neg))
-        gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # (N, T)
-        per_tok = -gate * adv_t  # (N, T)
-        policy = _aggregate(per_tok, maskf, aggregation, norm_length)
-        stats = _ratio_stats(ratio.detach(), mask)
+    inputs = LossInputs(logp, log_ratio, adv, adv_t, mask, maskf, lengths, low, high, aggregation, norm_length)
+    options = {"sapo_tau_pos": sapo_tau_pos, "sapo_tau_neg": sapo_tau_neg}
+    policy, stats = spec.loss(inputs, **{k: v for k, v in options.items() if k in spec.options})
 
     loss = policy
     kl_value = torch.zeros((), dtype=logprobs.dtype)
@@ -171,7 +212,7 @@ def policy_loss(
         kl_tok = kl_penalty(logp, ref, kl_estimator)  # (N, T)
         # KL is a per-token quantity: average it within each sequence, then over sequences, so
         # that it is length-neutral like the policy term of the sequence-level objectives.
-        kl_agg = "seq_mean_token_mean" if objective in _LENGTH_NEUTRAL_ONLY else aggregation
+        kl_agg = "seq_mean_token_mean" if spec.length_neutral else aggregation
         kl_value = _aggregate(kl_tok, maskf, kl_agg, norm_length)
         if kl_coef:
             loss = loss + kl_coef * kl_value
@@ -184,6 +225,103 @@ def policy_loss(
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
+# ------------------------------------------------------------------------------- the objectives
+@register_objective("gspo", default_clip=(3e-4, 4e-4),  # GSPO paper, sec. 5.1: sequence ratios live near 1
+                    default_aggregation="seq_mean_token_mean", length_neutral=True,  # GSPO eq. (5): 1/G sum_i
+                    ratio_unit="sequences")
+def gspo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: one length-normalised ratio per sequence, clipped, times the sequence's advantage."""
+    if x.adv.dim() == 2:
+        raise ValueError("advantages: objective 'gspo' takes one advantage per sequence (N,); "
+                         "use objective='gspo_token' for per-token advantages")
+    # GSPO eq. (7): s_i = (pi_theta(y_i|x) / pi_old(y_i|x)) ^ (1/|y_i|)
+    seq_log_ratio = x.log_ratio.sum(-1) / x.lengths  # (N,)
+    ratio = seq_log_ratio.exp()  # (N,)
+    clipped = ratio.clamp(1.0 - x.low, 1.0 + x.high)  # (N,)
+    # GSPO eq. (5): -min(s_i A_i, clip(s_i) A_i), one term per sequence
+    per_seq = -torch.minimum(ratio * x.adv, clipped * x.adv)  # (N,)
+    policy = per_seq.mean()
+    stats = _ratio_stats(ratio.detach(), None)
+    low_hit = (ratio < 1.0 - x.low) & (x.adv < 0)  # (N,) clipping zeroes these gradients
+    high_hit = (ratio > 1.0 + x.high) & (x.adv > 0)
+    stats["clip/low_frac"] = low_hit.float().mean()
+    stats["clip/high_frac"] = high_hit.float().mean()
+    return policy, stats
+
+
+@register_objective("grpo", default_clip=(0.2, 0.2),  # DeepSeekMath / PPO epsilon; DAPO's clip-higher: (0.2, 0.28)
+                    default_aggregation="seq_mean_token_mean")  # DeepSeekMath eq. (3): 1/G sum_i 1/|o_i| sum_t
+def grpo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO / PPO: a clipped ratio per token."""
+    # DeepSeekMath eq. (3) / PPO: token ratio w_t = pi_theta / pi_old
+    ratio = x.log_ratio.exp()  # (N, T)
+    clipped = ratio.clamp(1.0 - x.low, 1.0 + x.high)
+    per_tok = -torch.minimum(ratio * x.adv_t, clipped * x.adv_t)  # (N, T)
+    policy = _aggregate(per_tok, x.maskf, x.aggregation, x.norm_length)
+    stats = _ratio_stats(ratio.detach(), x.mask)
+    stats["clip/low_frac"] = _masked_frac((ratio < 1.0 - x.low) & (x.adv_t < 0), x.mask)
+    stats["clip/high_frac"] = _masked_frac((ratio > 1.0 + x.high) & (x.adv_t > 0), x.mask)
+    return policy, stats
+
+
+@register_objective("gspo_token", default_clip=(3e-4, 4e-4), default_aggregation="seq_mean_token_mean",
+                    length_neutral=True, ratio_unit="sequences")  # GSPO eq. (13): 1/G sum_i 1/|y_i| sum_t
+def gspo_token(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO-token: the sequence ratio's value with a per-token gradient (and optionally per-token advantages)."""
+    # GSPO eq. (14): s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]; equal to s_i in
+    # value, but each token carries its own gradient and may carry its own advantage.
+    seq_log_ratio = (x.log_ratio.sum(-1) / x.lengths).detach()  # (N,)
+    tok_log_ratio = seq_log_ratio[:, None] + x.logp - x.logp.detach()  # (N, T)
+    ratio = tok_log_ratio.exp()  # (N, T)
+    clipped = ratio.clamp(1.0 - x.low, 1.0 + x.high)
+    # GSPO eq. (13): token term -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})
+    per_tok = -torch.minimum(ratio * x.adv_t, clipped * x.adv_t)  # (N, T)
+    policy = _aggregate(per_tok, x.maskf, x.aggregation, x.norm_length)
+    seq_ratio = seq_log_ratio.exp()  # (N,)
+    stats = _ratio_stats(seq_ratio, None)
+    # Clip fractions per sequence (token mean, then sequence mean): equal to GSPO's
+    # sequence fractions when the advantage is constant within each sequence.
+    low_hit = ((seq_ratio[:, None] < 1.0 - x.low) & (x.adv_t < 0)).to(x.maskf.dtype)
+    high_hit = ((seq_ratio[:, None] > 1.0 + x.high) & (x.adv_t > 0)).to(x.maskf.dtype)
+    stats["clip/low_frac"] = _aggregate(low_hit, x.maskf, "seq_mean_token_mean", None)
+    stats["clip/high_frac"] = _aggregate(high_hit, x.maskf, "seq_mean_token_mean", None)
+    return policy, stats
+
+
+@register_objective("cispo", default_clip=(1.0, 0.28),  # MiniMax-M1: no lower bound (1 - 1.0 = 0), tuned upper
+                    default_aggregation="token_mean")  # MiniMax-M1 eq. (4): 1/sum_i|o_i| sum_i sum_t
+def cispo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO: REINFORCE on log pi_theta with a truncated, constant importance weight per token."""
+    # MiniMax-M1 eq. (4): -sg(clip(w_t)) * A * log pi_theta(y_t). The weight is truncated,
+    # never zeroed, so every token keeps a gradient.
+    ratio = x.log_ratio.detach().exp()  # (N, T)
+    weight = ratio.clamp(1.0 - x.low, 1.0 + x.high)  # (N, T), constant
+    per_tok = -weight * x.adv_t * x.logp  # (N, T)
+    policy = _aggregate(per_tok, x.maskf, x.aggregation, x.norm_length)
+    stats = _ratio_stats(ratio, x.mask)
+    stats["clip/low_frac"] = _masked_frac(ratio < 1.0 - x.low, x.mask)
+    stats["clip/high_frac"] = _masked_frac(ratio > 1.0 + x.high, x.mask)
+    return policy, stats
+
+
+@register_objective("sapo", default_clip=(None, None),  # soft gate, no hard clip
+                    default_aggregation="seq_mean_token_mean")  # SAPO: 1/G sum_i 1/|y_i| sum_t
+def sapo(x: LossInputs, *, sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO: a soft sigmoid gate on the token ratio instead of a hard clip (temperatures for A > 0 and A < 0)."""
+    if sapo_tau_pos <= 0 or sapo_tau_neg <= 0:
+        raise ValueError(f"sapo_tau_pos/sapo_tau_neg: must be > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
+    # SAPO (arXiv 2511.20347): soft gate f(r) = sigmoid(tau (r - 1)) * 4 / tau replaces the
+    # hard clip; its gradient weight 4 sigmoid (1 - sigmoid) r is 1 at r = 1 and decays smoothly.
+    ratio = x.log_ratio.exp()  # (N, T)
+    tau = torch.where(x.adv_t > 0, torch.full_like(x.adv_t, sapo_tau_pos), torch.full_like(x.adv_t, sapo_tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # (N, T)
+    per_tok = -gate * x.adv_t  # (N, T)
+    policy = _aggregate(per_tok, x.maskf, x.aggregation, x.norm_length)
+    stats = _ratio_stats(ratio.detach(), x.mask)
+    return policy, stats
+
+
+# ------------------------------------------------------------------------------- helpers and checks
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta. Shapes (N, T).
 
@@ -227,19 +365,33 @@ def check_clip(objective: str, clip_low: float | None, clip_high: float | None) 
     >= 1 leaves no lower bound: meaningless for grpo/gspo/gspo_token, allowed up to 1 for cispo (its
     default 1.0 means "no lower bound"). sapo has no hard clip (a soft gate): no clip values.
     """
-    if objective == "sapo":
+    default_low, default_high = _objective(objective).default_clip
+    if default_low is None and default_high is None:
         if clip_low is not None or clip_high is not None:
-            raise ValueError("clip_low/clip_high: sapo has no hard clip (a soft gate); leave them unset")
+            raise ValueError(f"clip_low/clip_high: {objective} has no hard clip; leave them unset")
         return
     for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
         if value is not None and (not math.isfinite(value) or value < 0):
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
     if clip_low is not None:
-        top = 1.0 if objective == "cispo" else None
+        top = default_low if default_low is not None and default_low >= 1 else None  # "no lower bound" allowed
         if (top is None and clip_low >= 1) or (top is not None and clip_low > top):
             raise ValueError(f"clip_low={clip_low!r} puts the lower clip 1 - clip_low at or below 0, which no ratio "
                              f"reaches, so {objective} would have no lower clip; use a value below 1"
-                             + (" (or 1.0, cispo's 'no lower bound')" if top else ""))
+                             + (f" (or {top}, {objective}'s 'no lower bound')" if top else ""))
+
+
+def check_aggregation(objective: str, aggregation: str) -> None:
+    """ValueError unless `aggregation` is known and, for a length-neutral objective, seq_mean_token_mean.
+
+    Sequence-level objectives (gspo, gspo_token): any aggregation but a plain mean over sequences would
+    give a long answer more weight than a short one (TRL's GSPO does this unless told otherwise).
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation: unknown {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+    if _objective(objective).length_neutral and aggregation != "seq_mean_token_mean":
+        raise ValueError(f"aggregation: {aggregation!r} would weight {objective} sequences by length; GSPO averages "
+                         "over sequences, so use 'seq_mean_token_mean' (the default)")
 
 
 def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, objective, aggregation,
@@ -261,9 +413,6 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, object
         raise ValueError(f"logprobs: empty batch of shape {shape}")
     if tuple(advantages.shape) not in ((shape[0],), shape):
         raise ValueError(f"advantages: expected shape ({shape[0]},) or {shape}, got {tuple(advantages.shape)}")
-    if objective == "gspo" and advantages.dim() == 2:
-        raise ValueError("advantages: objective 'gspo' takes one advantage per sequence (N,); "
-                         "use objective='gspo_token' for per-token advantages")
     if mask.dtype != torch.bool:
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("mask: values must be 0 or 1")
@@ -271,12 +420,7 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, object
     empty = (~mask.any(-1)).nonzero()
     if empty.numel():
         raise ValueError(f"mask: row {int(empty[0, 0])} has no completion tokens; drop empty sequences first")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation: unknown {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
-    if objective in _LENGTH_NEUTRAL_ONLY and aggregation != "seq_mean_token_mean":
-        raise ValueError(
-            f"aggregation: {aggregation!r} would weight each {objective} sequence by its length; "
-            "GSPO averages over sequences, so use 'seq_mean_token_mean' (the default)")
+    check_aggregation(objective, aggregation)
     if aggregation == "seq_mean_token_sum_norm" and (norm_length is None or norm_length <= 0):
         raise ValueError("norm_length: seq_mean_token_sum_norm needs a positive constant (e.g. max completion length)")
     if kl_estimator not in KL_ESTIMATORS:
@@ -302,3 +446,17 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, object
     if adv_bad.any():
         raise ValueError(f"advantages: non-finite value at {tuple(int(x) for x in adv_bad.nonzero()[0])}")
     return mask
+
+
+def stat_units(objective: str, aggregation: str | None = None) -> dict[str, str]:
+    """What each statistic of `policy_loss` averages over ("sequences" or "tokens"), so that values
+    computed on parts of a minibatch (ranks) can be recombined by weight.
+
+    `ratio/*` and `clip/*` follow the objective's ratio_unit; the losses their aggregation
+    (token_mean: tokens; the others are means over sequences); `kl/approx` is a token mean.
+    """
+    spec = _objective(objective)
+    loss = "tokens" if (aggregation or spec.default_aggregation) == "token_mean" else "sequences"
+    return {"loss/policy": loss, "loss/kl": loss, "kl/approx": "tokens",
+            **{f"ratio/{k}": spec.ratio_unit for k in ("mean", "std", "min", "max")},
+            "clip/low_frac": spec.ratio_unit, "clip/high_frac": spec.ratio_unit}

@@ -328,11 +328,3 @@ def tied_aliases(model) -> set[str]:
     first = {n for n, _ in model.named_parameters()}
     return {n for n, _ in model.named_parameters(remove_duplicate=False)} - first
 
-
-def device_for(spec: str) -> torch.device | None:
-    """Under torchrun with CUDA, each process takes the GPU of its LOCAL_RANK; None: not our call."""
-    if launched() and spec in ("auto", "cuda") and torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return None

@@ -28,6 +28,7 @@ __all__ = [
     "make_regex_reward",
     "RewardModelReward",
     "get_reward_fn",
+    "reward_spec",
     "score_completions",
     "RewardError",
 ]
@@ -235,6 +236,11 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
         raise ValueError(f"reward {spec!r}: {attr!r} is not callable")
     return fn
 
+
+def reward_spec(fn) -> str:
+    """The spec a saved config records for a reward function: a spec string unchanged, a callable as
+    "module:qualname" (the import path `get_reward_fn` reads back for a module-level function)."""
+    return fn if isinstance(fn, str) else f"{fn.__module__}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 def _fn_name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__

@@ -15,7 +15,7 @@ from torch import Tensor
 from transformers import LogitsProcessorList
 
 from gspo import decode
-from gspo.config import TRUNCATIONS
+from gspo.data import TRUNCATIONS
 from gspo.logprobs import is_fsdp2
 
 
@@ -79,8 +79,10 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int]) -
     return ~after_eos
 
 
-def eos_ids(tokenizer, model) -> list[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
+def eos_ids(tokenizer, model=None) -> list[int]:
+    """The stop tokens: the model's generation config's, else (or without a model) the tokenizer's eos."""
+    gen_eos = model.generation_config.eos_token_id if model is not None else None
+    ids = gen_eos if gen_eos is not None else tokenizer.eos_token_id
     ids = ids if isinstance(ids, list) else [ids]
     if not ids or ids[0] is None:
         raise ValueError("tokenizer: no eos token: completions could never end")
@@ -305,8 +307,9 @@ def row_seeds(seed: int, step: int, first_row: int, count: int) -> list[int]:
     return [base + first_row + i for i in range(count)]
 
 
-def pad_id(tokenizer, model) -> int:
-    """The id completions are padded with: the tokenizer's pad token, else the first stop token."""
+def pad_id(tokenizer, model=None) -> int:
+    """The id every layout is padded with (rollouts, SFT batches, references): the tokenizer's pad
+    token, else the first stop token (`eos_ids`)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, model)[0]
 
 

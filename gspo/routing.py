@@ -15,11 +15,9 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from gspo.logprobs import completion_logprobs, is_fsdp2, position_ids_from_mask
-from gspo.moe import (RoutingRecord, expert_change_counts, find_routers, record_routing, replay_routing,
-                      require_replay_support)
+from gspo.moe import (REPLAY_MODES, RoutingRecord, expert_change_counts, find_routers, record_routing,
+                      replay_routing, require_replay_support)
 from gspo.rollout import Rollout
-
-REPLAY_MODES = ("none", "old_policy", "rollout")
 
 
 def build_routing(model, replay: str, drift: bool):

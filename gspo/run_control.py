@@ -2,14 +2,13 @@
 
 The output folder (one run at a time, an earlier run there is an error), the settings a checkpoint
 must agree with to resume, SIGINT/SIGTERM turned into a clean stop, the non-finite-update guard,
-the progress bar, and the seeded model set-up every run starts from.
+and the progress bar. (The seeded model set-up every run starts from: `gspo.models.seeded_model`.)
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import random
 import shutil
 import signal
 import socket
@@ -19,13 +18,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from gspo.checkpoint import clean_stale, list_checkpoints, remove_checkpoint
 from gspo.config import to_dict
-from gspo.models import load_model
 from gspo.multitask import saved_tasks
+from gspo.rewards import reward_spec
 from gspo.tracking import METRICS_FILE, SAMPLES_FILE
 
 
@@ -114,8 +112,7 @@ def saved_config(cfg, world_size: int = 1) -> dict:
     out = to_dict(cfg)
     out["per_device_batch_size"] *= world_size
     out["seeded_sampling"] = cfg.seeded_sampling or world_size > 1
-    out["reward_funcs"] = [f if isinstance(f, str) else f"{f.__module__}:{getattr(f, '__qualname__', type(f).__name__)}"
-                           for f in out["reward_funcs"]]
+    out["reward_funcs"] = [reward_spec(f) for f in out["reward_funcs"]]
     out["tasks"] = saved_tasks(out["tasks"])  # the same for each task's reward functions
     return out
 
@@ -145,29 +142,6 @@ def discard_newer_checkpoints(out_dir: Path, step: int, allowed: bool) -> None:
                          "overwrite_output_dir=true to delete the newer checkpoints")
     for path in newer:
         remove_checkpoint(path)
-
-
-def seeded_model(cfg) -> tuple[torch.device, torch.nn.Module, object]:
-    """Seed every RNG, then load the configured model and tokenizer onto the configured device."""
-    seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                  seed=cfg.seed, overrides=cfg.model_overrides)
-    return device, model, tokenizer
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"config: device={device!r} but CUDA is not available here")
-    return torch.device(device)
 
 
 class TrainingAborted(RuntimeError):

@@ -1,8 +1,9 @@
 """Cold-start supervised fine-tuning: teach the answer format on prompt/answer pairs.
 
 The loss is the NLL of the answer tokens (and the closing EOS) only; prompt tokens are
-context. With `target_accuracy` the run stops as soon as greedy held-out accuracy reaches
-it, so the cold start is partial by design and RL has something left to learn.
+context. The encoding is gspo/supervised.py's, shared with the RL run's sft_coef term. With
+`target_accuracy` the run stops as soon as greedy held-out accuracy reaches it, so the cold
+start is partial by design and RL has something left to learn.
 """
 
 from __future__ import annotations
@@ -14,40 +15,14 @@ from pathlib import Path
 import torch
 
 from gspo.config import SFTConfig, to_dict
-from gspo.data import load_splits, where
+from gspo.data import load_splits
 from gspo.evaluation import evaluate
+from gspo.models import seeded_model
+from gspo.rollout import pad_id
+from gspo.run_control import Progress, prepare_output_dir, run_lock, save_model
+from gspo.schedules import lr_schedule
+from gspo.supervised import collate, encode_pairs
 from gspo.tracking import MetricsLogger
-from gspo.run_control import Progress, prepare_output_dir, run_lock, save_model, seeded_model
-
-
-def encode_pairs(tokenizer, rows: list[dict], answer_column: str, max_length: int) -> list[tuple[list[int], int]]:
-    """Token ids of prompt + answer + EOS, and where the answer starts."""
-    if tokenizer.eos_token_id is None:
-        raise ValueError("tokenizer: needs an eos token to mark where an answer ends")
-    out = []
-    for i, r in enumerate(rows):
-        if answer_column not in r or not isinstance(r[answer_column], str):
-            raise ValueError(f"dataset: {where(r, i)}: no text column {answer_column!r} (the SFT target)")
-        prompt = tokenizer(r["prompt"])["input_ids"]
-        answer = tokenizer(r[answer_column], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if len(prompt) + len(answer) > max_length:
-            raise ValueError(f"dataset: {where(r, i)}: prompt + answer have {len(prompt) + len(answer)} tokens > "
-                             f"max_length={max_length}")
-        out.append((prompt + answer, len(prompt)))
-    return out
-
-
-def collate(pairs: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids, mask and labels (-100 on prompt and padding). Shapes (b, L)."""
-    width = max(len(ids) for ids, _ in pairs)
-    ids = torch.full((len(pairs), width), pad_id)  # (b, L)
-    labels = torch.full((len(pairs), width), -100)  # (b, L)
-    mask = torch.zeros((len(pairs), width), dtype=torch.long)  # (b, L)
-    for i, (seq, start) in enumerate(pairs):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, start : len(seq)] = torch.tensor(seq[start:])
-        mask[i, : len(seq)] = 1
-    return ids, mask, labels
 
 
 def sft(cfg: SFTConfig) -> dict:
@@ -65,7 +40,7 @@ def _sft(cfg: SFTConfig) -> dict:
         train_rows = train_rows[: cfg.num_examples]
     pairs = encode_pairs(tokenizer, train_rows, cfg.answer_column, cfg.max_length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup_steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule("constant", cfg.warmup_steps, cfg.max_steps))
     logger = MetricsLogger(out_dir, config=to_dict(cfg))
     rng = random.Random(cfg.seed)
     progress = Progress(cfg.max_steps, enabled=cfg.progress, label="sft", show=("loss/sft", "eval/accuracy"))
@@ -73,7 +48,7 @@ def _sft(cfg: SFTConfig) -> dict:
     model.train()
     for step in range(1, cfg.max_steps + 1):
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(cfg.batch_size)]
-        ids, mask, labels = (t.to(device) for t in collate(batch, tokenizer.pad_token_id))
+        ids, mask, labels = (t.to(device) for t in collate(batch, pad_id(tokenizer)))
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss  # token mean over answer tokens
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

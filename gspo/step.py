@@ -16,7 +16,7 @@ import torch
 
 from gspo.advantages import group_advantages, group_stats
 from gspo.logprobs import completion_logprobs
-from gspo.objectives import DEFAULT_AGGREGATION, policy_loss
+from gspo.objectives import DEFAULT_AGGREGATION, policy_loss, stat_units
 from gspo.parallel import Part, Topology
 from gspo.rollout import Rollout
 from gspo.routing import minibatch_logprobs
@@ -107,7 +107,8 @@ class Learner:
                                 aggregation=cfg.aggregation, norm_length=cfg.max_completion_length,
                                 kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
         self.logp_kwargs = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
-        self.units = stat_units(cfg.objective, cfg.aggregation or DEFAULT_AGGREGATION[cfg.objective])
+        units = stat_units(cfg.objective, cfg.aggregation)  # and the loss and entropy, for recombining across ranks
+        self.units = {**units, "loss": units["loss/policy"], "entropy": "tokens"}
 
     def update(self, batch: Batch, i: int, part: Part, *, on_policy: bool, step: int) -> dict:
         """Train minibatch `i` (this rank's `part` of it); returns its statistics (single-process values)."""
@@ -144,20 +145,6 @@ class Learner:
         stats["entropy"] = mean_entropy
         stats.update(self.topology.reduce(*watch.after_step()))
         return stats
-
-
-def stat_units(objective: str, aggregation: str) -> dict[str, str]:
-    """What each loss statistic averages over ("sequences" or "tokens"), so ranks can recombine them.
-
-    Sequence-level objectives' ratios and clip fractions are per sequence; token-level ones per
-    token. The losses follow their aggregation (token_mean: tokens; the others: a mean over
-    sequences). Entropy and `kl/approx` are token means.
-    """
-    ratio = "sequences" if objective in ("gspo", "gspo_token") else "tokens"
-    loss = "tokens" if aggregation == "token_mean" else "sequences"
-    return {"loss": loss, "loss/policy": loss, "loss/kl": loss, "kl/approx": "tokens", "entropy": "tokens",
-            **{f"ratio/{k}": ratio for k in ("mean", "std", "min", "max")},
-            "clip/low_frac": ratio, "clip/high_frac": ratio}
 
 
 def step_metrics(scores: Scores, step_stats: list[dict], task_metrics: dict, *, group_size: int, drop_bad: bool,

@@ -19,7 +19,6 @@ HF `generate`), no separate inference engine; the whole rollout in memory.
 from __future__ import annotations
 
 import copy
-import math
 import signal
 import sys
 import time
@@ -31,13 +30,15 @@ from gspo.auxiliary import auxiliary_term
 from gspo.checkpoint import (OPTIMIZER_FILE, capture_rng, check_finite_state, load_checkpoint, load_model_weights,
                              load_state_file, resolve_resume, save_checkpoint, set_aside_damaged)
 from gspo.config import TrainConfig, to_dict
-from gspo.parallel import Topology, device_for
+from gspo.models import resolve_device, seeded_model
+from gspo.parallel import Topology
 from gspo.prompts import prompt_source
 from gspo.rollout import Generator, eos_ids
 from gspo.routing import build_routing
 from gspo.run_control import (NonFiniteGuard, Progress, StepAbandoned, StopSignals, TrainingInterrupted,
-                              check_resumable, discard_newer_checkpoints, prepare_output_dir, resolve_device, run_lock,
-                              save_model, saved_config, seeded_model)
+                              check_resumable, discard_newer_checkpoints, prepare_output_dir, run_lock, save_model,
+                              saved_config)
+from gspo.schedules import lr_schedule
 from gspo.step import Learner, gather_scores, prepare, sample_records, step_metrics
 from gspo.tracking import MetricsLogger
 
@@ -47,8 +48,7 @@ def train(cfg: TrainConfig) -> dict:
 
     Under torchrun every rank calls this; see gspo/parallel.py for how the work is split.
     """
-    topology = Topology.setup(device_for(cfg.device) or resolve_device(cfg.device), cfg.distributed,
-                              cfg.dist_timeout_s)
+    topology = Topology.setup(resolve_device(cfg.device), cfg.distributed, cfg.dist_timeout_s)
     try:
         with run_lock(cfg.output_dir, enabled=topology.is_main):  # one run per output_dir (rank 0 holds it)
             return _train(cfg, topology)
@@ -199,20 +199,6 @@ def restore(checkpoint: Path, cfg, topology: Topology, out_dir: Path, model, opt
     source.load_state_dict(state["trainer_state"]["sampler"])
     guard.load_state_dict(state["trainer_state"]["guard"])
     return state["step"] + 1, {int(k): v for k, v in state["trainer_state"]["evals"].items()}
-
-
-def lr_schedule(kind: str, warmup: int, total: int):
-    def factor(i: int) -> float:
-        if warmup and i < warmup:
-            return (i + 1) / warmup
-        frac = (i - warmup) / max(1, total - warmup)
-        if kind == "linear":
-            return max(0.0, 1.0 - frac)
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
-        return 1.0
-
-    return factor
 
 
 def fused_adamw(model) -> dict:

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from gspo.advantages import group_advantages, group_stats
+from gspo.advantages import ESTIMATORS, group_advantages, group_stats, register_estimator, unregister_estimator
+from gspo.config import TrainConfig, make_config
 
 
 def test_one_right_of_four():
@@ -83,3 +84,24 @@ def test_group_stats_ignore_dropped_samples():
     stats = group_stats(rewards, 4, valid=torch.isfinite(rewards))
     assert stats["groups/zero_std_frac"] == 0.5
     assert stats["groups/reward_std_mean"] == pytest.approx(math.sqrt(2) / 3 / 2)
+
+
+def test_a_registered_estimator_is_dispatched_and_accepted_by_the_config():
+    calls = []
+
+    def sign(rewards, group_size, eps, valid):  # the sign of the centred reward
+        calls.append(valid)
+        r = rewards.view(-1, group_size)
+        return (r - r.mean(dim=1, keepdim=True)).sign().view(-1)
+
+    register_estimator("sign")(sign)
+    try:
+        # groups (1, 0) and (0.5, 0.5): centred (0.5, -0.5) and (0, 0) -> signs (1, -1), (0, 0)
+        assert group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2, scale="sign").tolist() == [1.0, -1.0, 0.0, 0.0]
+        assert calls == [None]  # every sample valid
+        assert make_config(TrainConfig, {"advantage_scale": "sign"}).advantage_scale == "sign"
+    finally:
+        unregister_estimator("sign")
+    assert list(ESTIMATORS) == ["group", "batch", "none"]
+    with pytest.raises(ValueError, match="advantage_scale='sign' is not one of group, batch, none"):
+        make_config(TrainConfig, {"advantage_scale": "sign"})

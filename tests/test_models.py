@@ -1,12 +1,15 @@
 """Tests for gspo.models: presets, loading, pad/eos handling and untruncated sampling."""
 
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gspo.models import PRESETS, count_parameters, is_moe, load_model
+from gspo.config import TrainConfig, make_config
+from gspo.models import PRESETS, count_parameters, is_moe, load_model, resolve_device, seeded_model
 from gspo.tasks import build_char_tokenizer
 
 SMALL = {"num_hidden_layers": 2}  # fewer layers keep the slower tests quick
@@ -236,3 +239,34 @@ def test_presets_follow_tokenizer():
     tok = build_char_tokenizer()
     cfg = PRESETS["tiny-dense"](tok)
     assert cfg.vocab_size == len(tok) and cfg.eos_token_id == tok.eos_token_id
+
+
+def test_resolve_device_and_the_torchrun_rule(monkeypatch):
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+    # Under torchrun with CUDA each process takes the GPU of its LOCAL_RANK and makes it current.
+    current = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 1)
+    assert current == [1, 1]
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)  # an explicit GPU is the user's call
+    assert resolve_device("cpu") == torch.device("cpu") and current == [1, 1]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: plain cuda, no device made current
+    assert resolve_device("cuda") == torch.device("cuda") and current == [1, 1]
+
+
+def test_seeded_model_seeds_every_rng_and_builds_the_preset():
+    cfg = make_config(TrainConfig, {"model_overrides": SMALL, "seed": 3, "device": "cpu"})
+    draws = []
+    for _ in range(2):
+        device, model, tok = seeded_model(cfg)
+        draws.append((random.random(), float(np.random.rand()), torch.rand(1).item(),
+                      next(model.parameters()).flatten()[:4].tolist()))
+    assert device == torch.device("cpu") and tok.pad_token_id is not None
+    assert draws[0] == draws[1]

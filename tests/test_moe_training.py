@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gspo.trainer
-import gspo.run_control
+import gspo.models
 from gspo.config import TrainConfig, make_config
 from gspo.models import load_model
 from gspo.moe import expert_change_frac, find_routers, record_routing
@@ -51,7 +51,7 @@ def loaded(monkeypatch):
         seen["initial"] = {k: v.clone() for k, v in model.state_dict().items()}
         return model, tok
 
-    monkeypatch.setattr(gspo.run_control, "load_model", capture)
+    monkeypatch.setattr(gspo.models, "load_model", capture)
     return seen
 
 

@@ -1,4 +1,4 @@
-"""Objectives: hand-derived values, autograd identities, length and padding invariance."""
+"""Objectives: hand-derived values, autograd identities, length and padding invariance, the registry."""
 
 import math
 
@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.objectives import AGGREGATIONS, OBJECTIVES, kl_penalty, policy_loss
+from gspo.config import TrainConfig, make_config
+from gspo.objectives import (AGGREGATIONS, DEFAULT_AGGREGATION, DEFAULT_CLIP, OBJECTIVES, LossInputs, kl_penalty,
+                             policy_loss, register_objective, registered_objective, unregister_objective)
 
 D = torch.float64
 
@@ -216,7 +218,7 @@ def test_gspo_length_neutral_when_tokens_duplicated():
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum_norm"])
 def test_length_weighting_refused_for_gspo(objective, aggregation):
     logp, old, adv, mask = _random_batch(0)
-    with pytest.raises(ValueError, match="weight each .* sequence by its length"):
+    with pytest.raises(ValueError, match="would weight .* sequences by length"):
         policy_loss(logp, old, adv, mask, objective=objective, aggregation=aggregation, norm_length=9)
 
 
@@ -350,3 +352,62 @@ def test_bad_input_names_the_problem(change, message):
 def test_nan_on_padding_is_accepted():
     loss, _ = policy_loss(t([[-1.0, float("nan")]]), t([[-1.0, float("inf")]]), t([1.0]), t([[1, 0]]), objective="grpo")
     assert loss.item() == pytest.approx(-1.0)
+
+
+# ---------------------------------------------------------------- the registry
+def reinforce(x: LossInputs):
+    """Plain REINFORCE, -A log pi: token mean within each sequence, then the mean over sequences."""
+    per_seq = (-x.adv_t * x.logp * x.maskf).sum(-1) / x.lengths  # (N,)
+    return per_seq.mean(), {"ratio/mean": x.log_ratio.exp()[x.mask].mean()}
+
+
+def test_a_registered_objective_is_run_by_policy_loss_and_accepted_by_the_config():
+    # p = 1/2, 1/4 (A = +1) and 1/2 | pad (A = -1): loss = ((ln 2 + ln 4) / 2 - ln 2) / 2 = ln 2 / 4;
+    # d loss / d logp = -A / (2 |y_i|): -1/4, -1/4 and +1/2, 0 on the padding
+    logp = leaf([[math.log(0.5), math.log(0.25)], [math.log(0.5), 99.0]])
+    mask, adv = t([[1, 1], [1, 0]]), t([1.0, -1.0])
+    with registered_objective("reinforce", reinforce, default_clip=(None, None), default_aggregation="token_mean"):
+        assert "reinforce" in OBJECTIVES and list(OBJECTIVES)[:2] == ["gspo", "grpo"]
+        assert DEFAULT_AGGREGATION["reinforce"] == "token_mean" and DEFAULT_CLIP["reinforce"] == (None, None)
+        loss, stats = policy_loss(logp, logp.detach(), adv, mask, objective="reinforce")
+        assert loss.item() == pytest.approx(math.log(2) / 4, abs=1e-12)
+        loss.backward()
+        assert torch.allclose(logp.grad, t([[-0.25, -0.25], [0.5, 0.0]]), atol=1e-12)
+        assert stats["ratio/mean"].item() == 1.0 and stats["loss/kl"].item() == 0.0
+        cfg = make_config(TrainConfig, {"objective": "reinforce"})
+        assert cfg.objective == "reinforce"
+        with pytest.raises(ValueError, match="config: clip_low/clip_high: reinforce has no hard clip"):
+            make_config(TrainConfig, {"objective": "reinforce", "clip_low": 0.1})
+        with pytest.raises(ValueError, match="'reinforce' is already registered"):
+            register_objective("reinforce", default_clip=(0.2, 0.2), default_aggregation="token_mean")(reinforce)
+    assert "reinforce" not in OBJECTIVES and "reinforce" not in DEFAULT_AGGREGATION
+    with pytest.raises(ValueError, match="objective='reinforce' is not one of gspo, grpo"):
+        make_config(TrainConfig, {"objective": "reinforce"})
+    with pytest.raises(ValueError, match="objective: unknown 'reinforce'"):
+        policy_loss(logp, logp.detach(), adv, mask, objective="reinforce")
+
+
+def test_the_length_rule_is_read_from_the_registry():
+    register_objective("seq_reinforce", default_clip=(0.2, 0.2), default_aggregation="seq_mean_token_mean",
+                       length_neutral=True)(reinforce)
+    try:
+        lp, old, adv, mask = _ok()
+        with pytest.raises(ValueError, match="would weight seq_reinforce sequences by length"):
+            policy_loss(lp, old, adv, mask, objective="seq_reinforce", aggregation="token_mean")
+        with pytest.raises(ValueError, match="config: aggregation: 'token_mean' would weight seq_reinforce sequences"):
+            make_config(TrainConfig, {"objective": "seq_reinforce", "aggregation": "token_mean"})
+        with pytest.raises(ValueError, match="length-neutral objective aggregates with seq_mean_token_mean"):
+            register_objective("bad", default_clip=(0.2, 0.2), default_aggregation="token_mean", length_neutral=True)
+    finally:
+        unregister_objective("seq_reinforce")
+    assert "seq_reinforce" not in OBJECTIVES
+    with pytest.raises(ValueError, match="'seq_reinforce' is not registered"):
+        unregister_objective("seq_reinforce")
+
+
+def test_built_in_registrations():
+    assert list(OBJECTIVES) == ["gspo", "grpo", "gspo_token", "cispo", "sapo"]
+    assert dict(DEFAULT_CLIP) == {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.2), "gspo_token": (3e-4, 4e-4),
+                                  "cispo": (1.0, 0.28), "sapo": (None, None)}
+    assert [o for o, spec in OBJECTIVES.items() if spec.length_neutral] == ["gspo", "gspo_token"]
+    assert DEFAULT_AGGREGATION["cispo"] == "token_mean" and OBJECTIVES["sapo"].options == ("sapo_tau_pos", "sapo_tau_neg")

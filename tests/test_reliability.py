@@ -1,5 +1,6 @@
 """Reliability: non-finite guard, bad rewards dropped or named, checkpoints and exact resume, signals."""
 
+import dataclasses
 import math
 import os
 import random
@@ -15,9 +16,9 @@ import yaml
 import torch
 from transformers import AutoModelForCausalLM
 
-import gspo.trainer
 from gspo.cli import main
 from gspo.models import load_model
+from gspo.objectives import OBJECTIVES
 from gspo.tracking import read_jsonl
 from gspo.run_control import TrainingAborted
 from gspo.trainer import train
@@ -37,20 +38,21 @@ class NanGrad(torch.autograd.Function):
 
 
 def poison(monkeypatch, kinds: list[str]):
-    """Make the trainer's i-th policy loss NaN ("loss"), give it a NaN gradient ("grad"), or leave it ("ok")."""
-    real, calls = gspo.trainer.policy_loss, []
+    """Register objective "poisoned" for the test: gspo, with the i-th policy loss made NaN ("loss"), given
+    a NaN gradient ("grad") or left alone ("ok")."""
+    gspo_objective, calls = OBJECTIVES["gspo"], []
 
-    def poisoned(*args, **kwargs):
-        loss, stats = real(*args, **kwargs)
+    def poisoned(x):
+        policy, stats = gspo_objective.loss(x)
         kind = kinds[len(calls)] if len(calls) < len(kinds) else "ok"
         calls.append(kind)
         if kind == "loss":
-            loss = loss + math.nan
+            policy = policy + math.nan
         elif kind == "grad":
-            loss = NanGrad.apply(loss)
-        return loss, stats
+            policy = NanGrad.apply(policy)
+        return policy, stats
 
-    monkeypatch.setattr(gspo.trainer, "policy_loss", poisoned)
+    monkeypatch.setitem(OBJECTIVES, "poisoned", dataclasses.replace(gspo_objective, loss=poisoned))  # removed after
     return calls
 
 
@@ -62,7 +64,7 @@ def params_equal(a, b) -> bool:
 def test_nonfinite_loss_and_gradient_skip_the_step(tmp_path, monkeypatch):
     calls = poison(monkeypatch, ["loss", "grad"])  # the run's only two optimizer steps
     cfg = tiny_cfg(tmp_path, max_steps=1, num_minibatches=2, reward_funcs=[starts_with_digit],
-                   per_device_batch_size=4)
+                   per_device_batch_size=4, objective="poisoned")
     train(cfg)
     assert calls == ["loss", "grad"]
     initial, _ = load_model("tiny-dense", seed=cfg.seed, overrides=SMALL)
@@ -76,7 +78,7 @@ def test_nonfinite_loss_and_gradient_skip_the_step(tmp_path, monkeypatch):
 def test_a_good_step_after_a_skip_updates_and_resets_the_streak(tmp_path, monkeypatch):
     poison(monkeypatch, ["loss", "ok", "grad", "ok"])
     cfg = tiny_cfg(tmp_path, max_steps=2, num_minibatches=2, reward_funcs=[starts_with_digit], max_consecutive_skips=2,
-                   per_device_batch_size=4)
+                   per_device_batch_size=4, objective="poisoned")
     train(cfg)  # never two in a row: no abort
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["guard/skipped_steps"] for r in records[1:]] == [1, 2]  # cumulative count
@@ -84,14 +86,14 @@ def test_a_good_step_after_a_skip_updates_and_resets_the_streak(tmp_path, monkey
 
 def test_consecutive_nonfinite_steps_abort_with_a_clear_message(tmp_path, monkeypatch):
     poison(monkeypatch, ["loss"] * 10)
-    cfg = tiny_cfg(tmp_path, max_steps=3, num_minibatches=2, max_consecutive_skips=3)
+    cfg = tiny_cfg(tmp_path, max_steps=3, num_minibatches=2, max_consecutive_skips=3, objective="poisoned")
     with pytest.raises(TrainingAborted, match="step 2: 3 optimizer steps in a row had a non-finite loss"):
         train(cfg)
     # Through the CLI: one line on stderr, exit status 3.
     poison(monkeypatch, ["loss"] * 10)
     code = main(["train", "model=tiny-dense", f"output_dir={tmp_path / 'cli'}", "max_steps=2", "num_minibatches=2",
                  "per_device_batch_size=2", "num_generations=2", "max_completion_length=4", "eval_num_prompts=2",
-                 "eval_k=2", "max_consecutive_skips=2", "progress=false", "device=cpu"])
+                 "eval_k=2", "max_consecutive_skips=2", "progress=false", "device=cpu", "objective=poisoned"])
     assert code == 3
 
 

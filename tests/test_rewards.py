@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 
+from gspo.config import TrainConfig, make_config
+from gspo.multitask import saved_tasks
 from gspo.rewards import (
     RewardError,
     RewardModelReward,
@@ -15,8 +17,10 @@ from gspo.rewards import (
     format_reward,
     get_reward_fn,
     make_regex_reward,
+    reward_spec,
     score_completions,
 )
+from gspo.run_control import saved_config
 
 
 # ---- answer extraction and answer_match ----------------------------------------------------
@@ -344,3 +348,19 @@ def test_reward_model_reward_rejects_bad_setup():
         RewardModelReward(_tiny_classifier(vocab_size))
     with pytest.raises(ValueError, match="batch_size"):
         RewardModelReward(_tiny_classifier(vocab_size), tokenizer=tokenizer, batch_size=0)
+
+
+def test_reward_spec_is_the_import_path_get_reward_fn_reads_back():
+    class Scorer:
+        def __call__(self, prompts, completions, **_):
+            return [0.0] * len(completions)
+
+    assert reward_spec("answer_match") == "answer_match"
+    assert reward_spec(answer_match) == "gspo.rewards:answer_match"
+    assert get_reward_fn(reward_spec(answer_match)) is answer_match
+    assert reward_spec(Scorer()) == f"{__name__}:Scorer"  # an instance has no __qualname__: its class's name
+    cfg = make_config(TrainConfig, {"reward_funcs": ["format", answer_match],
+                                    "tasks": [{"task": "add3", "reward_funcs": [answer_match]}]})
+    saved = saved_config(cfg)
+    assert saved["reward_funcs"] == ["format", "gspo.rewards:answer_match"]
+    assert saved["tasks"] == saved_tasks(cfg.tasks) == [{"task": "add3", "reward_funcs": ["gspo.rewards:answer_match"]}]
