@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 def _classify(err: BaseException) -> tuple[int | None, str]:
     """(exit status, label) of an error that is reported as one line; (None, "") for a bug."""
     from gspo.rewards import RewardError
-    from gspo.run_control import TrainingAborted, TrainingInterrupted
+    from gspo.run import TrainingAborted, TrainingInterrupted
 
     if isinstance(err, TrainingInterrupted):
         return 128 + err.signum, "stopped"  # the shell's convention for "ended by signal N"

@@ -19,7 +19,7 @@ from gspo.data import load_splits
 from gspo.evaluation import evaluate
 from gspo.models import seeded_model
 from gspo.rollout import pad_id
-from gspo.run_control import Progress, prepare_output_dir, run_lock, save_model
+from gspo.run import Progress, prepare_output_dir, run_lock, save_model
 from gspo.schedules import lr_schedule
 from gspo.supervised import collate, encode_pairs, sft_nll
 from gspo.tracking import MetricsLogger

@@ -27,17 +27,17 @@ from pathlib import Path
 import torch
 
 from gspo.auxiliary import auxiliary_term
-from gspo.checkpoint import (OPTIMIZER_FILE, capture_rng, check_finite_state, load_checkpoint, load_model_weights,
-                             load_state_file, resolve_resume, save_checkpoint, set_aside_damaged)
+from gspo.checkpoint import (OPTIMIZER_FILE, capture_rng, check_finite_state, check_resumable,
+                             discard_newer_checkpoints, load_checkpoint, load_model_weights, load_state_file,
+                             resolve_resume, save_checkpoint, saved_config, set_aside_damaged)
 from gspo.config import TrainConfig, to_dict
 from gspo.models import resolve_device, seeded_model
 from gspo.parallel import Topology
 from gspo.prompts import prompt_source
 from gspo.rollout import Generator, eos_ids
 from gspo.routing import build_routing
-from gspo.run_control import (NonFiniteGuard, Progress, StepAbandoned, StopSignals, TrainingInterrupted,
-                              check_resumable, discard_newer_checkpoints, prepare_output_dir, run_lock, save_model,
-                              saved_config)
+from gspo.run import (NonFiniteGuard, Progress, StepAbandoned, StopSignals, TrainingInterrupted, prepare_output_dir,
+                      run_lock, save_model)
 from gspo.schedules import lr_schedule
 from gspo.step import Learner, gather_scores, prepare, sample_records, step_metrics
 from gspo.tracking import MetricsLogger

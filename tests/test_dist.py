@@ -216,7 +216,7 @@ def test_multitask_mixture_with_dynamic_weights_matches_one_process(tmp_path):
 
 def test_resume_on_another_world_size_needs_the_same_global_batch():
     from gspo.config import TrainConfig, make_config
-    from gspo.run_control import check_resumable, saved_config
+    from gspo.checkpoint import check_resumable, saved_config
 
     def cfg(batch: int, **extra):
         return make_config(TrainConfig, {"task": "add3", "per_device_batch_size": batch, "max_steps": 3, **extra})

@@ -20,7 +20,7 @@ from gspo.cli import main
 from gspo.models import load_model
 from gspo.objectives import OBJECTIVES
 from gspo.tracking import read_jsonl
-from gspo.run_control import TrainingAborted
+from gspo.run import TrainingAborted
 from gspo.trainer import train
 from tests.test_trainer import SMALL, starts_with_digit, tiny_cfg
 

@@ -20,7 +20,7 @@ from gspo.rewards import (
     reward_spec,
     score_completions,
 )
-from gspo.run_control import saved_config
+from gspo.checkpoint import saved_config
 
 
 # ---- answer extraction and answer_match ----------------------------------------------------

@@ -1,8 +1,8 @@
-"""What keeps a training run safe to stop, resume and watch (used by trainer.py and sft.py).
+"""What keeps a run safe to stop and watch (used by trainer.py and sft.py).
 
-The output folder (one run at a time, an earlier run there is an error), the settings a checkpoint
-must agree with to resume, SIGINT/SIGTERM turned into a clean stop, the non-finite-update guard,
-and the progress bar. (The seeded model set-up every run starts from: `gspo.models.seeded_model`.)
+The output folder (one run at a time; an earlier run there is an error), SIGINT/SIGTERM turned
+into a clean stop, the non-finite-update guard and the progress bar. The rules of a resume live
+with the checkpoints (gspo/checkpoint/resume.py); the seeded model set-up in gspo/models.py.
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import clean_stale, list_checkpoints, remove_checkpoint
-from gspo.config import to_dict
-from gspo.multitask import saved_tasks
-from gspo.rewards import reward_spec
+from gspo.checkpoint import clean_stale
 from gspo.tracking import METRICS_FILE, SAMPLES_FILE
 
 
@@ -93,55 +90,6 @@ def prepare_output_dir(cfg, resuming: bool = False) -> Path:
         for path in old:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     return out
-
-
-# Settings that may change when resuming: where and how much is logged, not what is computed.
-RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "progress",
-                     "save_steps", "save_total_limit", "eval_steps", "log_samples_steps", "log_samples_count",
-                     "tensorboard", "wandb", "wandb_project", "max_consecutive_skips", "dist_timeout_s",
-                     "distributed",  # checkpoints hold full weights and optimizer state in one layout
-                     "generation_backend")  # both samplers draw the same tokens for the same seed
-
-
-def saved_config(cfg, world_size: int = 1) -> dict:
-    """The config as JSON: reward functions passed as Python callables become "module:name".
-
-    Two settings are stored as they act: the global batch (per-device batch x world size), and
-    seeded_sampling (always on under torchrun), so a run can resume on another number of ranks.
-    """
-    out = to_dict(cfg)
-    out["per_device_batch_size"] *= world_size
-    out["seeded_sampling"] = cfg.seeded_sampling or world_size > 1
-    out["reward_funcs"] = [reward_spec(f) for f in out["reward_funcs"]]
-    out["tasks"] = saved_tasks(out["tasks"])  # the same for each task's reward functions
-    return out
-
-
-def check_resumable(saved: dict, cfg, step: int, world: int = 1) -> None:
-    """A resumed run must compute what the checkpointed one did: same settings, and steps left to run."""
-    now = saved_config(cfg, world)
-    changed = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
-    if changed:
-        def describe(k: str) -> str:
-            if k == "per_device_batch_size":  # stored as the global batch, so other world sizes can resume
-                return (f"global batch (per_device_batch_size x processes)={saved.get(k)!r} "
-                        f"(now {cfg.per_device_batch_size} x {world} = {now.get(k)!r})")
-            return f"{k}={saved.get(k)!r} (now {now.get(k)!r})"
-
-        raise ValueError("resume: the checkpoint was made with other settings: " + ", ".join(map(describe, changed)))
-    if step >= cfg.max_steps:
-        raise ValueError(f"resume: the checkpoint is at step {step} and max_steps={cfg.max_steps}: nothing left to "
-                         "run (raise max_steps to train further)")
-
-
-def discard_newer_checkpoints(out_dir: Path, step: int, allowed: bool) -> None:
-    """Resuming from an older checkpoint abandons the newer ones: only with overwrite_output_dir."""
-    newer = [c for c in list_checkpoints(out_dir) if int(c.name.rsplit("-", 1)[1]) > step]
-    if newer and not allowed:
-        raise ValueError(f"resume: {newer[-1].name} is newer than checkpoint-{step}; resume from latest, or set "
-                         "overwrite_output_dir=true to delete the newer checkpoints")
-    for path in newer:
-        remove_checkpoint(path)
 
 
 class TrainingAborted(RuntimeError):

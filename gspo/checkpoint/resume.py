@@ -1,0 +1,125 @@
+"""The rules of a resume: which checkpoint ("latest", "latest_valid", a path), which settings may
+change, and what happens to newer checkpoints."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+from gspo.checkpoint.files import (
+    MANIFEST_FILE,
+    fsync_dir,
+    list_checkpoints,
+    named_checkpoints,
+    problem_of,
+    remove_checkpoint,
+    step_of,
+    verify_checkpoint,
+)
+from gspo.config import to_dict
+from gspo.multitask import saved_tasks
+from gspo.rewards import reward_spec
+
+
+def resolve_resume(spec: str, run_dir) -> Path:
+    """`--resume` value -> checkpoint folder, hashed in full; renames and deletes nothing (runs on every rank).
+
+    "latest": the newest checkpoint-<step> folder in `run_dir`, complete or not, must verify (no
+    silent fall back); "latest_valid": the newest that verifies (`set_aside_damaged` those above
+    it, on one rank); anything else is a checkpoint folder.
+    """
+    if not isinstance(spec, (str, os.PathLike)) or not str(spec):
+        raise ValueError(f"resume must be 'latest', 'latest_valid' or a checkpoint folder, got {spec!r}")
+    spec, named = str(spec), named_checkpoints(Path(run_dir))
+    if spec in ("latest", "latest_valid") and not named:
+        raise ValueError(f"resume={spec!r}: no complete checkpoint under {run_dir} "
+                         "(folders named checkpoint-<step> with a checkpoint.json manifest)")
+    if spec == "latest":
+        if (problem := problem_of(named[-1])) is not None:
+            raise ValueError(f"resume='latest': the newest checkpoint fails verification: {problem}. Resume with "
+                             "--resume latest_valid to fall back to the newest checkpoint that verifies (newer "
+                             "damaged ones are set aside, not deleted), or pass a checkpoint folder")
+        return named[-1]
+    if spec == "latest_valid":
+        problems = []
+        for path in reversed(named):
+            if (problem := problem_of(path)) is None:
+                return path
+            problems.append(problem)
+        raise ValueError(f"resume='latest_valid': no checkpoint under {run_dir} verifies: {'; '.join(problems[:3])}")
+    path = Path(spec)
+    if path.is_dir() and not (path / MANIFEST_FILE).exists() and named_checkpoints(path):
+        raise ValueError(f"resume={spec!r} is a run folder, not a checkpoint; pass one of its "
+                         "checkpoint-<step> folders, 'latest' or 'latest_valid'")
+    verify_checkpoint(path, what=f"resume={spec!r}")
+    return path
+
+
+def set_aside_damaged(run_dir, newer_than: int) -> list[Path]:
+    """Rename each checkpoint-<step> folder above step `newer_than` that fails `verify_checkpoint`.
+
+    `checkpoint-12` becomes `checkpoint-12.damaged` (`.damaged-2`, ... if taken): its bytes kept,
+    outside the names that saves, prunes and `clean_stale` touch. Call it on one process (rank 0),
+    after `resolve_resume`; returns the new paths, to tell the user.
+    """
+    if isinstance(newer_than, bool) or not isinstance(newer_than, int):
+        raise ValueError(f"newer_than must be a step (an int), got {newer_than!r}")
+    moved = []
+    for path in named_checkpoints(Path(run_dir)):
+        if step_of(path) > newer_than and problem_of(path) is not None:
+            names = (f"{path.name}.damaged" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
+            moved.append(next(path.with_name(n) for n in names if not path.with_name(n).exists()))
+            os.rename(path, moved[-1])
+    if moved:
+        fsync_dir(Path(run_dir))
+    return moved
+
+
+# Settings that may change when resuming: where and how much is logged, not what is computed.
+RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "progress",
+                     "save_steps", "save_total_limit", "eval_steps", "log_samples_steps", "log_samples_count",
+                     "tensorboard", "wandb", "wandb_project", "max_consecutive_skips", "dist_timeout_s",
+                     "distributed",  # checkpoints hold full weights and optimizer state in one layout
+                     "generation_backend")  # both samplers draw the same tokens for the same seed
+
+
+def saved_config(cfg, world_size: int = 1) -> dict:
+    """The config as JSON: reward functions passed as Python callables become "module:name".
+
+    Two settings are stored as they act: the global batch (per-device batch x world size), and
+    seeded_sampling (always on under torchrun), so a run can resume on another number of ranks.
+    """
+    out = to_dict(cfg)
+    out["per_device_batch_size"] *= world_size
+    out["seeded_sampling"] = cfg.seeded_sampling or world_size > 1
+    out["reward_funcs"] = [reward_spec(f) for f in out["reward_funcs"]]
+    out["tasks"] = saved_tasks(out["tasks"])  # the same for each task's reward functions
+    return out
+
+
+def check_resumable(saved: dict, cfg, step: int, world: int = 1) -> None:
+    """A resumed run must compute what the checkpointed one did: same settings, and steps left to run."""
+    now = saved_config(cfg, world)
+    changed = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
+    if changed:
+        def describe(k: str) -> str:
+            if k == "per_device_batch_size":  # stored as the global batch, so other world sizes can resume
+                return (f"global batch (per_device_batch_size x processes)={saved.get(k)!r} "
+                        f"(now {cfg.per_device_batch_size} x {world} = {now.get(k)!r})")
+            return f"{k}={saved.get(k)!r} (now {now.get(k)!r})"
+
+        raise ValueError("resume: the checkpoint was made with other settings: " + ", ".join(map(describe, changed)))
+    if step >= cfg.max_steps:
+        raise ValueError(f"resume: the checkpoint is at step {step} and max_steps={cfg.max_steps}: nothing left to "
+                         "run (raise max_steps to train further)")
+
+
+def discard_newer_checkpoints(out_dir: Path, step: int, allowed: bool) -> None:
+    """Resuming from an older checkpoint abandons the newer ones: only with overwrite_output_dir."""
+    newer = [c for c in list_checkpoints(out_dir) if int(c.name.rsplit("-", 1)[1]) > step]
+    if newer and not allowed:
+        raise ValueError(f"resume: {newer[-1].name} is newer than checkpoint-{step}; resume from latest, or set "
+                         "overwrite_output_dir=true to delete the newer checkpoints")
+    for path in newer:
+        remove_checkpoint(path)
