@@ -1,5 +1,5 @@
 """Rollout generation time by sampler: HF `generate` with its default DynamicCache (grows by
-torch.cat), HF `generate` with a StaticCache, and gspo's own loop (gspo/decode.py: a preallocated
+torch.cat), HF `generate` with a StaticCache, and gspo's own loop (gspo/rollout/decode.py: a preallocated
 cache exposing only its filled prefix).
 
     python benchmarks/generation_cache.py --threads 1

@@ -45,7 +45,7 @@ def cold_start(work: Path, tasks: list[str], args) -> tuple[str, dict]:
 
     The accuracy is greedy, on the held-out problems of the RL runs with seed 0.
     """
-    from gspo.evaluation import evaluate
+    from gspo.data.evaluation import evaluate
     from gspo.models import load_model
     from gspo.sft import sft
     from gspo.tasks import get_task

@@ -7,7 +7,7 @@ Model: the tiny-dense preset (random init, max_position_embeddings raised to 204
 with its generation config's stop token set to an id outside the vocabulary, so no completion
 stops early and every one runs to `max_completion_length`: lengths are fixed by the sweep, not by
 what a random model happens to sample. (Rewards are meaningless here; only time is measured.) The
-trainer samples with its default backend (gspo's own loop, gspo/decode.py).
+trainer samples with its default backend (gspo's own loop, gspo/rollout/decode.py).
 
 Per point: median over the timed steps of time/rollout_s (generation + rewards + pi_old
 log-probs), generation alone, and time/train_s (M = 4 optimizer steps), from the trainer's own

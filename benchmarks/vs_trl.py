@@ -5,7 +5,7 @@
 
 Both sides load the same saved model (a cold start made by gspo's SFT, cached under
 --work-dir), the same tokenizer, the same prompts in the same order, the same reward function
-(`gspo.rewards.answer_match`) and the same GSPO settings; the mapping of every setting is in
+(`gspo.data.rewards.answer_match`) and the same GSPO settings; the mapping of every setting is in
 `trl_args` and in BENCHMARKS.md. Runs alternate gspo, TRL, gspo, TRL, ... each in a fresh
 subprocess; repetition i of both sides uses seed i.
 
@@ -59,7 +59,7 @@ def ordered_prompts(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     Mirrors `gspo.trainer.train`: the same `load_splits` call and `PromptSampler`, so TRL can be
     given the identical sequence as an unshuffled dataset.
     """
-    from gspo.data import PromptSampler, load_splits
+    from gspo.data.rows import PromptSampler, load_splits
 
     train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=max(1000, cfg.max_steps * cfg.per_device_batch_size))
     sampler = PromptSampler(train_rows, cfg.seed)
@@ -179,8 +179,8 @@ def run_trl(spec: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from gspo.evaluation import evaluate
-    from gspo.rewards import answer_match
+    from gspo.data.evaluation import evaluate
+    from gspo.data.rewards import answer_match
 
     cfg = rl_config(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])

@@ -7,7 +7,7 @@ import json
 import sys
 
 from gspo.config import SFTConfig, TrainConfig, config_help
-from gspo.lab import LabConfig
+from gspo.lab.runs import LabConfig
 
 
 # Exit statuses (README, "Reliability"): 0 done; 2 a user or environment error (config, data, reward
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _classify(err: BaseException) -> tuple[int | None, str]:
     """(exit status, label) of an error that is reported as one line; (None, "") for a bug."""
-    from gspo.rewards import RewardError
+    from gspo.data.rewards import RewardError
     from gspo.run import TrainingAborted, TrainingInterrupted
 
     if isinstance(err, TrainingInterrupted):
@@ -123,8 +123,8 @@ def _run(args, argv=None) -> int:
         print(json.dumps(sft(cfg), indent=2))
     elif args.command == "eval":
         from gspo.config import make_config
-        from gspo.data import load_splits
-        from gspo.evaluation import evaluate
+        from gspo.data.rows import load_splits
+        from gspo.data.evaluation import evaluate
         from gspo.models import seeded_model
 
         cfg = make_config(TrainConfig, {"model": args.model, "task": None if args.dataset else args.task,
@@ -144,8 +144,8 @@ def _run(args, argv=None) -> int:
 
         run_demo(args.output_dir, seed=args.seed, objective=args.objective)
     elif args.command == "lab":
-        from gspo.lab import load_lab_config, run_lab
-        from gspo.lab_report import write_report
+        from gspo.lab.runs import load_lab_config, run_lab
+        from gspo.lab.report import write_report
 
         cfg = load_lab_config(args.quick, args.config, args.overrides)
         command = "gspo " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from gspo.data import TRUNCATIONS, utf8_text
+from gspo.data.rows import utf8_text
 from gspo.schedules import SCHEDULES
 
 
@@ -329,8 +329,10 @@ def validate(cfg) -> None:
     """
     if not isinstance(cfg, ModelConfig):
         return cfg.validate()
+    from gspo.data.sandbox import (
+        SANDBOX_MODES,  # light: the probe runs only when code_tests is built
+    )
     from gspo.models import DTYPES
-    from gspo.sandbox import SANDBOX_MODES  # light: the probe runs only when code_tests is built
 
     check_choice(cfg, "dtype", DTYPES)
     if not (cfg.device in ("auto", "cpu", "cuda", "mps") or (cfg.device.startswith("cuda:")
@@ -356,11 +358,18 @@ def validate(cfg) -> None:
 
 def _validate_train(cfg: TrainConfig) -> None:
     from gspo.advantages import ESTIMATORS
+    from gspo.data.mixture import WEIGHTINGS, check_tasks
     from gspo.moe import REPLAY_MODES
-    from gspo.multitask import WEIGHTINGS, check_tasks
-    from gspo.objectives import AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, check_aggregation, check_clip
+    from gspo.objectives import (
+        AGGREGATIONS,
+        KL_ESTIMATORS,
+        OBJECTIVES,
+        check_aggregation,
+        check_clip,
+    )
     from gspo.parallel import MODES
     from gspo.rollout import generator_choices
+    from gspo.rollout.batch import TRUNCATIONS
 
     check_choice(cfg, "objective", OBJECTIVES)
     check_choice(cfg, "lr_scheduler", SCHEDULES)

@@ -108,7 +108,7 @@ class TrainingInterrupted(TrainingAborted):
 class StepAbandoned(Exception):
     """A signal arrived while the step could still be dropped whole (nothing of it applied yet)."""
 
-    stops_the_run = True  # raised by a signal handler, maybe inside a reward: gspo.rewards lets it through
+    stops_the_run = True  # raised by a signal handler, maybe inside a reward: gspo.data.rewards lets it through
 
     def __init__(self, signum: int):
         self.signum = signum

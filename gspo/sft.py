@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from gspo.config import SFTConfig, to_dict
-from gspo.data import load_splits
-from gspo.evaluation import evaluate
+from gspo.data.rows import load_splits
+from gspo.data.evaluation import evaluate
 from gspo.models import seeded_model
 from gspo.rollout import pad_id
 from gspo.run import Progress, prepare_output_dir, run_lock, save_model

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from gspo import schedules
-from gspo.data import where
+from gspo.data.rows import where
 from gspo.logprobs import completion_logprobs
 from gspo.rollout import Rollout, encode_prompts, eos_ids, pad_id
 

@@ -10,9 +10,9 @@ One RL step (DESIGN.md, "The shape of the trainer"):
   6. evaluate / log samples / checkpoint, periodically
 Everything optional is a plug built once before the loop, with a do-nothing twin, so the loop
 never asks which case it is in: the Topology (one process, DDP, FSDP2: gspo/parallel.py), the
-Generator (gspo/rollout.py), Routing (MoE replay and drift: gspo/routing.py), the prompt source
-(one task or a mixture: gspo/prompts.py) and the auxiliary term (SFT: gspo/auxiliary.py).
-What we simplified: the sampler is the policy itself in the training process (gspo/decode.py or
+Generator (gspo/rollout/), Routing (MoE replay and drift: gspo/routing.py), the prompt source
+(one task or a mixture: gspo/data/source.py) and the auxiliary term (SFT: gspo/auxiliary.py).
+What we simplified: the sampler is the policy itself in the training process (gspo/rollout/decode.py or
 HF `generate`), no separate inference engine; the whole rollout in memory.
 """
 
@@ -33,7 +33,7 @@ from gspo.checkpoint import (OPTIMIZER_FILE, capture_rng, check_finite_state, ch
 from gspo.config import TrainConfig, to_dict
 from gspo.models import resolve_device, seeded_model
 from gspo.parallel import Topology
-from gspo.prompts import prompt_source
+from gspo.data.source import prompt_source
 from gspo.rollout import Generator, eos_ids
 from gspo.routing import build_routing
 from gspo.run import (NonFiniteGuard, Progress, StepAbandoned, StopSignals, TrainingInterrupted, prepare_output_dir,

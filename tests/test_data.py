@@ -3,7 +3,7 @@ import json
 import datasets
 import pytest
 
-from gspo.data import PromptSampler, columns_of, load_rows, render_prompts
+from gspo.data.rows import PromptSampler, columns_of, load_rows, render_prompts
 from gspo.tasks import build_char_tokenizer
 
 ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]

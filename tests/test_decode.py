@@ -1,10 +1,10 @@
-"""gspo's own decode loop (gspo/decode.py) against HF `generate`: same tokens, log-probs, routing."""
+"""gspo's own decode loop (gspo/rollout/decode.py) against HF `generate`: same tokens, log-probs, routing."""
 
 import pytest
 import torch
 
-import gspo.decode
-from gspo.decode import PrefixKVLayer, prefix_cache, sample, unsupported_reason
+import gspo.rollout.decode
+from gspo.rollout.decode import PrefixKVLayer, prefix_cache, sample, unsupported_reason
 from gspo.models import load_model
 from gspo.moe import record_routing
 from gspo.rollout import generate, row_seeds
@@ -190,8 +190,8 @@ def test_moe_routing_record_matches_hf():
 
 def test_auto_uses_own_loop_on_plain_models(dense, monkeypatch):
     calls = []
-    real = gspo.decode.sample
-    monkeypatch.setattr(gspo.decode, "sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gspo.rollout.decode.sample
+    monkeypatch.setattr(gspo.rollout.decode, "sample", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert unsupported_reason(dense[0]) is None
     generate(*dense, PROMPTS, 1, max_new_tokens=3)
     assert calls == [1]
@@ -206,7 +206,7 @@ def test_sliding_window_model_falls_back_to_hf(monkeypatch):
     with pytest.raises(ValueError, match="cannot run this model: layer 0 needs a DynamicSlidingWindowLayer"):
         generate(model, tok, PROMPTS, 1, max_new_tokens=3, backend="gspo")
     calls = []
-    monkeypatch.setattr(gspo.decode, "sample", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(gspo.rollout.decode, "sample", lambda *a, **k: calls.append(1))
     torch.manual_seed(0)
     auto = generate(model, tok, PROMPTS, 1, max_new_tokens=3)
     torch.manual_seed(0)

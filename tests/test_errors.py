@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from gspo.cli import main
 from gspo.config import TrainConfig, load_config
-from gspo.data import check_prompt_lengths, load_rows, render_prompts
+from gspo.data.rows import check_prompt_lengths, load_rows, render_prompts
 from gspo.run import LOCK_FILE, run_lock
 from gspo.tasks import build_char_tokenizer
 from gspo.tracking import read_jsonl

@@ -9,8 +9,8 @@ import pytest
 import gspo.sft
 import gspo.trainer
 from gspo.config import make_config, to_dict
-from gspo.lab import LabConfig, expand_grid, run_dir, run_lab, train_config
-from gspo.lab_report import claims, detect_collapse, load_lab, stat, write_report
+from gspo.lab.runs import LabConfig, expand_grid, run_dir, run_lab, train_config
+from gspo.lab.report import claims, detect_collapse, load_lab, stat, write_report
 from gspo.tracking import MetricsLogger, read_jsonl
 
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from gspo.config import TrainConfig, load_config
 from gspo.models import load_model
-from gspo.multitask import TaskMixture, TaskSignal, TaskSpec, allocate, dynamic_weights, static_weights, update_signal
+from gspo.data.mixture import TaskMixture, TaskSignal, TaskSpec, allocate, dynamic_weights, static_weights, update_signal
 from gspo.tracking import read_jsonl
 from gspo.trainer import train
 from tests.test_trainer import SMALL, starts_with_digit, tiny_cfg

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig, make_config
-from gspo.multitask import saved_tasks
-from gspo.rewards import (
+from gspo.data.mixture import saved_tasks
+from gspo.data.rewards import (
     RewardError,
     RewardModelReward,
     _extract_answer,
@@ -356,11 +356,11 @@ def test_reward_spec_is_the_import_path_get_reward_fn_reads_back():
             return [0.0] * len(completions)
 
     assert reward_spec("answer_match") == "answer_match"
-    assert reward_spec(answer_match) == "gspo.rewards:answer_match"
+    assert reward_spec(answer_match) == "gspo.data.rewards:answer_match"
     assert get_reward_fn(reward_spec(answer_match)) is answer_match
     assert reward_spec(Scorer()) == f"{__name__}:Scorer"  # an instance has no __qualname__: its class's name
     cfg = make_config(TrainConfig, {"reward_funcs": ["format", answer_match],
                                     "tasks": [{"task": "add3", "reward_funcs": [answer_match]}]})
     saved = saved_config(cfg)
-    assert saved["reward_funcs"] == ["format", "gspo.rewards:answer_match"]
-    assert saved["tasks"] == saved_tasks(cfg.tasks) == [{"task": "add3", "reward_funcs": ["gspo.rewards:answer_match"]}]
+    assert saved["reward_funcs"] == ["format", "gspo.data.rewards:answer_match"]
+    assert saved["tasks"] == saved_tasks(cfg.tasks) == [{"task": "add3", "reward_funcs": ["gspo.data.rewards:answer_match"]}]

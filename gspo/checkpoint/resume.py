@@ -18,8 +18,8 @@ from gspo.checkpoint.files import (
     verify_checkpoint,
 )
 from gspo.config import to_dict
-from gspo.multitask import saved_tasks
-from gspo.rewards import reward_spec
+from gspo.data.mixture import saved_tasks
+from gspo.data.rewards import reward_spec
 
 
 def resolve_resume(spec: str, run_dir) -> Path:

@@ -6,7 +6,7 @@ A lab is a folder of short RL runs from shared cold-start models:
   search      GRPO vs GSPO under settings that might separate them         (where do they differ?)
 Every run is an ordinary `gspo.trainer.train` run with its own metrics.jsonl; a run is complete
 when its `done.json` exists, so rerunning the same command skips finished runs and restarts
-the one that was interrupted. `gspo.lab_report` turns the folder into report.md with plots.
+the one that was interrupted. `gspo.lab.report` turns the folder into report.md with plots.
 
 What we simplified: one cold start per architecture (seed 0), so the spread over seeds is the
 RL's own; every run uses the same task (3-digit addition by default) and CPU.
@@ -98,7 +98,7 @@ class LabConfig:
 
     def validate(self) -> None:
         """The checks `gspo.config.make_config` runs on a LabConfig (allowed values from their owners)."""
-        from gspo.moe import REPLAY_MODES  # here, not at the top: importing gspo.lab stays free of torch
+        from gspo.moe import REPLAY_MODES  # here, not at the top: importing gspo.lab.runs stays free of torch
         from gspo.objectives import OBJECTIVES
 
         for name, choices in (("objectives", OBJECTIVES), ("models", PRESETS),
@@ -264,7 +264,7 @@ def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
     Runs go to `cfg.workers` processes, each on one CPU thread: small models use a core best
     this way, and one thread makes every run's numbers independent of how many cores there are.
     """
-    from gspo.lab_report import write_report
+    from gspo.lab.report import write_report
 
     started = time.perf_counter()
     lab_dir = Path(cfg.output_dir)

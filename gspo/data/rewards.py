@@ -183,9 +183,9 @@ class RewardModelReward:
 def code_tests(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
     """1.0 where the completion's Python program passes the `tests` column in a sandbox, else 0.0.
 
-    See gspo.sandbox (imported on first use, so importing this module stays light).
+    See gspo.data.sandbox (imported on first use, so importing this module stays light).
     """
-    from gspo.sandbox import code_tests as sandboxed
+    from gspo.data.sandbox import code_tests as sandboxed
 
     return sandboxed(prompts, completions, **columns)
 
@@ -201,7 +201,7 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
     """A reward function from a spec.
 
     Specs: a built-in name ("answer_match", "format", "code_tests": sandboxed Python run against
-    the `tests` column, see gspo.sandbox); "rm:<path>", a sequence-classification
+    the `tests` column, see gspo.data.sandbox); "rm:<path>", a sequence-classification
     reward model saved at <path> (scored on the CPU, or pass a RewardModelReward object);
     a user's "package.module:function"; or, from Python, the callable itself.
     `sandbox` ("os" or "weak") is the isolation code_tests gets; with "os" a machine that offers
@@ -212,7 +212,7 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"reward spec must be a non-empty str, got {spec!r}")
     if spec == "code_tests":
-        from gspo.sandbox import code_reward
+        from gspo.data.sandbox import code_reward
 
         return code_reward(sandbox)
     if spec in _BUILTINS:

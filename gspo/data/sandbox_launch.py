@@ -1,6 +1,6 @@
 """How a sandboxed run's interpreter is started here: bubblewrap's OS boundary, or the weak launcher.
 
-Used by gspo.sandbox (whose docstring says what each guarantees); each is probed once per
+Used by gspo.data.sandbox (whose docstring says what each guarantees); each is probed once per
 process and cached. Nothing here runs at import.
 """
 
@@ -201,7 +201,7 @@ def weak_launcher() -> tuple[tuple[str, ...], bool, str]:
                 weak.append("process creation and writes outside the sandbox dir (root is not dropped)")
             if weak:
                 warnings.warn(
-                    f"gspo.sandbox: {' and '.join(weak)} are guarded only by an in-process audit hook, "
+                    f"gspo.data.sandbox: {' and '.join(weak)} are guarded only by an in-process audit hook, "
                     "which is not a security boundary (unshare or setpriv is missing or failed)",
                     RuntimeWarning,
                     stacklevel=3,

@@ -1,4 +1,4 @@
-"""The sandbox's child: run as `python -I -S -B -c <this file's text>` by gspo.sandbox.
+"""The sandbox's child: run as `python -I -S -B -c <this file's text>` by gspo.data.sandbox.
 
 argv: sandbox dir, memory bytes, cpu s, file bytes, max open files, policy flag (1: the full
 audit policy), failure status, setup-failure status. The dir holds solution.py and tests.py,
@@ -9,9 +9,17 @@ when _main itself reports the tests passed; any other ending (an exception or Sy
 escapes, a signal handler, the end of the script) reaches interpreter shutdown, where the hook
 exits with the failure status. The hook binds everything it uses as default arguments, so
 replacing builtins or module attributes from the program does not change its decisions. The
-hook is defence in depth; the boundary is the operating system's (see gspo.sandbox).
+hook is defence in depth; the boundary is the operating system's (see gspo.data.sandbox).
 """
-import builtins, os, posix, resource, sys, linecache, traceback, pathlib
+import builtins
+import linecache
+import os
+import pathlib
+import posix
+import resource
+import sys
+import traceback
+
 
 def _limits(mem, cpu, fsize, nofile):
     R = resource
@@ -65,7 +73,7 @@ def _make_hook(reads, writes, policy, real_exit, fail, main_code, main_globals, 
                     return
             raise _PE("sandbox: " + ("writing " if write else "reading ") + path + " is not allowed")
 
-        if event == "gspo.sandbox.exit":
+        if event == "gspo.data.sandbox.exit":
             caller = _frame(1)
             if caller.f_code is _code and caller.f_globals is _globals:
                 _exit(args[0])
@@ -158,7 +166,7 @@ def _main():
                 stream.flush()
             except _BaseException:
                 pass
-        _audit("gspo.sandbox.exit", code)
+        _audit("gspo.data.sandbox.exit", code)
 
 if __name__ == "__main__":  # run by `python -c`; importing this module does nothing
     _main()

@@ -1,6 +1,6 @@
 """The prompt-source plug: where a step's prompts come from, how they are scored and evaluated.
 
-`SingleTask` (one task or dataset, its reward functions) and `gspo.multitask.TaskMixture`
+`SingleTask` (one task or dataset, its reward functions) and `gspo.data.mixture.TaskMixture`
 (several tasks drawn by weight) answer the same calls: `next(n)` rows, `score(...)` rewards,
 `observe(...)` per-task metrics (and dynamic weights), `evaluate(...)`, and a `state_dict` that
 is part of a checkpoint.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from gspo.data import PromptSampler, check_prompt_lengths, columns_of, load_splits
-from gspo.evaluation import evaluate
-from gspo.multitask import TaskMixture
-from gspo.rewards import get_reward_fn, score_completions
+from gspo.data.evaluation import evaluate
+from gspo.data.mixture import TaskMixture
+from gspo.data.rewards import get_reward_fn, score_completions
+from gspo.data.rows import PromptSampler, check_prompt_lengths, columns_of, load_splits
 
 
 def prompt_source(cfg, tokenizer, num_train: int):

@@ -16,7 +16,6 @@ import random
 from pathlib import Path
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-TRUNCATIONS = ("error", "left")
 """What happens to a prompt longer than max_prompt_length (`truncate_prompts`): an error, or keep its last tokens."""
 
 

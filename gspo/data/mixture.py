@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from gspo.advantages import group_stats
-from gspo.data import PromptSampler, columns_of, load_splits
-from gspo.evaluation import evaluate
-from gspo.rewards import get_reward_fn, reward_spec, score_completions
+from gspo.data.evaluation import evaluate
+from gspo.data.rewards import get_reward_fn, reward_spec, score_completions
+from gspo.data.rows import PromptSampler, columns_of, load_splits
 
 WEIGHTINGS = ("static", "dynamic")
 TASK_KEYS = ("name", "task", "dataset", "eval_dataset", "reward_funcs", "reward_weights", "weight")
@@ -339,7 +339,7 @@ class TaskMixture:
         return metrics
 
     def evaluate(self, model, tokenizer, cfg) -> dict[str, float]:
-        """`gspo.evaluation.evaluate` on each task's held-out rows with its reward functions.
+        """`gspo.data.evaluation.evaluate` on each task's held-out rows with its reward functions.
 
         Per task `task/<name>/eval_accuracy` (and eval_mean_at_k, ...); `eval/<metric>` is the
         unweighted mean over the tasks that report it, whatever the sampling weights.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gspo.data import columns_of
-from gspo.rewards import answer_match, get_reward_fn, score_completions
+from gspo.data.rewards import answer_match, get_reward_fn, score_completions
+from gspo.data.rows import columns_of
 from gspo.rollout import generate
 
 

@@ -37,7 +37,7 @@ nobody cannot read, e.g. pyenv under /root, which leaves every read to the audit
 it works. The file system is then guarded by file permissions and the audit hook only; a
 RuntimeWarning names whatever is left to the hook alone.
 
-Both modes, in the child before any model code runs (gspo/sandbox_child.py): rlimits RLIMIT_AS
+Both modes, in the child before any model code runs (gspo/data/sandbox_child.py): rlimits RLIMIT_AS
 (memory), RLIMIT_CPU, RLIMIT_FSIZE (largest file), RLIMIT_NOFILE, RLIMIT_CORE=0 and RLIMIT_NPROC=0
 (no new processes or threads: the child's own limit, so the user's other processes do not matter).
 The parent enforces the wall clock and the output cap (pipes read incrementally, at most
@@ -74,7 +74,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gspo.sandbox_launch import (
+from gspo.data.sandbox_launch import (
     NOBODY,
     TMPFS_FILES,
     TMPFS_MIN_MB,

@@ -1,0 +1,31 @@
+"""Rollouts: the padded batch of sampled completions (batch.py), how they are sampled (generate.py:
+the generator registry, seeded rows, the trainer's Generator plug) and gspo's own decode loop
+(decode.py, a preallocated KV cache; the same tokens as HF `generate` for the same seed).
+
+Layout: `input_ids` (N, P+T) are left-padded prompts (width P) followed by right-padded
+completions (width T), N = B*G, rows grouped by prompt. The completion mask covers each
+completion up to and including its first EOS.
+"""
+
+from gspo.rollout.batch import (
+                                   Rollout,
+                                   completion_mask_from_ids,
+                                   encode_prompts,
+                                   eos_ids,
+                                   pad_id,
+)
+from gspo.rollout.generate import (
+                                   GENERATORS,
+                                   Generator,
+                                   GeneratorBackend,
+                                   SeededSampler,
+                                   generate,
+                                   generator_choices,
+                                   pick_generator,
+                                   register_generator,
+                                   row_seeds,
+)
+
+__all__ = ["GENERATORS", "Generator", "GeneratorBackend", "Rollout", "SeededSampler", "completion_mask_from_ids",
+           "encode_prompts", "eos_ids", "generate", "generator_choices", "pad_id", "pick_generator",
+           "register_generator", "row_seeds"]
