@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import gspo.decode
+from conftest import SMALL as SMALL_TIED, SMALL_MOE
 from gspo.decode import PrefixKVLayer, prefix_cache, sample, unsupported_reason
 from gspo.models import load_model
 from gspo.moe import record_routing
@@ -11,10 +12,7 @@ from gspo.rollout import generate, row_seeds
 from gspo.tasks import build_char_tokenizer
 
 # untied head: a random model with tied embeddings mostly repeats its input token, a weak greedy test
-SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 32, "tie_word_embeddings": False}
-SMALL_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "head_dim": 32}
+SMALL = {**SMALL_TIED, "tie_word_embeddings": False}
 # ragged: after left padding the rows start at different columns
 PROMPTS = ["12+34=", "7=", "123+456+789=", "5+5="]
 
@@ -193,6 +191,7 @@ def test_auto_uses_own_loop_on_plain_models(dense, monkeypatch):
     real = gspo.decode.sample
     monkeypatch.setattr(gspo.decode, "sample", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert unsupported_reason(dense[0]) is None
+    torch.manual_seed(0)
     generate(*dense, PROMPTS, 1, max_new_tokens=3)
     assert calls == [1]
     generate(*dense, PROMPTS, 1, max_new_tokens=3, backend="hf")
