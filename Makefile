@@ -34,7 +34,7 @@ demo: setup
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
-test-fast: setup  # the lane for development: everything but @pytest.mark.slow (torchrun, subprocess runs, labs)
+test-fast: setup  # the lane for development: everything but @pytest.mark.slow (torchrun, subprocess runs, labs, > ~3 s)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow"
 
 clean:

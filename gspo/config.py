@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import re
 import textwrap
 import types
 import typing
@@ -269,10 +270,19 @@ def _read_yaml_file(path: Path) -> dict:
     return loaded
 
 
+class _YAML12Floats(yaml.SafeLoader):
+    """PyYAML's safe loader, reading 1e-3 (no dot, as YAML 1.2 and JSON allow) as a float, not a string."""
+
+
+_YAML12Floats.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def _yaml_value(text: str, where: str):
-    """yaml.safe_load, with a syntax error as one line: where, line, column and the problem."""
+    """yaml.safe_load (exponent floats included), with a syntax error as one line: where, line, column, problem."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_YAML12Floats)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import qwen3
 from gspo.checkpoint import (MANIFEST_FILE, OPTIMIZER_FILE, capture_rng, check_finite_state, clean_stale,
                              latest_checkpoint, list_checkpoints, load_checkpoint, load_model_weights, resolve_resume,
                              restore_rng, save_checkpoint, set_aside_damaged, verify_checkpoint)
@@ -25,18 +26,11 @@ TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_
 
 
 def tiny_dense(seed: int):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=32, **TINY))
+    return qwen3(32, seed=seed, **TINY)
 
 
 def tiny_moe(seed: int):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(Qwen3MoeConfig(vocab_size=32, moe_intermediate_size=16, num_experts=4,
-                                                           num_experts_per_tok=2, **TINY))
+    return qwen3(32, seed=seed, moe=True, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, **TINY)
 
 
 def draws(gen: torch.Generator) -> list:
@@ -245,6 +239,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kill_during_write_leaves_previous_checkpoint_loadable(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
@@ -562,6 +557,7 @@ def check_write_failures(out: str, code: int, cause: str) -> None:
     assert loaded == {"loaded": {"step": 1}}
 
 
+@pytest.mark.slow
 def test_write_failures_name_the_cause_and_keep_the_previous_checkpoints(tmp_path):
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
@@ -572,6 +568,7 @@ def test_write_failures_name_the_cause_and_keep_the_previous_checkpoints(tmp_pat
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoint-1"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="a tmpfs mount needs root and unshare")
 def test_a_full_or_read_only_disk_keeps_the_previous_checkpoints(tmp_path):
     script, run_dir = tmp_path / "writer.py", tmp_path / "run"

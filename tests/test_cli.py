@@ -2,57 +2,61 @@
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import ROOT, TINY_MODEL, TINY_RUN, logged_steps, read_metrics, run_gspo
 from gspo.config import SFTConfig, TrainConfig, field_docs, load_config
-from gspo.tracking import read_jsonl
 from gspo.trainer import train
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = {"model": "tiny-dense", "model_overrides": {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
-                                                   "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16},
-        "per_device_batch_size": 2, "num_generations": 2, "num_minibatches": 2, "max_completion_length": 6,
-        "eval_num_prompts": 2, "eval_k": 2, "progress": False, "device": "cpu"}
-
-
-def gspo(*args, cwd):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "gspo", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+TINY_OVERRIDES = "model_overrides=" + json.dumps(TINY_MODEL)  # JSON is YAML: one command-line override
 
 
 @pytest.mark.slow
 def test_train_from_yaml_with_override_and_plot_and_eval(tmp_path):
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({**TINY, "max_steps": 3, "output_dir": "out"}))
-    done = gspo("train", "--config", "run.yaml", "max_steps=2", "objective=grpo", "learning_rate=1e-3", cwd=tmp_path)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({**TINY_RUN, "max_steps": 3, "output_dir": "out"}))
+    done = run_gspo("train", "--config", "run.yaml", "max_steps=2", "objective=grpo", "learning_rate=1e-3",
+                    cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    records = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "out")
     assert [r["step"] for r in records] == [0, 1, 2]  # the override won over the file's 3 steps
-    assert records[1]["lr"] == pytest.approx(1e-3)
+    assert records[1]["lr"] == pytest.approx(1e-3)  # "1e-3" is a string to YAML 1.1: read as the float
     config = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
     assert config["num_hidden_layers"] == 1
-    assert yaml.safe_load("x: 1e-3")["x"] == "1e-3"  # YAML 1.1 quirk the config loader must absorb
     summary = json.loads(done.stdout)
     assert any(p.endswith("eval.png") for p in summary["plots"])
 
-    done = gspo("plot", "out", cwd=tmp_path)
+    done = run_gspo("plot", "out", cwd=tmp_path)
     assert done.returncode == 0 and all(Path(tmp_path, p).is_file() for p in done.stdout.split())
 
-    done = gspo("eval", "--model", "out/model", "--task", "add3", "--num-prompts", "3", "--k", "2", cwd=tmp_path)
+    done = run_gspo("eval", "--model", "out/model", "--task", "add3", "--num-prompts", "3", "--k", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert set(result) == {"eval/accuracy", "eval/mean_at_k", "eval/pass_at_k"}
     assert 0 <= result["eval/pass_at_k"] <= 1
 
 
+def test_exponent_floats_in_files_and_overrides_are_numbers(tmp_path):
+    # YAML 1.1 (PyYAML) reads 1e-3 as the string "1e-3" (it wants 1.0e-3); the loader makes it the number.
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rate: 1e-3\nkl_coef: 5E-2\n")
+    cfg = load_config(TrainConfig, path, ["clip_high=3e-1"])
+    assert (cfg.learning_rate, cfg.kl_coef, cfg.clip_high) == (1e-3, 5e-2, 3e-1)
+    assert all(type(v) is float for v in (cfg.learning_rate, cfg.kl_coef, cfg.clip_high))
+
+
+def test_exponent_floats_inside_lists_are_numbers(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("reward_funcs: [answer_match, format]\nreward_weights: [1e-1, 2]\nprompt_column: '1e3'\n")
+    cfg = load_config(TrainConfig, path)
+    assert cfg.reward_weights == [0.1, 2] and type(cfg.reward_weights[0]) is float
+    assert cfg.prompt_column == "1e3"  # quoted: a string stays a string
+
+
 def test_train_help_lists_every_field_with_its_doc():
-    done = gspo("train", "--help", cwd=ROOT)
+    done = run_gspo("train", "--help", cwd=ROOT)
     assert done.returncode == 0
     docs = field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -62,25 +66,27 @@ def test_train_help_lists_every_field_with_its_doc():
 
 @pytest.mark.slow
 def test_bad_override_is_one_clear_line(tmp_path):
-    done = gspo("train", "learning_rat=1e-5", cwd=tmp_path)
+    done = run_gspo("train", "learning_rat=1e-5", cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip() == "gspo train: error: config: unknown key 'learning_rat'; did you mean 'learning_rate'?"
-    done = gspo("train", "num_minibatches=3", cwd=tmp_path)
+    done = run_gspo("train", "num_minibatches=3", cwd=tmp_path)
     assert "is not divisible by num_minibatches=3" in done.stderr and done.returncode == 2
-    done = gspo("train", "model=runs/nothing/here", "max_steps=1", cwd=tmp_path)
+    done = run_gspo("train", "model=runs/nothing/here", "max_steps=1", cwd=tmp_path)
     assert done.returncode == 2 and "no such directory" in done.stderr
 
 
 @pytest.mark.slow
 def test_sft_command_saves_a_model(tmp_path):
-    done = gspo("sft", "model=tiny-dense", "num_examples=8", "max_steps=2", "batch_size=4", "eval_steps=1",
-                "eval_num_prompts=2", "output_dir=sft", "progress=false",
-                "model_overrides={num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, "
-                "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16}", cwd=tmp_path)
+    # No warmup and a high rate: one update visibly lowers the loss on the same 8 demonstrations.
+    done = run_gspo("sft", "model=tiny-dense", "num_examples=8", "max_steps=2", "batch_size=4", "eval_steps=1",
+                    "eval_num_prompts=2", "output_dir=sft", "progress=false", "learning_rate=1e-2", "warmup_steps=0",
+                    TINY_OVERRIDES, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["steps"] == 2
-    records = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2] and records[1]["loss/sft"] < records[0]["loss/sft"] + 1.0
+    records = read_metrics(tmp_path / "sft")
+    assert [r["step"] for r in records] == [1, 2]
+    first, second = (r["loss/sft"] for r in records)
+    assert first > 4.0 and second < first - 0.2, (first, second)  # from about ln(81) = 4.39 (measured: 4.35, 3.99)
     assert (tmp_path / "sft" / "model" / "model.safetensors").is_file()
 
 
@@ -98,10 +104,10 @@ def test_shipped_configs_validate_and_run_one_step(path, tmp_path):
     if cls is TrainConfig:
         assert cfg.model.startswith("runs/"), "RL configs start from a cold-start model"
         # Same config, with a tiny preset standing in for the cold-start model, runs a step.
-        small = dataclasses.replace(cfg, **{**TINY, "per_device_batch_size": cfg.num_minibatches, "max_steps": 1,
+        small = dataclasses.replace(cfg, **{**TINY_RUN, "per_device_batch_size": cfg.num_minibatches, "max_steps": 1,
                                             "output_dir": str(tmp_path / "run")})
         train(small)
-        assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
+        assert logged_steps(tmp_path / "run") == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -128,10 +134,11 @@ def test_moe_replay_through_the_cli(tmp_path):
                  "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16}")
     common = ["max_steps=1", "per_device_batch_size=2", "num_generations=2", "num_minibatches=2",
               "max_completion_length=6", "eval_num_prompts=2", "eval_k=2", "progress=false", "output_dir=out"]
-    done = gspo("train", "model=tiny-moe", small_moe, "routing_replay=rollout", *common, cwd=tmp_path)
+    done = run_gspo("train", "model=tiny-moe", small_moe, "routing_replay=rollout", *common, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    step1 = read_jsonl(tmp_path / "out" / "metrics.jsonl")[1]
+    step1 = read_metrics(tmp_path / "out")[1]
     assert 0 <= step1["moe/expert_change_frac"] <= 1 and "moe/expert_change_frac/layer_1" in step1
     assert "moe/replay_mismatch_frac" in step1
-    done = gspo("train", "model=tiny-dense", "routing_replay=old_policy", *common, "output_dir=dense", cwd=tmp_path)
+    done = run_gspo("train", "model=tiny-dense", "routing_replay=old_policy", *common, "output_dir=dense",
+                    cwd=tmp_path)
     assert done.returncode == 2 and "routing replay needs a Mixture-of-Experts model" in done.stderr

@@ -1,20 +1,19 @@
 """gspo's own decode loop (gspo/rollout/decode.py) against HF `generate`: same tokens, log-probs, routing."""
 
+import dataclasses
+
 import pytest
 import torch
 
-import gspo.rollout.decode
+from conftest import SMALL as SMALL_TIED, SMALL_MOE
 from gspo.rollout.decode import PrefixKVLayer, prefix_cache, sample, unsupported_reason
 from gspo.models import load_model
 from gspo.moe import record_routing
-from gspo.rollout import generate, row_seeds
+from gspo.rollout import GENERATORS, generate, row_seeds
 from gspo.tasks import build_char_tokenizer
 
 # untied head: a random model with tied embeddings mostly repeats its input token, a weak greedy test
-SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 32, "tie_word_embeddings": False}
-SMALL_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "head_dim": 32}
+SMALL = {**SMALL_TIED, "tie_word_embeddings": False}
 # ragged: after left padding the rows start at different columns
 PROMPTS = ["12+34=", "7=", "123+456+789=", "5+5="]
 
@@ -188,11 +187,22 @@ def test_moe_routing_record_matches_hf():
 
 # ----------------------------------------------------------------------------- backend choice
 
+def counting(monkeypatch, name: str) -> list:
+    """Swap the registered generator `name` for one that counts its calls (the registry is the seam)."""
+    calls, backend = [], GENERATORS[name]
+
+    def sample(*args, **kwargs):
+        calls.append(1)
+        return backend.sample(*args, **kwargs)
+
+    monkeypatch.setitem(GENERATORS, name, dataclasses.replace(backend, sample=sample))
+    return calls
+
+
 def test_auto_uses_own_loop_on_plain_models(dense, monkeypatch):
-    calls = []
-    real = gspo.rollout.decode.sample
-    monkeypatch.setattr(gspo.rollout.decode, "sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = counting(monkeypatch, "gspo")
     assert unsupported_reason(dense[0]) is None
+    torch.manual_seed(0)
     generate(*dense, PROMPTS, 1, max_new_tokens=3)
     assert calls == [1]
     generate(*dense, PROMPTS, 1, max_new_tokens=3, backend="hf")
@@ -205,8 +215,7 @@ def test_sliding_window_model_falls_back_to_hf(monkeypatch):
     assert "sliding" in unsupported_reason(model)
     with pytest.raises(ValueError, match="cannot run this model: layer 0 needs a DynamicSlidingWindowLayer"):
         generate(model, tok, PROMPTS, 1, max_new_tokens=3, backend="gspo")
-    calls = []
-    monkeypatch.setattr(gspo.rollout.decode, "sample", lambda *a, **k: calls.append(1))
+    calls = counting(monkeypatch, "gspo")
     torch.manual_seed(0)
     auto = generate(model, tok, PROMPTS, 1, max_new_tokens=3)
     torch.manual_seed(0)

@@ -8,10 +8,11 @@ import pytest
 
 import gspo.sft
 import gspo.trainer
+from conftest import comparable, logged_steps, read_metrics
 from gspo.config import make_config, to_dict
-from gspo.lab.runs import LabConfig, expand_grid, run_dir, run_lab, train_config
 from gspo.lab.report import claims, detect_collapse, load_lab, stat, write_report
-from gspo.tracking import MetricsLogger, read_jsonl
+from gspo.lab.runs import LabConfig, expand_grid, run_dir, run_lab, train_config
+from gspo.tracking import MetricsLogger
 
 
 def lab(tmp_path, **values) -> LabConfig:
@@ -103,7 +104,7 @@ def test_completed_runs_are_skipped_and_an_interrupted_lab_resumes(tmp_path, mon
     assert resumed.calls == ["gspo-dense-none-s0", "gspo-dense-none-s1"]  # the two finished runs were skipped
     assert "2 of 4 runs already complete: skipped" in lines
     assert any("gspo-dense-none-s0: interrupted earlier, restarting it" in line for line in lines)
-    assert [r["step"] for r in read_jsonl(partial / "metrics.jsonl")] == [0, 1]  # restarted clean, not appended
+    assert logged_steps(partial) == [0, 1]  # restarted clean, not appended
     assert (summary["ran"], summary["skipped"]) == (2, 2)
     assert Path(summary["report"]).is_file()
 
@@ -222,22 +223,20 @@ def test_micro_lab_end_to_end(tmp_path):
     summary = run_lab(cfg, log=lines.append)
     assert (summary["runs"], summary["ran"]) == (2, 2)
     for name in ("grpo-dense-none-s0", "gspo-dense-none-s0"):
-        records = read_jsonl(tmp_path / "lab" / "runs" / name / "metrics.jsonl")
+        records = read_metrics(tmp_path / "lab" / "runs" / name)
         assert [r["step"] for r in records] == [0, 1, 2]
         assert "grad/norm_std" in records[1] and "eval/mean_at_k" in records[2]
     coldstart = json.loads((tmp_path / "lab" / "coldstart" / "dense-L1" / "model" / "config.json").read_text())
     assert coldstart["num_hidden_layers"] == 1
     report = Path(summary["report"]).read_text()
     assert report.count("| C") == 5 and "| grpo | dense-L1 | none | 1 |" in report
-    assert sorted(line.split(":")[0] for line in lines if line.startswith("[")) == ["[1/2] gspo-dense-none-s0",
-                                                                                  "[2/2] grpo-dense-none-s0"] or \
-        sorted(line.split(":")[0] for line in lines if line.startswith("[")) == ["[1/2] grpo-dense-none-s0",
-                                                                               "[2/2] gspo-dense-none-s0"]
+    # One progress line per finished run, "[i/2] <name>: ...", numbered in the order the workers finished.
+    progress = sorted(line.split(":")[0].split(" ") for line in lines if line.startswith("["))
+    assert [count for count, _ in progress] == ["[1/2]", "[2/2]"]
+    assert sorted(name for _, name in progress) == ["grpo-dense-none-s0", "gspo-dense-none-s0"]
     assert run_lab(cfg, log=lambda _: None)["ran"] == 0
     # The same lab run in this process (one worker) gives the same numbers: one thread everywhere.
     inline = make_config(LabConfig, {**to_dict(cfg), "workers": 1, "output_dir": str(tmp_path / "inline")})
     run_lab(inline, log=lambda _: None)
     for name in ("grpo-dense-none-s0", "gspo-dense-none-s0"):
-        a, b = (read_jsonl(tmp_path / d / "runs" / name / "metrics.jsonl") for d in ("lab", "inline"))
-        assert [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in a] == \
-            [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in b]
+        assert comparable(tmp_path / "lab" / "runs" / name) == comparable(tmp_path / "inline" / "runs" / name)

@@ -2,30 +2,22 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from conftest import qwen3
 from gspo.logprobs import completion_logprobs, naive_completion_logprobs, position_ids_from_mask
 
 V = 53  # a vocab size no other model dimension shares, so (.., V) tensors are recognisable
 
 
 def _dense():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+    return qwen3(V, seed=0, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False).eval()
 
 
 def _moe():
-    torch.manual_seed(1)
-    cfg = Qwen3MoeConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    return Qwen3MoeForCausalLM(cfg).eval()
+    return qwen3(V, seed=1, moe=True, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                 num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, max_position_embeddings=64, tie_word_embeddings=False).eval()
 
 
 MODELS = {"dense": _dense(), "moe": _moe()}

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from conftest import no_hooks, perturb_routers, qwen3
 from gspo.moe import (
     RoutingRecord,
     expert_change_frac,
@@ -24,12 +25,8 @@ COMMON = dict(
 
 
 def qwen3_moe(norm_topk_prob=True, **overrides):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3, "head_dim": 16, "moe_intermediate_size": 32,
-                            "num_experts": 8, "norm_topk_prob": norm_topk_prob, **overrides})
-    return Qwen3MoeForCausalLM(cfg).eval()
+    return qwen3(moe=True, **{**COMMON, "num_hidden_layers": 3, "head_dim": 16, "moe_intermediate_size": 32,
+                              "num_experts": 8, "norm_topk_prob": norm_topk_prob, **overrides}).eval()
 
 
 def qwen2_moe():
@@ -55,14 +52,6 @@ def olmoe():
     return OlmoeForCausalLM(OlmoeConfig(**COMMON, num_hidden_layers=2, num_experts=8)).eval()
 
 
-def perturb_routers(model, seed=1, std=1.0):
-    """Large random router weights: free routing then picks clearly different experts."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for r in find_routers(model):
-            r.module.weight.copy_(torch.randn(r.module.weight.shape, generator=g) * std)
-
-
 def experts_used(model, input_ids):
     """(R, N, L, k) expert indices the experts modules actually receive in a free forward."""
     seen, handles = [], []
@@ -76,16 +65,6 @@ def experts_used(model, input_ids):
             h.remove()
     n, length = input_ids.shape
     return torch.stack([s.reshape(n, length, -1) for s in seen])
-
-
-def no_hooks(model):
-    """No gspo.moe hook is left on any module (transformers may install its own capture hooks)."""
-    return not any(
-        getattr(hook, "__module__", None) == "gspo.moe"
-        for m in model.modules()
-        for hooks in (m._forward_hooks, m._forward_pre_hooks)
-        for hook in hooks.values()
-    )
 
 
 def ids(n=3, length=6, seed=0):
@@ -175,9 +154,9 @@ def test_find_routers_skips_dense_layers():
 
 
 def test_dense_and_unsupported_models_raise():
-    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
 
-    dense = Qwen3ForCausalLM(Qwen3Config(**COMMON, num_hidden_layers=1, head_dim=16))
+    dense = qwen3(**COMMON, num_hidden_layers=1, head_dim=16)
     with pytest.raises(ValueError, match="needs a Mixture-of-Experts model; Qwen3ForCausalLM has no MoE router"):
         require_replay_support(dense)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM has no MoE router"):

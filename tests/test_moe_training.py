@@ -8,20 +8,15 @@ import torch
 
 import gspo.trainer
 import gspo.models
+from conftest import SMALL, SMALL_MOE, changed, no_hooks, perturb_routers, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, make_config
 from gspo.models import load_model
 from gspo.moe import expert_change_frac, find_routers, record_routing
 from gspo.rollout import generate
 from gspo.tasks import get_task
-from gspo.tracking import read_jsonl
 from gspo.routing import free_routing, minibatch_logprobs, minibatch_logprobs_and_routing
 from gspo.trainer import train
 
-# 2 decoder layers, each a Qwen3-MoE block with 8 experts, top-2
-SMALL_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "head_dim": 32}
-SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 32}
 DRIFT_KEYS = ["moe/expert_change_frac", "moe/expert_change_frac/layer_0", "moe/expert_change_frac/layer_1"]
 
 
@@ -31,13 +26,13 @@ def text_hash(prompts, completions, **_):
     return [sum(map(ord, c)) % 5 / 4 for c in completions]
 
 
-def tiny_cfg(tmp_path, **kw):
-    base = dict(model="tiny-moe", model_overrides=SMALL_MOE, task="add3", max_steps=2, per_device_batch_size=2,
-                num_generations=4, num_minibatches=2, max_completion_length=6, learning_rate=1e-2,
-                reward_funcs=[text_hash], eval_num_prompts=1, eval_k=1, progress=False,
-                output_dir=str(tmp_path / "run"), log_samples_steps=0, device="cpu")
-    base.update(kw)
-    return make_config(TrainConfig, base)
+# tiny_cfg's run on tiny-moe (SMALL_MOE: 2 Qwen3-MoE layers, 8 experts, top-2): shorter, at a high rate.
+MOE_RUN = dict(model="tiny-moe", model_overrides=SMALL_MOE, max_steps=2, max_completion_length=6, learning_rate=1e-2,
+               reward_funcs=[text_hash], eval_num_prompts=1, eval_k=1, log_samples_steps=0)
+
+
+def moe_cfg(tmp_path, **kw):
+    return tiny_cfg(tmp_path, **{**MOE_RUN, **kw})
 
 
 @pytest.fixture
@@ -55,21 +50,6 @@ def loaded(monkeypatch):
     return seen
 
 
-def no_hooks(model):
-    """No gspo hook is left on any module (transformers may install its own)."""
-    return not any(getattr(hook, "__module__", "").startswith("gspo")
-                   for m in model.modules() for hooks in (m._forward_hooks, m._forward_pre_hooks)
-                   for hook in hooks.values())
-
-
-def perturb_routers(model, seed=1):
-    """Large random router weights: what a (big) training step could do to the routing."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for r in find_routers(model):
-            r.module.weight.copy_(torch.randn(r.module.weight.shape, generator=g))
-
-
 def tiny_rollout(model, tok, prompts=3, G=4, **kw):
     rows = get_task("add3").dataset("train", prompts, 0)
     torch.manual_seed(0)
@@ -82,15 +62,15 @@ def tiny_rollout(model, tok, prompts=3, G=4, **kw):
 @pytest.mark.parametrize("mode", ["none", "old_policy", "rollout"])
 def test_training_with_each_replay_mode_moves_weights_and_logs_drift(tmp_path, loaded, mode, objective):
     # old_policy with 2 epochs: the reshuffled minibatches of epoch 2 replay the full-width record
-    cfg = tiny_cfg(tmp_path, routing_replay=mode, objective=objective, num_epochs=2 if mode == "old_policy" else 1)
+    cfg = moe_cfg(tmp_path, routing_replay=mode, objective=objective, num_epochs=2 if mode == "old_policy" else 1)
     train(cfg)
     model, initial = loaded["model"], loaded["initial"]
-    changed = [n for n, p in model.state_dict().items() if not torch.equal(p, initial[n])]
-    assert len(changed) > len(initial) // 2, "most parameters should move"
+    moved = changed(initial, model.state_dict())
+    assert len(moved) > len(initial) // 2, "most parameters should move"
     routers = [r.name + ".weight" for r in find_routers(model)]
-    assert len(routers) == 2 and set(routers) <= set(changed), "replay must still train the routers"
+    assert len(routers) == 2 and set(routers) <= set(moved), "replay must still train the routers"
     assert no_hooks(model)
-    for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]:
+    for r in read_metrics(tmp_path / "run")[1:]:
         for key in DRIFT_KEYS:
             assert math.isfinite(r[key]) and 0 <= r[key] <= 1, (key, r[key])
         # lr 1e-2 on random weights moves the routing a lot (about half the choices in practice)
@@ -105,8 +85,8 @@ def test_training_with_each_replay_mode_moves_weights_and_logs_drift(tmp_path, l
 
 @pytest.mark.parametrize("mode", ["old_policy", "rollout"])
 def test_single_minibatch_under_replay_is_exactly_on_policy(tmp_path, mode):
-    train(tiny_cfg(tmp_path, routing_replay=mode, num_minibatches=1))
-    for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]:
+    train(moe_cfg(tmp_path, routing_replay=mode, num_minibatches=1))
+    for r in read_metrics(tmp_path / "run")[1:]:
         assert r["ratio/min"] == 1.0 and r["ratio/max"] == 1.0 and r["kl/approx"] == 0.0
         if mode == "old_policy":  # pi_old's own free choices are replayed at the same weights
             assert r["moe/replay_mismatch_frac"] == 0.0
@@ -115,27 +95,27 @@ def test_single_minibatch_under_replay_is_exactly_on_policy(tmp_path, mode):
 @pytest.mark.parametrize("mode", ["none", "old_policy"])
 def test_drift_is_exactly_zero_when_weights_do_not_move(tmp_path, loaded, mode):
     # lr=0 is refused by config validation; set it past validation: AdamW then leaves every weight as is
-    cfg = dataclasses.replace(tiny_cfg(tmp_path, routing_replay=mode, max_steps=1), learning_rate=0.0)
+    cfg = dataclasses.replace(moe_cfg(tmp_path, routing_replay=mode, max_steps=1), learning_rate=0.0)
     train(cfg)
     model, initial = loaded["model"], loaded["initial"]
-    assert all(torch.equal(p, initial[n]) for n, p in model.state_dict().items())
-    r = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]
+    assert changed(initial, model.state_dict()) == []
+    r = read_metrics(tmp_path / "run")[1]
     assert [r[k] for k in DRIFT_KEYS] == [0.0, 0.0, 0.0]
 
 
 def test_dense_model_with_replay_is_a_clear_error_and_logs_no_moe_keys(tmp_path):
     for mode in ("old_policy", "rollout"):
         with pytest.raises(ValueError, match="routing replay needs a Mixture-of-Experts model"):
-            train(tiny_cfg(tmp_path, model="tiny-dense", model_overrides=SMALL, routing_replay=mode))
+            train(moe_cfg(tmp_path, model="tiny-dense", model_overrides=SMALL, routing_replay=mode))
         assert not (tmp_path / "run" / "metrics.jsonl").exists()  # raised before anything ran
-    train(tiny_cfg(tmp_path, model="tiny-dense", model_overrides=SMALL, max_steps=1))
-    r = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]
+    train(moe_cfg(tmp_path, model="tiny-dense", model_overrides=SMALL, max_steps=1))
+    r = read_metrics(tmp_path / "run")[1]
     assert math.isfinite(r["loss/policy"]) and not [k for k in r if k.startswith("moe/")]
 
 
 def test_drift_logging_can_be_turned_off(tmp_path):
-    train(tiny_cfg(tmp_path, routing_replay="rollout", log_routing_drift=False, max_steps=1))
-    r = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]
+    train(moe_cfg(tmp_path, routing_replay="rollout", log_routing_drift=False, max_steps=1))
+    r = read_metrics(tmp_path / "run")[1]
     assert [k for k in r if k.startswith("moe/")] == ["moe/replay_mismatch_frac"]
 
 

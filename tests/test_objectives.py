@@ -64,7 +64,7 @@ def test_grpo_hand_gradient():
     logp = leaf(GRPO_LOGP)
     loss, _ = policy_loss(logp, torch.zeros(2, 2, dtype=D), t(GRPO_ADV), t(GRPO_MASK), objective="grpo")
     loss.backward()
-    assert torch.allclose(logp.grad, t([[-0.275, 0.0], [0.0, 0.0]]), atol=1e-12)
+    assert torch.allclose(logp.grad, t([[-0.275, 0.0], [0.0, 0.0]]), rtol=0, atol=1e-12)
 
 
 def test_grpo_asymmetric_clip_higher():
@@ -121,7 +121,7 @@ def test_gspo_gradient_matches_eq10():
     s = (((logp - old) * mask).sum(-1) / lengths).exp().detach()
     expected = -(s * adv / (N * lengths))[:, None] * mask
     assert stats["clip/low_frac"].item() == 0 and stats["clip/high_frac"].item() == 0
-    assert torch.allclose(logp.grad, expected, atol=1e-12)
+    assert torch.allclose(logp.grad, expected, rtol=0, atol=1e-12)
 
 
 def test_gspo_clipped_sequence_has_no_gradient():
@@ -154,8 +154,8 @@ def test_gspo_token_equals_gspo_with_sequence_advantages(seed):
         loss.backward()
         results[objective] = (loss.detach(), stats, x.grad)
     (l1, s1, g1), (l2, s2, g2) = results["gspo"], results["gspo_token"]
-    assert torch.allclose(l1, l2, atol=1e-14)
-    assert torch.allclose(g1, g2, atol=1e-14)
+    assert torch.allclose(l1, l2, rtol=0, atol=1e-14)
+    assert torch.allclose(g1, g2, rtol=0, atol=1e-14)
     for key in ("clip/low_frac", "clip/high_frac", "ratio/mean", "ratio/max"):
         assert s1[key].item() == pytest.approx(s2[key].item(), abs=1e-12), key
     assert s1["clip/low_frac"] + s1["clip/high_frac"] > 0, "the batch should exercise clipping"
@@ -186,7 +186,7 @@ def test_on_policy_grpo_and_gspo_gradients_agree(seed):
         assert stats["ratio/mean"].item() == pytest.approx(1.0)
         grads.append(x.grad)
     for g in grads[1:]:
-        assert torch.allclose(grads[0], g, atol=1e-14)
+        assert torch.allclose(grads[0], g, rtol=0, atol=1e-14)
 
 
 def test_gspo_length_neutral_when_tokens_duplicated():
@@ -204,7 +204,7 @@ def test_gspo_length_neutral_when_tokens_duplicated():
         loss.backward()
         out.append((loss.item(), x.grad.sum(-1)))
     assert out[0][0] == pytest.approx(out[1][0], abs=1e-15)
-    assert torch.allclose(out[0][1], out[1][1], atol=1e-15)
+    assert torch.allclose(out[0][1], out[1][1], rtol=0, atol=1e-15)
     # token-mean GRPO, by contrast, doubles the long sequence's share: that is what we refuse for GSPO.
     g = []
     for lp, m in ((short_logp, short_mask), (long_logp, long_mask)):
@@ -304,11 +304,13 @@ def test_padding_never_changes_loss_or_gradient(seed, extra, pad_value, per_toke
         a_pad = pad(a, pad_value) if a.dim() == 2 else a
         padded = _loss_and_grad(pad(logp, pad_value), pad(old, pad_value),
                                 a_pad, pad(mask, 0.0), pad(ref, pad_value), objective, aggregation)
-        assert torch.equal(base[0], padded[0]) or torch.allclose(base[0], padded[0], atol=1e-12), objective
-        assert torch.allclose(base[1], padded[1][:, :5], atol=1e-12), (objective, aggregation)
+        # Not bitwise: the wider rows sum in other blocks, so the last bits can move (measured over 1000
+        # seeds: 12% of losses differ, by at most 9e-16). Real leaks of the padding are far larger.
+        assert torch.allclose(base[0], padded[0], rtol=0, atol=1e-12), (objective, aggregation)
+        assert torch.allclose(base[1], padded[1][:, :5], rtol=0, atol=1e-12), (objective, aggregation)
         assert torch.all(padded[1][:, 5:] == 0)
         for key, value in base[2].items():
-            assert torch.allclose(value, padded[2][key], atol=1e-12, equal_nan=False), (objective, key)
+            assert torch.allclose(value, padded[2][key], rtol=0, atol=1e-12), (objective, key)
 
 
 # ---------------------------------------------------------------- bad input

@@ -2,27 +2,26 @@
 
 import dataclasses
 import math
-import os
 import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 import torch
-from transformers import AutoModelForCausalLM
 
+from conftest import (SMALL, changed, comparable, final_weights, gspo_argv, gspo_env, initial_weights, logged_steps,
+                      read_metrics, starts_with_digit, tiny_cfg)
 from gspo.cli import main
-from gspo.models import load_model
 from gspo.objectives import OBJECTIVES
 from gspo.tracking import read_jsonl
 from gspo.run import TrainingAborted
 from gspo.trainer import train
-from tests.test_trainer import SMALL, starts_with_digit, tiny_cfg
+
+KILL_SEED = 15  # picks the step of the SIGKILL below: the same one on every run
 
 
 class NanGrad(torch.autograd.Function):
@@ -56,23 +55,17 @@ def poison(monkeypatch, kinds: list[str]):
     return calls
 
 
-def params_equal(a, b) -> bool:
-    sb = b.state_dict()
-    return all(torch.equal(p, sb[n]) for n, p in a.state_dict().items())
-
-
 def test_nonfinite_loss_and_gradient_skip_the_step(tmp_path, monkeypatch):
     calls = poison(monkeypatch, ["loss", "grad"])  # the run's only two optimizer steps
     cfg = tiny_cfg(tmp_path, max_steps=1, num_minibatches=2, reward_funcs=[starts_with_digit],
                    per_device_batch_size=4, objective="poisoned")
     train(cfg)
     assert calls == ["loss", "grad"]
-    initial, _ = load_model("tiny-dense", seed=cfg.seed, overrides=SMALL)
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
-    assert params_equal(trained, initial)  # neither NaN update touched the weights
-    record = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]
+    trained = final_weights(tmp_path / "run")
+    assert changed(initial_weights(cfg), trained) == []  # neither NaN update touched the weights
+    record = read_metrics(tmp_path / "run")[1]
     assert record["guard/skipped_steps"] == 2
-    assert all(math.isfinite(v) for v in trained.state_dict()["model.embed_tokens.weight"].flatten().tolist())
+    assert all(torch.isfinite(tensor).all() for tensor in trained.values())
 
 
 def test_a_good_step_after_a_skip_updates_and_resets_the_streak(tmp_path, monkeypatch):
@@ -80,7 +73,7 @@ def test_a_good_step_after_a_skip_updates_and_resets_the_streak(tmp_path, monkey
     cfg = tiny_cfg(tmp_path, max_steps=2, num_minibatches=2, reward_funcs=[starts_with_digit], max_consecutive_skips=2,
                    per_device_batch_size=4, objective="poisoned")
     train(cfg)  # never two in a row: no abort
-    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "run")
     assert [r["guard/skipped_steps"] for r in records[1:]] == [1, 2]  # cumulative count
 
 
@@ -108,7 +101,7 @@ def test_bad_rewards_stop_the_run_or_are_dropped_and_counted(tmp_path):
     cfg = tiny_cfg(tmp_path, max_steps=2, reward_funcs=[nan_for_first], drop_bad_rewards=True, log_samples_count=2,
                    output_dir=str(tmp_path / "drop"))
     train(cfg)
-    records = read_jsonl(tmp_path / "drop" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "drop")
     assert [r["reward/dropped"] for r in records[1:]] == [1, 1]
     assert all(math.isfinite(r["reward/mean"]) and math.isfinite(r["loss/policy"]) for r in records[1:])
     samples = read_jsonl(tmp_path / "drop" / "samples.jsonl", null_as_nan=False)
@@ -134,79 +127,66 @@ def run_args(tmp_path, out: str, *extra: str) -> list[str]:
         "num_generations": 4, "num_minibatches": 2, "max_completion_length": 8, "learning_rate": 1e-3,
         "eval_num_prompts": 4, "eval_k": 2, "eval_steps": 3, "progress": False, "device": "cpu", "save_steps": 1,
         "reward_funcs": ["slow_reward:slow_digit"], "log_samples_steps": 1}))
-    return [sys.executable, "-m", "gspo", "train", "--config", str(tmp_path / "run.yaml"), f"output_dir={out}", *extra]
+    return gspo_argv("train", "--config", tmp_path / "run.yaml", f"output_dir={out}", *extra)
 
 
 def launch(tmp_path, out: str, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tmp_path)}
-    return subprocess.Popen(run_args(tmp_path, out, *extra), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(run_args(tmp_path, out, *extra), cwd=tmp_path, env=gspo_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def resume(tmp_path, out: str) -> subprocess.CompletedProcess:
+    return subprocess.run(run_args(tmp_path, out, "--resume", "latest"), cwd=tmp_path, env=gspo_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
-        if metrics.exists() and any(r["step"] >= step for r in read_jsonl(metrics)):
+        if any(s >= step for s in logged_steps(run_dir)):
             return
         time.sleep(0.02)
     raise AssertionError(f"step {step} never logged")
-
-
-def comparable(path: Path) -> list[dict]:
-    """Metrics lines without wall-clock timings (the only values allowed to differ)."""
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in read_jsonl(path)]
-
-
-def final_weights(out: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(out / "model" / "model.safetensors")
 
 
 @pytest.mark.slow
 def test_killed_or_interrupted_runs_resume_exactly(tmp_path):
     full = launch(tmp_path, "full")
     assert full.wait(timeout=300) == 0, full.communicate()
-    expected = comparable(tmp_path / "full" / "metrics.jsonl")
+    expected = comparable(tmp_path / "full")
     assert [r["step"] for r in expected] == list(range(9))
     # Checkpoints every step, the newest 2 kept; the last one is the final step.
     assert sorted(p.name for p in (tmp_path / "full").glob("checkpoint-*")) == ["checkpoint-7", "checkpoint-8"]
 
-    # SIGKILL at a random step: no chance to save, so resume from the newest complete checkpoint.
-    kill_at = random.randint(2, 5)
+    # SIGKILL at a seeded random step in 2..5: no chance to save, so resume from the newest complete checkpoint.
+    kill_at = random.Random(KILL_SEED).randint(2, 5)
     proc = launch(tmp_path, "killed")
-    wait_for_step(tmp_path / "killed" / "metrics.jsonl", kill_at, proc)
+    wait_for_step(tmp_path / "killed", kill_at, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    resumed = subprocess.run(run_args(tmp_path, "killed", "--resume", "latest"), cwd=tmp_path, capture_output=True,
-                             text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tmp_path)},
-                             timeout=300)
+    resumed = resume(tmp_path, "killed")
     assert resumed.returncode == 0, resumed.stderr
-    assert comparable(tmp_path / "killed" / "metrics.jsonl") == expected, f"killed at step {kill_at}"
+    assert comparable(tmp_path / "killed") == expected, f"killed at step {kill_at}"
     want = final_weights(tmp_path / "full")
-    got = final_weights(tmp_path / "killed")
-    assert all(torch.equal(got[k], want[k]) for k in want), f"killed at step {kill_at}: weights differ"  # bitwise
+    assert changed(want, final_weights(tmp_path / "killed")) == [], f"killed at step {kill_at}: weights differ"
     samples = read_jsonl(tmp_path / "killed" / "samples.jsonl")
     assert [s["step"] for s in samples] == [s["step"] for s in read_jsonl(tmp_path / "full" / "samples.jsonl")]
 
     # SIGTERM: the step in flight finishes (or, still sampling or scoring, is dropped whole), a checkpoint of the
     # last completed step is saved, exit status 128 + 15; the resumed run is the uninterrupted one.
     proc = launch(tmp_path, "termed")
-    wait_for_step(tmp_path / "termed" / "metrics.jsonl", 2, proc)
+    wait_for_step(tmp_path / "termed", 2, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     stopped_at = int(re.search(r"SIGTERM after step (\d+)", err).group(1))
     assert stopped_at < 8 and (tmp_path / "termed" / f"checkpoint-{stopped_at}").is_dir()
-    assert max(r["step"] for r in read_jsonl(tmp_path / "termed" / "metrics.jsonl")) == stopped_at
-    resumed = subprocess.run(run_args(tmp_path, "termed", "--resume", "latest"), cwd=tmp_path, capture_output=True,
-                             text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tmp_path)},
-                             timeout=300)
+    assert max(logged_steps(tmp_path / "termed")) == stopped_at
+    resumed = resume(tmp_path, "termed")
     assert resumed.returncode == 0, resumed.stderr
-    assert comparable(tmp_path / "termed" / "metrics.jsonl") == expected
-    got = final_weights(tmp_path / "termed")
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert comparable(tmp_path / "termed") == expected
+    assert changed(want, final_weights(tmp_path / "termed")) == []
 
 
 def test_resume_and_output_dir_errors(tmp_path):
@@ -224,8 +204,8 @@ def test_resume_and_output_dir_errors(tmp_path):
         train(tiny_cfg(tmp_path, output_dir=str(tmp_path / "empty"), resume_from_checkpoint="latest"))
     # Extending a finished run: more steps from its final checkpoint.
     train(tiny_cfg(tmp_path, max_steps=3, resume_from_checkpoint="latest"))
-    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert logged_steps(tmp_path / "run") == [0, 1, 2, 3]
     # overwrite_output_dir starts afresh: old metrics and checkpoints gone.
     train(tiny_cfg(tmp_path, max_steps=1, overwrite_output_dir=True))
-    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+    assert logged_steps(tmp_path / "run") == [0, 1]
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]

@@ -132,6 +132,7 @@ def test_reward_band_spans_mean_plus_minus_std(run_dir):
     assert [line.get_label() for line in ax.lines] == ["reward/mean"]  # std is the band, not a line
 
 
+@pytest.mark.slow
 def test_plotting_leaves_pyplot_alone(run_dir):
     code = (
         "import sys, matplotlib; from gspo.report import plot_run; "

@@ -558,9 +558,10 @@ def test_sockets_cannot_reach_the_trainer(audit_hook):
         program += "s.sendall(b'hi')"
         r = run(program, "assert s is not None", audit_hook=audit_hook)
         assert not r.passed and r.duration_s < 5
-        # bwrap's namespace has its own loopback, nothing listening; unshare's has no route at all
-        refusals = ["PermissionError"] if audit_hook else ["ConnectionRefusedError", "Network is unreachable"]
-        assert any(refusal in r.stderr for refusal in refusals), r.stderr
+        # bwrap's namespace has its own loopback, nothing listening; unshare's (weak) has no route at all
+        refusal = "PermissionError" if audit_hook else {"os": "ConnectionRefusedError",
+                                                        "weak": "Network is unreachable"}[MODE]
+        assert refusal in r.stderr, r.stderr
         server.settimeout(0.2)
         with pytest.raises(socket.timeout):  # nothing ever connected
             server.accept()
@@ -632,6 +633,7 @@ def test_code_reward_checks_now_and_scores():
 
 # ---- batches, extraction, arguments, registry ------------------------------------------------
 
+@pytest.mark.slow
 def test_parallel_batch_keeps_order_and_bounds_the_workers():
     completions = [ADD, "while True:\n    pass", "def add(a, b):\n    return 0", f"```python\n{ADD}```", ADD]
     tests = ["assert add(1, 2) == 3"] * 5
@@ -700,6 +702,7 @@ def test_get_reward_fn_code_tests():
     assert fn(["p", "p"], completions, tests=["assert add(2, 3) == 5"] * 2) == [1.0, 0.0]
 
 
+@pytest.mark.slow
 def test_importing_rewards_does_not_import_the_sandbox():
     code = "import sys, gspo.data.rewards; print('gspo.data.sandbox' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

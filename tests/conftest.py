@@ -1,0 +1,154 @@
+"""Helpers shared by the test modules: tiny models and runs, `gspo` in a process of its own, run outputs.
+
+Test modules import them as `from conftest import ...`: pytest's default ("prepend") import mode puts
+tests/ on sys.path (there is no tests/__init__.py), and this module is registered as `conftest`, so the
+import gets this very module rather than a second copy.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from hypothesis import settings
+
+from gspo.config import TrainConfig, make_config
+from gspo.models import load_model
+from gspo.tracking import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Property tests draw the same examples on every run (randomness in a test is seeded);
+# HYPOTHESIS_PROFILE=default explores new ones.
+settings.register_profile("seeded", derandomize=True, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "seeded"))
+
+# ------------------------------------------------------------------------------- tiny models
+# Overrides of the tiny-dense / tiny-moe presets for in-process training: 2 decoder layers, width 64.
+SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32}
+SMALL_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 32}  # 8 experts, top-2 (the preset's)
+# The smallest tiny-dense that still trains: runs of the `gspo` command, where start-up dominates.
+TINY_MODEL = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 16}
+
+
+def qwen3(vocab_size: int, *, seed: int = 0, moe: bool = False, **config):
+    """A randomly initialised Qwen3 (moe=False) or Qwen3-MoE causal LM from config, built after
+    torch.manual_seed(seed): the same seed gives the same weights. In training mode, as built."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
+    torch.manual_seed(seed)
+    return model_cls(config_cls(vocab_size=vocab_size, **config))
+
+
+def perturb_routers(model, seed: int = 1, std: float = 1.0) -> None:
+    """Large random router weights: what a (big) training step could do; free routing then picks
+    clearly different experts."""
+    from gspo.moe import find_routers
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for r in find_routers(model):
+            r.module.weight.copy_(torch.randn(r.module.weight.shape, generator=g) * std)
+
+
+def no_hooks(model) -> bool:
+    """No gspo hook is left on any module (transformers may install its own capture hooks)."""
+    return not any(getattr(hook, "__module__", "").startswith("gspo")
+                   for m in model.modules() for hooks in (m._forward_hooks, m._forward_pre_hooks)
+                   for hook in hooks.values())
+
+
+# ------------------------------------------------------------------------------- tiny runs
+def starts_with_digit(prompts, completions, **_):
+    """A reward a random model earns now and then (10 of its 81 tokens are digits): spread within groups."""
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def tiny_cfg(tmp_path, **kw) -> TrainConfig:
+    """A TrainConfig for a few in-process steps of tiny-dense (SMALL) on add3, written to tmp_path/run."""
+    base = dict(model="tiny-dense", model_overrides=SMALL, task="add3", max_steps=3, per_device_batch_size=2,
+                num_generations=4, num_minibatches=2, max_completion_length=12, learning_rate=1e-3,
+                eval_num_prompts=4, eval_k=2, progress=False, output_dir=str(tmp_path / "run"), log_samples_steps=1,
+                device="cpu")
+    return make_config(TrainConfig, {**base, **kw})
+
+
+# A config file's worth of settings for `gspo train` runs (TINY_MODEL, two of everything).
+TINY_RUN = {"model": "tiny-dense", "model_overrides": TINY_MODEL, "per_device_batch_size": 2, "num_generations": 2,
+            "num_minibatches": 2, "max_completion_length": 6, "eval_num_prompts": 2, "eval_k": 2, "progress": False,
+            "device": "cpu"}
+
+
+# ------------------------------------------------------------------------------- `gspo` in a process
+def gspo_env(*paths, **extra: str) -> dict:
+    """The environment of a `gspo` process: offline, one thread, this checkout's gspo ahead of any installed
+    copy, and `paths` (folders of reward modules, say) importable; `extra` variables on top."""
+    python_path = [*map(str, paths), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in python_path if p), **extra}
+
+
+def gspo_argv(*args, nproc: int = 1) -> list[str]:
+    """argv of `gspo <args>`; under torchrun (--standalone, gloo on CPU) with nproc > 1."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, "-m", "gspo", *map(str, args)]
+
+
+def run_gspo(*args, cwd, paths=(), nproc: int = 1, timeout: float = 300, env: dict | None = None,
+             **kwargs) -> subprocess.CompletedProcess:
+    """Run `gspo <args>` to its end in `cwd`; text output captured. `env` replaces gspo_env(*paths)."""
+    return subprocess.run(gspo_argv(*args, nproc=nproc), cwd=cwd, env=env or gspo_env(*paths), capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+# ------------------------------------------------------------------------------- what a run wrote
+TIMINGS = ("time/", "throughput/")  # the only metrics two runs of the same computation may disagree on
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The records of run_dir/metrics.jsonl (null read as NaN)."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def logged_steps(run_dir) -> list[int]:
+    """The step of every metrics line, in file order; [] while there is no metrics file."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [r["step"] for r in read_jsonl(path)] if path.exists() else []
+
+
+def comparable(run_dir) -> list[dict]:
+    """The metrics lines without wall-clock timings."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMINGS)} for r in read_metrics(run_dir)]
+
+
+def final_weights(run_dir) -> dict:
+    """The state dict of the model a run saved (run_dir/model), loaded as a user would: MoE experts
+    come back fused as in memory, so it compares key by key with initial_weights."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(Path(run_dir) / "model").state_dict()
+
+
+def saved_tensors(run_dir) -> dict:
+    """The tensors of run_dir/model/model.safetensors as written: MoE experts one by one, a tied head once."""
+    from safetensors.torch import load_file
+
+    return load_file(Path(run_dir) / "model" / "model.safetensors")
+
+
+def initial_weights(cfg) -> dict:
+    """The state dict a run of `cfg` starts from (a preset, built with cfg.seed and cfg.model_overrides)."""
+    model, _ = load_model(cfg.model, seed=cfg.seed, overrides=cfg.model_overrides)
+    return model.state_dict()
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    """The names of the tensors in `after` that differ from `before` in any bit."""
+    return [name for name, tensor in after.items() if not torch.equal(tensor, before[name])]
