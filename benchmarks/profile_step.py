@@ -63,9 +63,9 @@ def main() -> None:
             py.enable()
 
     tracking.MetricsLogger.log = log
-    import gspo.trainer as trainer
+    import gspo.data.source as source  # the prompt source evaluates (before step 1 and after the last)
 
-    original_evaluate, calls = trainer.evaluate, []
+    original_evaluate, calls = source.evaluate, []
 
     def evaluate(*a, **k):  # called before step 1 and after the last step: stop the profilers at the second call
         calls.append(1)
@@ -74,7 +74,7 @@ def main() -> None:
             torch_prof.__exit__(None, None, None)
         return original_evaluate(*a, **k)
 
-    trainer.evaluate = evaluate
+    source.evaluate = evaluate
     train(cfg)
     texts = {}
     views = (("cprofile_cumulative", "cumulative", args.top), ("cprofile_gspo", "cumulative", "gspo/"),

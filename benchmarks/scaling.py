@@ -50,7 +50,9 @@ def run_point(model_dir: str, B: int, G: int, T: int, M: int, steps: int, skip_f
         num_minibatches=M, max_completion_length=T, learning_rate=1e-5, eval_num_prompts=1, eval_k=1,
         log_samples_steps=0, progress=False, overwrite_output_dir=True, device="cpu", output_dir=str(out_dir)))
     records, gen_s = {}, []
-    original_log, original_generate = tracking.MetricsLogger.log, trainer.generate
+    from gspo.rollout import Generator  # the trainer's rollout sampler (evaluation samples elsewhere)
+
+    original_log, original_generate = tracking.MetricsLogger.log, Generator.sample
 
     def log(self, step, metrics):
         records[step] = dict(metrics)
@@ -62,11 +64,11 @@ def run_point(model_dir: str, B: int, G: int, T: int, M: int, steps: int, skip_f
         gen_s.append(time.perf_counter() - t0)
         return out
 
-    tracking.MetricsLogger.log, trainer.generate = log, generate
+    tracking.MetricsLogger.log, Generator.sample = log, generate
     try:
         trainer.train(cfg)
     finally:
-        tracking.MetricsLogger.log, trainer.generate = original_log, original_generate
+        tracking.MetricsLogger.log, Generator.sample = original_log, original_generate
     timed = range(skip_first + 1, steps + 1)
     lens = [records[s]["completion/mean_len"] for s in timed]
     if min(lens) < T:

@@ -83,18 +83,21 @@ def run_model(name: str, steps: int, skip_first: int, work_dir: Path) -> dict:
         learning_rate=1e-4, eval_num_prompts=4, eval_k=1, log_samples_steps=0, progress=False,
         overwrite_output_dir=True, device="cpu", output_dir=str(work_dir / name)))
     captured = {}
-    original = trainer.generate
+    from gspo.rollout import Generator  # the trainer's rollout sampler (evaluation samples elsewhere)
 
-    def generate(model, tokenizer, prompts, *args, **kwargs):
+    original = Generator.sample
+
+    def generate(self, prompts, *args, **kwargs):
+        model = self.model
         t0 = time.perf_counter()
-        rollout = original(model, tokenizer, prompts, *args, **kwargs)
+        rollout = original(self, prompts, *args, **kwargs)
         P = rollout.input_ids.shape[1] - rollout.completion_len
         lengths = (rollout.attention_mask[:, :P].sum(1) + rollout.completion_mask.sum(1)).tolist()  # (N,) real tokens
         captured.setdefault("gen", []).append((time.perf_counter() - t0, lengths))
         captured["model"] = model
         return rollout
 
-    trainer.generate = generate
+    Generator.sample = generate
     try:
         import gspo.tracking as tracking
 
@@ -107,7 +110,7 @@ def run_model(name: str, steps: int, skip_first: int, work_dir: Path) -> dict:
         tracking.MetricsLogger.log = log
         trainer.train(cfg)
     finally:
-        trainer.generate = original
+        Generator.sample = original
         tracking.MetricsLogger.log = original_log
     model = captured["model"]
     c = model.config

@@ -94,22 +94,24 @@ def run_gspo(spec: dict) -> dict:
     import gspo.tracking as tracking
 
     stamps, records, gen_s, first_prompts = {}, {}, [], []
-    original_log, original_generate = tracking.MetricsLogger.log, trainer.generate
+    from gspo.rollout import Generator  # the trainer's rollout sampler only
+
+    original_log, original_generate = tracking.MetricsLogger.log, Generator.sample
 
     def log(self, step, metrics):
         stamps[step] = time.perf_counter()
         records[step] = dict(metrics)
         return original_log(self, step, metrics)
 
-    def generate(model, tokenizer, prompts, *args, **kwargs):  # the trainer's rollout sampler only
+    def generate(self, prompts, *args, **kwargs):
         if not first_prompts:
             first_prompts.extend(prompts[:4])
         t0 = time.perf_counter()
-        out = original_generate(model, tokenizer, prompts, *args, **kwargs)
+        out = original_generate(self, prompts, *args, **kwargs)
         gen_s.append(time.perf_counter() - t0)
         return out
 
-    tracking.MetricsLogger.log, trainer.generate = log, generate
+    tracking.MetricsLogger.log, Generator.sample = log, generate
     cfg = rl_config(spec)
     summary = trainer.train(cfg)
     N = spec["B"] * spec["G"]

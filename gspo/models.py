@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from gspo.parallel import launched
+from gspo.tasks import build_char_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,6 @@ def resolve_device(device: str) -> torch.device:
 
 def _build_preset(name: str, seed: int, overrides: dict):
     from transformers import AutoModelForCausalLM
-
-    from gspo.tasks import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = PRESETS[name](tokenizer, **overrides)

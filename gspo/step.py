@@ -58,6 +58,12 @@ class Batch:
     epochs: list  # num_epochs lists of M Parts: this rank's rows of each global minibatch
     first_on_policy: bool  # the first minibatch's pi_old is its own first training forward (left to update)
 
+    def minibatches(self):
+        """(i, part, on_policy) for every minibatch of every epoch, in training order."""
+        for epoch, parts in enumerate(self.epochs):
+            for i, part in enumerate(parts):
+                yield i, part, self.first_on_policy and epoch == 0 and i == 0
+
 
 def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routing, model, ref_model,
             shuffle: torch.Generator) -> Batch:

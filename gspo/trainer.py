@@ -137,9 +137,8 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
 
             # 4. Update: one optimizer step per minibatch (with sft_coef, minibatch i also fits references part i).
             aux.begin_step(step, examples)
-            step_stats = [learner.update(batch, i, part, on_policy=batch.first_on_policy and epoch == 0 and i == 0,
-                                         step=step)
-                          for epoch, parts in enumerate(batch.epochs) for i, part in enumerate(parts)]
+            step_stats = [learner.update(batch, i, part, on_policy=on_policy, step=step)
+                          for i, part, on_policy in batch.minibatches()]
             generator.sync(model)
             t_train = time.perf_counter() - t0 - t_rollout
 

@@ -35,6 +35,7 @@ from gspo.advantages import group_stats
 from gspo.data.evaluation import evaluate
 from gspo.data.rewards import get_reward_fn, reward_spec, score_completions
 from gspo.data.rows import PromptSampler, columns_of, load_splits
+from gspo.tasks import TASKS
 
 WEIGHTINGS = ("static", "dynamic")
 TASK_KEYS = ("name", "task", "dataset", "eval_dataset", "reward_funcs", "reward_weights", "weight")
@@ -61,8 +62,6 @@ def parse_tasks(entries, reward_funcs: list, reward_weights: list | None = None)
     stem; without `reward_funcs` it uses the run's `reward_funcs`/`reward_weights`; `weight`
     defaults to 1. Every problem is a ValueError naming the entry and key ("config: tasks[1].weight ...").
     """
-    from gspo.tasks import TASKS
-
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"config: tasks must be a non-empty list of task entries (mappings), got {entries!r}")
     specs: list[TaskSpec] = []

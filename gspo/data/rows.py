@@ -15,6 +15,8 @@ import json
 import random
 from pathlib import Path
 
+from gspo.tasks import get_task
+
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 """What happens to a prompt longer than max_prompt_length (`truncate_prompts`): an error, or keep its last tokens."""
 
@@ -236,8 +238,6 @@ def load_splits(cfg, tokenizer, num_train: int) -> tuple[list[dict], list[dict]]
             n_eval = max(1, len(rows) // 10) if len(rows) > 1 else 0
             held_out, train = shuffled[:n_eval], shuffled[n_eval:]
         return render_prompts(train, tokenizer), render_prompts(held_out[: cfg.eval_num_prompts], tokenizer)
-    from gspo.tasks import get_task
-
     task = get_task(cfg.task)
     train = [Row(r, f"task {cfg.task} train example {i}") for i, r in enumerate(task.dataset("train", num_train,
                                                                                               cfg.seed))]

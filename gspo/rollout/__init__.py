@@ -1,4 +1,4 @@
-"""Rollouts: the padded batch of sampled completions (batch.py), how they are sampled (generate.py:
+"""Rollouts: the padded batch of sampled completions (batch.py), how they are sampled (sampling.py:
 the generator registry, seeded rows, the trainer's Generator plug) and gspo's own decode loop
 (decode.py, a preallocated KV cache; the same tokens as HF `generate` for the same seed).
 
@@ -14,7 +14,7 @@ from gspo.rollout.batch import (
                                    eos_ids,
                                    pad_id,
 )
-from gspo.rollout.generate import (
+from gspo.rollout.sampling import (
                                    GENERATORS,
                                    Generator,
                                    GeneratorBackend,
