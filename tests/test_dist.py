@@ -225,19 +225,24 @@ def test_resume_on_another_world_size_needs_the_same_global_batch():
 
 @pytest.mark.slow
 def test_a_rank_holding_no_row_of_a_minibatch_trains_a_stand_in_of_weight_zero(tmp_path):
-    """Minibatches of one sequence: in every minibatch one rank holds no row and runs a stand-in row
+    """Minibatches of two of the eight sequences: in some, one rank holds no row and runs a stand-in row
     (fsdp's forwards are collective) that must count for nothing. Token-mean losses (cispo) weigh each
     rank by its tokens; an MoE model checks that experts only the stand-in used get no update."""
+    seed, steps, N, M = TrainConfig.seed, 3, 8, 4
+    shuffle = torch.Generator().manual_seed(seed)  # the trainer's minibatch plans, drawn the same way
+    plans = [torch.randperm(N, generator=shuffle).chunk(M) for _ in range(steps)]
+    one_sided = sum(bool((idx < N // 2).all() or (idx >= N // 2).all()) for plan in plans for idx in plan)
+    assert one_sided >= 2  # the path under test is taken (rank 0 holds rows 0-3, rank 1 rows 4-7)
     (tmp_path / "rewards_mod.py").write_text(REWARD)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "model": "tiny-moe", "model_overrides": SMALL_MOE, "task": "add3", "max_steps": 3, "num_generations": 2,
-        "num_minibatches": 4, "objective": "cispo", "max_completion_length": 8, "learning_rate": 1e-3,
+        "model": "tiny-moe", "model_overrides": SMALL_MOE, "task": "add3", "max_steps": steps, "num_generations": 2,
+        "num_minibatches": M, "objective": "cispo", "max_completion_length": 8, "learning_rate": 1e-3,
         "eval_num_prompts": 2, "eval_k": 1, "progress": False, "device": "cpu", "log_samples_steps": 0,
-        "reward_funcs": ["rewards_mod:digit"], "seeded_sampling": True, "eval_steps": 0}))
-    one = run(tmp_path, 1, "per_device_batch_size=2", "output_dir=one")
+        "reward_funcs": ["rewards_mod:digit"], "seeded_sampling": True, "eval_steps": 0, "seed": seed}))
+    one = run(tmp_path, 1, "per_device_batch_size=4", "output_dir=one")
     assert one.returncode == 0, one.stderr[-2000:]
     for mode in ("ddp", "fsdp"):
-        two = run(tmp_path, 2, "per_device_batch_size=1", f"output_dir={mode}", f"distributed={mode}")
+        two = run(tmp_path, 2, "per_device_batch_size=2", f"output_dir={mode}", f"distributed={mode}")
         assert two.returncode == 0, two.stderr[-2000:]
         assert_same_run(tmp_path / "one", tmp_path / mode)
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "one")[1:]]
