@@ -8,6 +8,7 @@ reference answers, coef * NLL(reference | prompt), with its own forward outside 
 
 from __future__ import annotations
 
+from gspo.step import logprob_options
 from gspo.supervised import reference_chunks, require_references, sft_backward, sft_coef_at
 
 
@@ -33,7 +34,7 @@ class SFTTerm:
     def __init__(self, cfg, tokenizer, device):
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         self.coef, self.refs = 0.0, None
-        self.logp_kwargs = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
+        self.logp_kwargs = logprob_options(cfg)  # the NLL under the distribution the RL loss trains
 
     def begin_step(self, step: int, rows: list[dict]) -> None:
         """This step's coefficient and references: the global batch's rows with a reference, in M parts.

@@ -16,7 +16,7 @@ import torch
 
 from gspo.advantages import group_advantages, group_stats
 from gspo.logprobs import completion_logprobs
-from gspo.objectives import DEFAULT_AGGREGATION, policy_loss, stat_units
+from gspo.objectives import policy_loss, stat_units
 from gspo.parallel import Part, Topology
 from gspo.rollout import Rollout
 from gspo.routing import minibatch_logprobs
@@ -81,13 +81,13 @@ def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routin
     share = topology.batch_share(rollout.num_sequences)
     advantages = group_advantages(scores.rewards, G, scale=cfg.advantage_scale, valid=scores.valid)  # (N,)
     rollout.rewards, rollout.advantages = scores.rewards[share].to(device), advantages[share].to(device)  # (n,)
-    token_units = (cfg.aggregation or DEFAULT_AGGREGATION[cfg.objective]) == "token_mean"
-    units = scores.lengths if token_units else None
+    token_units = stat_units(cfg.objective, cfg.aggregation)["loss/policy"] == "tokens"
+    units = scores.lengths if token_units else None  # what a rank's share of a minibatch counts
     N = len(scores.rewards)
     epochs = [[topology.part(idx, rollout.num_sequences, units)
                for idx in torch.randperm(N, generator=shuffle).chunk(M)] for _ in range(cfg.num_epochs)]
     first_on_policy = not cfg.use_sampler_logprobs and not routing.records_pi_old
-    logp_kwargs = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
+    logp_kwargs = logprob_options(cfg)
     with torch.no_grad():
         if cfg.use_sampler_logprobs:
             rollout.old_logprobs = rollout.sampler_logprobs  # (n, T)
@@ -112,7 +112,7 @@ class Learner:
         self.loss_kwargs = dict(objective=cfg.objective, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                 aggregation=cfg.aggregation, norm_length=cfg.max_completion_length,
                                 kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
-        self.logp_kwargs = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
+        self.logp_kwargs = logprob_options(cfg)
         units = stat_units(cfg.objective, cfg.aggregation)  # and the loss and entropy, for recombining across ranks
         self.units = {**units, "loss": units["loss/policy"], "entropy": "tokens"}
 
@@ -151,6 +151,11 @@ class Learner:
         stats["entropy"] = mean_entropy
         stats.update(self.topology.reduce(*watch.after_step()))
         return stats
+
+
+def logprob_options(cfg) -> dict:
+    """`completion_logprobs` options of a run: every forward (pi_old, pi_ref, training, SFT) uses the same."""
+    return dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
 
 
 def step_metrics(scores: Scores, step_stats: list[dict], task_metrics: dict, *, group_size: int, drop_bad: bool,
