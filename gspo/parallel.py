@@ -54,7 +54,11 @@ class Part:
     index: torch.Tensor  # (n,) local row numbers
     units: float
     total: float
-    weight: float = 1.0
+
+    @property
+    def weight(self) -> float:
+        """1 for this rank's real rows, 0 for a stand-in (every real row counts at least one unit)."""
+        return 1.0 if self.units else 0.0
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ class Topology:
         first = self.rank * num_local
         mine = idx[(idx >= first) & (idx < first + num_local)]  # (n,) in the minibatch's order
         if len(mine) == 0:  # none here: a stand-in row, weight 0 (fsdp's forwards are collective)
-            return Part(torch.zeros(1, dtype=idx.dtype), 0.0, total, weight=0.0)
+            return Part(torch.zeros(1, dtype=idx.dtype), 0.0, total)
         units = float(len(mine)) if units_per_row is None else float(units_per_row[mine].sum())
         return Part(mine - first, units, total)
 
@@ -177,11 +181,15 @@ class Topology:
         """(k, N_local) per-sequence scalars of every rank -> (k, N) in rank order (the global row order)."""
         if not self.enabled:
             return values
+        return torch.cat(self._all_gather(values), dim=1)
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's copy of `tensor` (same shape on every rank), in rank order."""
         import torch.distributed as dist
 
-        parts = [torch.empty_like(values) for _ in range(self.world_size)]
-        dist.all_gather(parts, values.contiguous())
-        return torch.cat(parts, dim=1)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return parts
 
     def reduce(self, stats: dict, weights: dict) -> dict:
         """Statistics of the global minibatch from every rank's (value, weight) pairs.
@@ -193,14 +201,10 @@ class Topology:
         """
         if not self.enabled or not stats:
             return stats
-        import torch.distributed as dist
-
         keys = list(stats)
         mine = torch.tensor([[float(stats[k]) for k in keys], [float(weights[k]) for k in keys]],
                             dtype=torch.float64)  # (2, K)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine)
-        values, w = torch.stack(parts).unbind(1)  # (W, K) each
+        values, w = torch.stack(self._all_gather(mine)).unbind(1)  # (W, K) each
         out = {}
         for j, key in enumerate(keys):
             seen = w[:, j] > 0  # (W,)
@@ -282,10 +286,7 @@ class Topology:
         return {k: v for k, v in sd.items() if k not in tied_aliases(model)}
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        """Put a single-process layout optimizer state (a checkpoint's) into `optimizer`, sharding it under fsdp."""
-        if not self.sharded:
-            optimizer.load_state_dict(state)
-            return
+        """fsdp: shard a single-process layout optimizer state (a checkpoint's) into `optimizer`, on every rank."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         names = [name for name, _ in model.named_parameters()]

@@ -34,6 +34,7 @@ class NoRouting:
     """Dense models, or MoE with free routing and no drift meter: nothing recorded, replayed or measured."""
 
     records_pi_old = False
+    records_sampling = False
 
     def sampling_recorder(self):
         return None
@@ -62,10 +63,11 @@ class MoERouting:
     def __init__(self, model, replay: str, drift: bool):
         self.model, self.replay, self.drift = model, replay, drift
         self.records_pi_old = replay == "old_policy"  # pi_old forwards record the experts for every minibatch
+        self.records_sampling = replay == "rollout"  # the sampler records them (the generator must be able to)
 
     def sampling_recorder(self):
         """rollout replay: record the sampler's experts (the generator keeps them in `Rollout.routing`)."""
-        return record_routing(self.model) if self.replay == "rollout" else None
+        return record_routing(self.model) if self.records_sampling else None
 
     def logprobs(self, model, rollout: Rollout, minibatches, logp_kwargs, writes=None) -> torch.Tensor:
         """pi_old log-probs (N, T); "old_policy" records their experts into `rollout.routing`, "rollout" replays."""

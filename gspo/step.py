@@ -54,7 +54,6 @@ class Batch:
     """What the updates of one step train on, computed once."""
 
     rollout: Rollout  # this rank's rows, with rewards, advantages, old_logprobs (pi_old), ref_logprobs, routing
-    scores: Scores
     epochs: list  # num_epochs lists of M Parts: this rank's rows of each global minibatch
     first_on_policy: bool  # the first minibatch's pi_old is its own first training forward (left to update)
 
@@ -98,7 +97,7 @@ def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routin
         if ref_model is not None:
             rollout.ref_logprobs = minibatch_logprobs(ref_model, rollout, [p.index for p in epochs[0]], logp_kwargs,
                                                       writes=[p.weight > 0 for p in epochs[0]])  # (n, T)
-    return Batch(rollout, scores, epochs, first_on_policy)
+    return Batch(rollout, epochs, first_on_policy)
 
 
 class Learner:

@@ -6,7 +6,7 @@ loss is the token mean of -log p over the reference tokens, EOS included.
 
 The two callers lay the same tokens out for the forward they run:
 - `gspo sft` (`encode_pairs`, `collate`): prompt + answer right-padded as one sequence, with
-  labels -100 on prompt and padding, for the model's own `labels` loss (a token-mean cross-entropy).
+  labels -100 on prompt and padding; the log-probs of the shifted labels go into `sft_nll`.
 - the RL term (`reference_chunks`, `sft_backward`): the rollout layout (prompts encoded and
   left-padded as the sampler encodes them, references right-padded after them), so that the NLL
   (`sft_nll`) is taken with `completion_logprobs` under the temperature the RL loss trains.

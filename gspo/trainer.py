@@ -72,7 +72,7 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     source = prompt_source(cfg, tokenizer, max(1000, cfg.max_steps * B * W))
     aux = auxiliary_term(cfg, tokenizer, device, source.train_rows)
     generator = Generator(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
-                          recorder=routing.sampling_recorder, records=cfg.routing_replay == "rollout")
+                          recorder=routing.sampling_recorder, records=routing.records_sampling)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, **fused_adamw(model))
     total_updates = cfg.max_steps * cfg.num_minibatches * cfg.num_epochs
