@@ -181,6 +181,8 @@ def test_pi_old_forward_skips_the_first_minibatch(tmp_path):
                         shuffle=torch.Generator().manual_seed(0))
         assert routing.calls == expected and batch.first_on_policy is not records
         assert [len(parts) for parts in batch.epochs] == [4, 4]  # both epochs planned up front
+        # the loop trains once per planned minibatch (M x epochs forwards with grad); only the first is on-policy
+        assert [on_policy for _, _, on_policy in batch.minibatches()] == [not records] + [False] * 7
         first = batch.epochs[0][0].index
         assert bool((batch.rollout.old_logprobs[first] == 0).all()) is not records
         assert sorted(torch.cat([p.index for p in batch.epochs[1]]).tolist()) == list(range(8))
