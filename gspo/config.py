@@ -148,6 +148,24 @@ class TrainConfig(ModelConfig):
     """Rows of the output head computed at once when taking log-probs (memory vs speed); None: rows that keep a chunk's fp32 logits at 2**26 elements (441 at V=151,936)."""
     generation_backend: str = "auto"
     """Sampler: gspo (own KV-cached loop, HF's tokens for the same seed, no per-step cache copies), hf (HF generate) or auto (gspo where the model allows: plain KV-cache attention, not FSDP-sharded)."""
+    sampler_dtype: str | None = None
+    """The sampler's parameter dtype, e.g. bfloat16: gspo/hf sample from a copy of the weights in it (refreshed after each step's updates), vllm runs its engine in it; null: the policy's own. A stand-in for an inference engine's numerics (mu != pi_old: see mismatch/*)."""
+    sampler_lag: int = 0
+    """The sampler uses the policy of this many rollouts ago (gspo/hf backends), a stand-in for asynchronous training with stale weights; 0: the current policy."""
+    rollout_correction: str = "none"
+    """Correction for a sampler that is not pi_old (mu != pi_old), from the behaviour weight pi_old/mu: none, token_tis / seq_tis (truncated at rollout_correction_high), token_mis / seq_mis / geo_mis (tokens or sequences outside [low, high] masked out)."""
+    rollout_correction_low: float | None = None
+    """Lower threshold of the *_mis corrections (default: 0.5; geo_mis 0.99); unused by *_tis."""
+    rollout_correction_high: float | None = None
+    """Truncation of *_tis and upper threshold of *_mis (default: 2.0; geo_mis 1.01)."""
+    log_mismatch: bool = False
+    """Keep the sampler's log-probs (mu) and log mismatch/* every step even when the sampler is the policy itself (its decode against the trainer's forward: float rounding); on by itself with sampler_dtype, sampler_lag, rollout_correction or an engine (vllm)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm on CUDA: the fraction of GPU memory the colocated engine may take (weights and KV cache); the trainer keeps the rest."""
+    vllm_kv_cache_bytes: int | None = None
+    """vllm: the KV cache size in bytes (on CPU always set, the default reserves GiBs); null: room for one rollout (on CUDA: from vllm_gpu_memory_utilization)."""
+    vllm_sleep: bool = True
+    """vllm on CUDA: the engine sleeps (frees its KV cache and weights' memory) while the trainer updates, and wakes for the next rollout; refused on CPU, ignored there."""
     seeded_sampling: bool = False
     """Sample every completion from its own seeded generator (Gumbel-max): the tokens then do not depend on the batch layout or the number of ranks. Always on under torchrun."""
     distributed: str = "ddp"
@@ -377,6 +395,8 @@ def _validate_train(cfg: TrainConfig) -> None:
         check_aggregation,
         check_clip,
     )
+    from gspo.correction import CORRECTIONS, thresholds
+    from gspo.models import DTYPES
     from gspo.parallel import MODES
     from gspo.rollout import generator_choices
     from gspo.rollout.batch import TRUNCATIONS
@@ -424,6 +444,21 @@ def _validate_train(cfg: TrainConfig) -> None:
                          "distribution's log-probs; disable one of them")
     check_choice(cfg, "task_weighting", WEIGHTINGS)
     check_choice(cfg, "generation_backend", generator_choices())
+    if cfg.sampler_dtype is not None and cfg.sampler_dtype not in set(DTYPES) - {"auto"}:
+        raise ValueError(f"config: sampler_dtype={cfg.sampler_dtype!r}; choose one of "
+                         f"{', '.join(d for d in DTYPES if d != 'auto')} or null (the policy's own)")
+    check_positive(cfg, "sampler_lag", allow_zero=True)
+    check_choice(cfg, "rollout_correction", CORRECTIONS)
+    _prefixed(thresholds, cfg.rollout_correction, cfg.rollout_correction_low, cfg.rollout_correction_high)
+    if cfg.rollout_correction != "none" and cfg.use_sampler_logprobs:
+        raise ValueError("config: rollout_correction weighs by pi_old/mu, but use_sampler_logprobs makes pi_old = mu "
+                         "(every weight 1); use one of them")
+    if cfg.rollout_correction != "none" and not OBJECTIVES[cfg.objective].corrects:
+        raise ValueError(f"config: objective {cfg.objective!r} does not apply a rollout correction "
+                         "(registered without corrects=True); use rollout_correction=none")
+    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"config: vllm_gpu_memory_utilization={cfg.vllm_gpu_memory_utilization!r} must be in (0, 1]")
+    check_positive(cfg, "vllm_kv_cache_bytes")
     check_choice(cfg, "sft_schedule", SCHEDULES)
     check_positive(cfg, "task_weight_floor", "task_progress_coef", "sft_coef", allow_zero=True)
     if not 0 <= cfg.task_weight_smoothing < 1:

@@ -46,6 +46,15 @@ class LossInputs:
     high: float | None
     aggregation: str  # one of AGGREGATIONS
     norm_length: int | None  # the constant divisor of seq_mean_token_sum_norm
+    weight: Tensor | None = None  # (N, T) detached factor of a rollout correction (gspo/correction.py), 0 on padding
+
+    def weigh(self, per_tok: Tensor) -> Tensor:
+        """(N, T) per-token terms times the rollout correction's factor (as they are without one)."""
+        return per_tok if self.weight is None else per_tok * self.weight
+
+    def weigh_seq(self, per_seq: Tensor) -> Tensor:
+        """(N,) per-sequence terms times the correction's factor averaged over each sequence's tokens."""
+        return per_seq if self.weight is None else per_seq * ((self.weight * self.maskf).sum(-1) / self.lengths)
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class Objective:
     length_neutral: bool  # a sequence-level objective: only seq_mean_token_mean keeps long answers from weighing more
     options: tuple[str, ...]  # the keyword-only parameters of `loss`, passed through from `policy_loss`
     ratio_unit: str = "tokens"  # what its `ratio/*` and `clip/*` stats average over: "tokens" or "sequences"
+    corrects: bool = False  # applies a rollout correction's factor (LossInputs.weigh / weigh_seq) to its terms
 
 
 OBJECTIVES: dict[str, Objective] = {}
@@ -65,7 +75,7 @@ OBJECTIVES: dict[str, Objective] = {}
 
 
 def register_objective(name: str, *, default_clip: tuple[float | None, float | None], default_aggregation: str,
-                       length_neutral: bool = False, ratio_unit: str = "tokens"):
+                       length_neutral: bool = False, ratio_unit: str = "tokens", corrects: bool = False):
     """Decorator: register `loss(x: LossInputs, **options) -> (policy loss, stats)` as objective `name`.
 
     default_clip: (clip_low, clip_high) when the config leaves them unset; (None, None) for an objective
@@ -74,6 +84,8 @@ def register_objective(name: str, *, default_clip: tuple[float | None, float | N
     averaged the same way), so no sequence weighs more for being longer. `stats` holds 0-d tensors
     (`ratio/*`, `clip/*`); policy_loss adds `loss/*` and `kl/approx`. ratio_unit: what those stats
     average over ("tokens", or "sequences" for one ratio per sequence), so ranks can recombine them.
+    corrects: the loss multiplies its per-token terms by `x.weigh(...)` (or per-sequence terms by
+    `x.weigh_seq(...)`), so a rollout correction (rollout_correction) can be used with it.
     """
     if name in OBJECTIVES:
         raise ValueError(f"objective {name!r} is already registered")
@@ -87,7 +99,7 @@ def register_objective(name: str, *, default_clip: tuple[float | None, float | N
     def add(loss):
         options = tuple(p.name for p in inspect.signature(loss).parameters.values() if p.kind is p.KEYWORD_ONLY)
         OBJECTIVES[name] = Objective(loss, tuple(default_clip), default_aggregation, length_neutral, options,
-                                     ratio_unit)
+                                     ratio_unit, corrects)
         return loss
 
     return add
@@ -156,6 +168,7 @@ def policy_loss(
     kl_estimator: str = "k3",
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
+    correction_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss for one minibatch.
 
@@ -174,6 +187,8 @@ def policy_loss(
         kl_coef: weight of the KL penalty to the reference policy.
         kl_estimator: "k1", "k2" or "k3" (k3 is DeepSeekMath's eq. (4)).
         sapo_tau_pos, sapo_tau_neg: SAPO gate temperatures for A > 0 and A < 0.
+        correction_weight: (N, T) factor of a rollout correction on each token's term
+            (`gspo.correction.behaviour_weights`), treated as a constant; None: no correction.
 
     Returns:
         (loss, stats): scalar loss, and a dict of detached 0-d tensors named
@@ -190,6 +205,7 @@ def policy_loss(
     low = default_low if clip_low is None else clip_low
     high = default_high if clip_high is None else clip_high
     check_clip(objective, clip_low, clip_high)
+    check_correction(objective, correction_weight, tuple(logprobs.shape))
 
     maskf = mask.to(logprobs.dtype)  # (N, T)
     # Padding may hold anything (even inf/NaN): zero it before any arithmetic so that no
@@ -201,7 +217,10 @@ def policy_loss(
     adv_t = torch.where(mask, adv_t, torch.zeros_like(adv_t))
     log_ratio = logp - old  # (N, T), 0 on padding
     lengths = maskf.sum(-1)  # (N,)
-    inputs = LossInputs(logp, log_ratio, adv, adv_t, mask, maskf, lengths, low, high, aggregation, norm_length)
+    weight = None if correction_weight is None else torch.where(
+        mask, correction_weight.detach().to(logprobs.dtype), torch.zeros_like(logprobs))  # (N, T)
+    inputs = LossInputs(logp, log_ratio, adv, adv_t, mask, maskf, lengths, low, high, aggregation, norm_length,
+                        weight)
     options = {"sapo_tau_pos": sapo_tau_pos, "sapo_tau_neg": sapo_tau_neg}
     policy, stats = spec.loss(inputs, **{k: v for k, v in options.items() if k in spec.options})
 
@@ -228,7 +247,7 @@ def policy_loss(
 # ------------------------------------------------------------------------------- the objectives
 @register_objective("gspo", default_clip=(3e-4, 4e-4),  # GSPO paper, sec. 5.1: sequence ratios live near 1
                     default_aggregation="seq_mean_token_mean", length_neutral=True,  # GSPO eq. (5): 1/G sum_i
-                    ratio_unit="sequences")
+                    ratio_unit="sequences", corrects=True)
 def gspo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: one length-normalised ratio per sequence, clipped, times the sequence's advantage."""
     if x.adv.dim() == 2:
@@ -240,7 +259,7 @@ def gspo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     clipped = ratio.clamp(1.0 - x.low, 1.0 + x.high)  # (N,)
     # GSPO eq. (5): -min(s_i A_i, clip(s_i) A_i), one term per sequence
     per_seq = -torch.minimum(ratio * x.adv, clipped * x.adv)  # (N,)
-    policy = per_seq.mean()
+    policy = x.weigh_seq(per_seq).mean()
     stats = _ratio_stats(ratio.detach(), None)
     low_hit = (ratio < 1.0 - x.low) & (x.adv < 0)  # (N,) clipping zeroes these gradients
     high_hit = (ratio > 1.0 + x.high) & (x.adv > 0)
@@ -250,14 +269,15 @@ def gspo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 
 
 @register_objective("grpo", default_clip=(0.2, 0.2),  # DeepSeekMath / PPO epsilon; DAPO's clip-higher: (0.2, 0.28)
-                    default_aggregation="seq_mean_token_mean")  # DeepSeekMath eq. (3): 1/G sum_i 1/|o_i| sum_t
+                    default_aggregation="seq_mean_token_mean",  # DeepSeekMath eq. (3): 1/G sum_i 1/|o_i| sum_t
+                    corrects=True)
 def grpo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO / PPO: a clipped ratio per token."""
     # DeepSeekMath eq. (3) / PPO: token ratio w_t = pi_theta / pi_old
     ratio = x.log_ratio.exp()  # (N, T)
     clipped = ratio.clamp(1.0 - x.low, 1.0 + x.high)
     per_tok = -torch.minimum(ratio * x.adv_t, clipped * x.adv_t)  # (N, T)
-    policy = _aggregate(per_tok, x.maskf, x.aggregation, x.norm_length)
+    policy = _aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length)
     stats = _ratio_stats(ratio.detach(), x.mask)
     stats["clip/low_frac"] = _masked_frac((ratio < 1.0 - x.low) & (x.adv_t < 0), x.mask)
     stats["clip/high_frac"] = _masked_frac((ratio > 1.0 + x.high) & (x.adv_t > 0), x.mask)
@@ -265,7 +285,8 @@ def grpo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 
 
 @register_objective("gspo_token", default_clip=(3e-4, 4e-4), default_aggregation="seq_mean_token_mean",
-                    length_neutral=True, ratio_unit="sequences")  # GSPO eq. (13): 1/G sum_i 1/|y_i| sum_t
+                    length_neutral=True, ratio_unit="sequences",  # GSPO eq. (13): 1/G sum_i 1/|y_i| sum_t
+                    corrects=True)
 def gspo_token(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token: the sequence ratio's value with a per-token gradient (and optionally per-token advantages)."""
     # GSPO eq. (14): s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]; equal to s_i in
@@ -276,7 +297,7 @@ def gspo_token(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     clipped = ratio.clamp(1.0 - x.low, 1.0 + x.high)
     # GSPO eq. (13): token term -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})
     per_tok = -torch.minimum(ratio * x.adv_t, clipped * x.adv_t)  # (N, T)
-    policy = _aggregate(per_tok, x.maskf, x.aggregation, x.norm_length)
+    policy = _aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length)
     seq_ratio = seq_log_ratio.exp()  # (N,)
     stats = _ratio_stats(seq_ratio, None)
     # Clip fractions per sequence (token mean, then sequence mean): equal to GSPO's
@@ -289,7 +310,8 @@ def gspo_token(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 
 
 @register_objective("cispo", default_clip=(1.0, 0.28),  # MiniMax-M1: no lower bound (1 - 1.0 = 0), tuned upper
-                    default_aggregation="token_mean")  # MiniMax-M1 eq. (4): 1/sum_i|o_i| sum_i sum_t
+                    default_aggregation="token_mean",  # MiniMax-M1 eq. (4): 1/sum_i|o_i| sum_i sum_t
+                    corrects=True)
 def cispo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: REINFORCE on log pi_theta with a truncated, constant importance weight per token."""
     # MiniMax-M1 eq. (4): -sg(clip(w_t)) * A * log pi_theta(y_t). The weight is truncated,
@@ -297,7 +319,7 @@ def cispo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     ratio = x.log_ratio.detach().exp()  # (N, T)
     weight = ratio.clamp(1.0 - x.low, 1.0 + x.high)  # (N, T), constant
     per_tok = -weight * x.adv_t * x.logp  # (N, T)
-    policy = _aggregate(per_tok, x.maskf, x.aggregation, x.norm_length)
+    policy = _aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length)
     stats = _ratio_stats(ratio, x.mask)
     stats["clip/low_frac"] = _masked_frac(ratio < 1.0 - x.low, x.mask)
     stats["clip/high_frac"] = _masked_frac(ratio > 1.0 + x.high, x.mask)
@@ -305,7 +327,8 @@ def cispo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 
 
 @register_objective("sapo", default_clip=(None, None),  # soft gate, no hard clip
-                    default_aggregation="seq_mean_token_mean")  # SAPO: 1/G sum_i 1/|y_i| sum_t
+                    default_aggregation="seq_mean_token_mean",  # SAPO: 1/G sum_i 1/|y_i| sum_t
+                    corrects=True)
 def sapo(x: LossInputs, *, sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO: a soft sigmoid gate on the token ratio instead of a hard clip (temperatures for A > 0 and A < 0)."""
     if sapo_tau_pos <= 0 or sapo_tau_neg <= 0:
@@ -316,7 +339,7 @@ def sapo(x: LossInputs, *, sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05
     tau = torch.where(x.adv_t > 0, torch.full_like(x.adv_t, sapo_tau_pos), torch.full_like(x.adv_t, sapo_tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # (N, T)
     per_tok = -gate * x.adv_t  # (N, T)
-    policy = _aggregate(per_tok, x.maskf, x.aggregation, x.norm_length)
+    policy = _aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length)
     stats = _ratio_stats(ratio.detach(), x.mask)
     return policy, stats
 
@@ -379,6 +402,18 @@ def check_clip(objective: str, clip_low: float | None, clip_high: float | None) 
             raise ValueError(f"clip_low={clip_low!r} puts the lower clip 1 - clip_low at or below 0, which no ratio "
                              f"reaches, so {objective} would have no lower clip; use a value below 1"
                              + (f" (or {top}, {objective}'s 'no lower bound')" if top else ""))
+
+
+def check_correction(objective: str, weight: torch.Tensor | None, shape: tuple) -> None:
+    """ValueError unless a rollout correction's factor (N, T) can be applied to `objective`."""
+    if weight is None:
+        return
+    if not _objective(objective).corrects:
+        raise ValueError(f"rollout_correction: objective {objective!r} does not apply a correction's factor to its "
+                         "terms (register it with corrects=True and use LossInputs.weigh); use rollout_correction=none")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
+        raise ValueError(f"correction_weight: expected a tensor of shape {shape}, got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
 
 
 def check_aggregation(objective: str, aggregation: str) -> None:

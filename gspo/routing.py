@@ -36,7 +36,7 @@ class NoRouting:
     records_pi_old = False
     records_sampling = False
 
-    def sampling_recorder(self):
+    def sampling_recorder(self, sampler=None):
         return None
 
     def logprobs(self, model, rollout: Rollout, minibatches, logp_kwargs, writes=None) -> torch.Tensor:
@@ -65,9 +65,9 @@ class MoERouting:
         self.records_pi_old = replay == "old_policy"  # pi_old forwards record the experts for every minibatch
         self.records_sampling = replay == "rollout"  # the sampler records them (the generator must be able to)
 
-    def sampling_recorder(self):
-        """rollout replay: record the sampler's experts (the generator keeps them in `Rollout.routing`)."""
-        return record_routing(self.model) if self.records_sampling else None
+    def sampling_recorder(self, sampler=None):
+        """rollout replay: record the experts of `sampler` (the policy, or its copy), kept in `Rollout.routing`."""
+        return record_routing(self.model if sampler is None else sampler) if self.records_sampling else None
 
     def logprobs(self, model, rollout: Rollout, minibatches, logp_kwargs, writes=None) -> torch.Tensor:
         """pi_old log-probs (N, T); "old_policy" records their experts into `rollout.routing`, "rollout" replays."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gspo.advantages import group_advantages, group_stats
+from gspo.correction import behaviour_weights, correction_units, mismatch_metrics, mismatch_moments
 from gspo.logprobs import completion_logprobs
 from gspo.objectives import policy_loss, stat_units
 from gspo.parallel import Part, Topology
@@ -101,7 +102,11 @@ def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routin
 
 
 class Learner:
-    """One optimizer step per minibatch: policy loss (+ auxiliary term), guard, statistics."""
+    """One optimizer step per minibatch: policy loss (+ auxiliary term), guard, statistics.
+
+    A rollout correction (cfg.rollout_correction) weighs each minibatch's terms by pi_old/mu,
+    from its pi_old (for the on-policy minibatch: its own first forward) and the sampler's mu.
+    """
 
     def __init__(self, cfg, model, optimizer, scheduler, guard, *, topology: Topology, routing, aux,
                  loss_fn=policy_loss):
@@ -112,8 +117,10 @@ class Learner:
                                 aggregation=cfg.aggregation, norm_length=cfg.max_completion_length,
                                 kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
         self.logp_kwargs = logprob_options(cfg)
+        self.correction = (cfg.rollout_correction, cfg.rollout_correction_low, cfg.rollout_correction_high)
         units = stat_units(cfg.objective, cfg.aggregation)  # and the loss and entropy, for recombining across ranks
-        self.units = {**units, "loss": units["loss/policy"], "entropy": "tokens"}
+        self.units = {**units, **correction_units(cfg.rollout_correction), "loss": units["loss/policy"],
+                      "entropy": "tokens"}
 
     def update(self, batch: Batch, i: int, part: Part, *, on_policy: bool, step: int) -> dict:
         """Train minibatch `i` (this rank's `part` of it); returns its statistics (single-process values)."""
@@ -128,8 +135,11 @@ class Learner:
                 mb.old_logprobs = logp.detach()  # (n, t)
                 if part.weight:
                     rollout.old_logprobs[part.index, : mb.completion_len] = mb.old_logprobs
+            weight, correction_stats = behaviour_weights(mb.old_logprobs, mb.sampler_logprobs, mb.completion_mask,
+                                                         *self.correction)  # (n, t) or None
             loss, stats = self.loss_fn(logp, mb.old_logprobs, mb.advantages, mb.completion_mask,
-                                       ref_logprobs=mb.ref_logprobs, **self.loss_kwargs)
+                                       ref_logprobs=mb.ref_logprobs, correction_weight=weight, **self.loss_kwargs)
+            stats.update(correction_stats)
             self.optimizer.zero_grad(set_to_none=True)
             self.topology.backward(loss, part)  # this rank's share of the minibatch's loss
         term, aux_stats = self.aux.backward(i, model, self.topology.replicated_scale())
@@ -152,14 +162,27 @@ class Learner:
         return stats
 
 
+def mismatch_stats(rollout: Rollout, topology: Topology) -> dict[str, float]:
+    """`mismatch/*` of the step's whole rollout, sampler (mu) against the trainer's pi_old; {} without mu.
+
+    Taken after the updates, when every row's pi_old is known (the on-policy minibatch's comes
+    from its first training forward). Not logged when pi_old is mu itself (use_sampler_logprobs).
+    """
+    if rollout.sampler_logprobs is None or rollout.old_logprobs is rollout.sampler_logprobs:
+        return {}
+    moments, units = mismatch_moments(rollout.old_logprobs, rollout.sampler_logprobs, rollout.completion_mask)
+    counts = {"tokens": float(rollout.completion_mask.sum()), "sequences": float(rollout.num_sequences)}
+    return mismatch_metrics(topology.reduce(moments, {k: counts[u] for k, u in units.items()}))
+
+
 def logprob_options(cfg) -> dict:
     """`completion_logprobs` options of a run: every forward (pi_old, pi_ref, training, SFT) uses the same."""
     return dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
 
 
-def step_metrics(scores: Scores, step_stats: list[dict], task_metrics: dict, *, group_size: int, drop_bad: bool,
+def step_metrics(scores: Scores, step_stats: list[dict], extra: dict, *, group_size: int, drop_bad: bool,
                  skipped: int, lr: float, t_rollout: float, t_train: float) -> dict:
-    """One step's metrics line (before evaluation): rewards, groups, losses and ratios, lengths, time."""
+    """One step's metrics line (before evaluation): rewards, groups, `extra`, losses and ratios, lengths, time."""
     rewards, valid, lengths = scores.rewards, scores.valid, scores.lengths
     return {
         "reward/mean": rewards[valid].mean().item(),
@@ -167,7 +190,7 @@ def step_metrics(scores: Scores, step_stats: list[dict], task_metrics: dict, *, 
         **{f"reward/{name}": float(np.nanmean(v.numpy())) if not torch.isnan(v).all() else float("nan")
            for name, v in scores.per_fn.items()},
         **group_stats(rewards, group_size, valid),
-        **task_metrics,
+        **extra,  # the tasks' weights, the sampler's sync time and mismatch
         **({"reward/dropped": int((~valid).sum())} if drop_bad else {}),
         "guard/skipped_steps": skipped,
         **reduce_stats(step_stats),

@@ -12,8 +12,10 @@ Everything optional is a plug built once before the loop, with a do-nothing twin
 never asks which case it is in: the Topology (one process, DDP, FSDP2: gspo/parallel.py), the
 Generator (gspo/rollout/), Routing (MoE replay and drift: gspo/routing.py), the prompt source
 (one task or a mixture: gspo/data/source.py) and the auxiliary term (SFT: gspo/auxiliary.py).
-What we simplified: the sampler is the policy itself in the training process (gspo/rollout/decode.py or
-HF `generate`), no separate inference engine; the whole rollout in memory.
+The sampler is the policy itself (gspo/rollout/decode.py or HF `generate`), a copy of it (low
+precision, stale: sampler_dtype, sampler_lag) or an inference engine colocated in this process
+(vllm); where its distribution mu is not pi_old, `mismatch/*` measure by how much and a rollout
+correction (gspo/correction.py) weighs the updates by pi_old/mu. The whole rollout stays in memory.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from gspo.routing import build_routing
 from gspo.run import (NonFiniteGuard, Progress, StepAbandoned, StopSignals, TrainingInterrupted, prepare_output_dir,
                       run_lock, save_model)
 from gspo.schedules import lr_schedule
-from gspo.step import Learner, gather_scores, prepare, sample_records, step_metrics
+from gspo.step import Learner, gather_scores, mismatch_stats, prepare, sample_records, step_metrics
 from gspo.tracking import MetricsLogger
 
 
@@ -71,8 +73,6 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     B, G, W = cfg.per_device_batch_size, cfg.num_generations, topology.world_size
     source = prompt_source(cfg, tokenizer, max(1000, cfg.max_steps * B * W))
     aux = auxiliary_term(cfg, tokenizer, device, source.train_rows)
-    generator = Generator(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
-                          recorder=routing.sampling_recorder, records=routing.records_sampling)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, **fused_adamw(model))
     total_updates = cfg.max_steps * cfg.num_minibatches * cfg.num_epochs
@@ -102,6 +102,9 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
         first, evals = 1, {}
     else:  # exact resume: weights, optimizer, schedule, data position and RNG states as they were
         first, evals = restore(checkpoint, cfg, topology, out_dir, model, optimizer, scheduler, shuffle, source, guard)
+    # the sampler starts from the weights training starts from (a copy, an engine: loaded now)
+    generator = Generator(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
+                          recorder=routing.sampling_recorder, records=routing.records_sampling)
     logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
                            config=to_dict(cfg), truncate_after_step=None if checkpoint is None else first - 1,
                            enabled=topology.is_main)
@@ -139,13 +142,13 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
             aux.begin_step(step, examples)
             step_stats = [learner.update(batch, i, part, on_policy=on_policy, step=step)
                           for i, part, on_policy in batch.minibatches()]
-            generator.sync(model)
+            sampler_stats = {**generator.sync(model), **mismatch_stats(batch.rollout, topology)}  # time/sync_s
             t_train = time.perf_counter() - t0 - t_rollout
 
             # 5. Metrics.
-            metrics = step_metrics(scores, step_stats, task_metrics, group_size=G, drop_bad=cfg.drop_bad_rewards,
-                                   skipped=guard.skipped, lr=scheduler.get_last_lr()[0], t_rollout=t_rollout,
-                                   t_train=t_train)
+            metrics = step_metrics(scores, step_stats, {**task_metrics, **sampler_stats}, group_size=G,
+                                   drop_bad=cfg.drop_bad_rewards, skipped=guard.skipped, lr=scheduler.get_last_lr()[0],
+                                   t_rollout=t_rollout, t_train=t_train)
             # 6. Evaluate, log, checkpoint.
             if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
                 evals[step] = source.evaluate(model, tokenizer, cfg)

@@ -18,14 +18,16 @@ from gspo.rollout.sampling import (
                                    GENERATORS,
                                    Generator,
                                    GeneratorBackend,
+                                   PolicySampler,
                                    SeededSampler,
                                    generate,
                                    generator_choices,
+                                   keeps_sampler_logprobs,
                                    pick_generator,
                                    register_generator,
                                    row_seeds,
 )
 
-__all__ = ["GENERATORS", "Generator", "GeneratorBackend", "Rollout", "SeededSampler", "completion_mask_from_ids",
-           "encode_prompts", "eos_ids", "generate", "generator_choices", "pad_id", "pick_generator",
+__all__ = ["GENERATORS", "Generator", "GeneratorBackend", "PolicySampler", "Rollout", "SeededSampler", "completion_mask_from_ids",
+           "encode_prompts", "eos_ids", "generate", "generator_choices", "keeps_sampler_logprobs", "pad_id", "pick_generator",
            "register_generator", "row_seeds"]

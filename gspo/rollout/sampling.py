@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import copy
+import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -39,6 +42,7 @@ def generate(
     routing_recorder=None,
     row_seeds: list[int] | None = None,
     backend: str = "auto",
+    sampler=None,
 ) -> Rollout:
     """Sample `num_generations` completions for each prompt (KV-cached decoding).
 
@@ -56,8 +60,14 @@ def generate(
     `backend`: a registered generator (GENERATORS): "gspo" runs `gspo.rollout.decode.sample` (preallocated
     KV cache, same tokens as HF for the same seed), "hf" runs HF `generate`; "auto" the first
     registered one that can run the model.
+    `sampler`: what samples instead of `model` itself: a copy of it (`PolicySampler`) or an
+    engine's handle (a backend with `start`, e.g. vllm); `model` still gives the device and tokens.
     """
     chosen = pick_generator(model, backend)
+    if sampler is None and GENERATORS[chosen].start is not None:
+        raise ValueError(f"backend={chosen!r} samples with an engine started for the run: use gspo.rollout.Generator "
+                         "(or pass sampler=)")
+    sampler = model if sampler is None else sampler
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device, truncate_prompts)  # (B, P)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # (N, P)
@@ -75,8 +85,9 @@ def generate(
     model.eval()
     with routing_recorder if routing_recorder is not None else nullcontext() as recorder:
         completion_ids, sampler_lp = GENERATORS[chosen].sample(
-            model, prompt_ids, prompt_mask, eos=eos, pad=pad, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, greedy=greedy, seeded=seeded, with_logprobs=with_logprobs)  # (N, T), (N, T)
+            sampler, prompt_ids, prompt_mask, eos=eos, pad=pad, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, greedy=greedy, seeded=seeded, with_logprobs=with_logprobs,
+            group_size=num_generations)  # (N, T), (N, T)
     model.train(was_training)
     cmask = completion_mask_from_ids(completion_ids, eos)  # (N, T)
     completion_ids = torch.where(cmask, completion_ids, torch.full_like(completion_ids, pad))
@@ -106,9 +117,13 @@ def generate(
 class GeneratorBackend:
     """A registered way to sample completions, and what it can do (checked when a Generator is built).
 
-    `sample(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k,
-    greedy, seeded, with_logprobs) -> (completion ids (N, T), sampler log-probs (N, T) or None)`;
-    `unsupported(model)`: why it cannot run `model`, or None.
+    `sample(sampler, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k,
+    greedy, seeded, with_logprobs, group_size) -> (completion ids (N, T), sampler log-probs (N, T) or
+    None)`, where `sampler` is the model (or its copy) or, with `start`, the engine it returned; rows
+    come in groups of `group_size` copies of a prompt. `unsupported(model)`: why it cannot run
+    `model`, or None. `start(policy, tokenizer, cfg)`: an engine of its own for a run, with
+    `push(policy) -> seconds` (load the policy's weights) and `start_s`; None: the run's sampler
+    is the policy itself or a copy of it (`PolicySampler`).
     """
 
     sample: object
@@ -116,6 +131,7 @@ class GeneratorBackend:
     seeded_rows: bool = True  # honours per-row seeds (SeededSampler)
     routing_record: bool = True  # its forwards can be recorded by gspo.moe.record_routing
     logprobs: bool = True  # returns the sampler's own log-probs (mu)
+    start: object = None  # (policy, tokenizer, cfg) -> an engine; None: PolicySampler
 
 
 GENERATORS: dict[str, GeneratorBackend] = {}
@@ -146,7 +162,7 @@ def pick_generator(model, backend: str) -> str:
 
 
 def _native_sample(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, greedy,
-                   seeded, with_logprobs) -> tuple[Tensor, Tensor | None]:
+                   seeded, with_logprobs, group_size) -> tuple[Tensor, Tensor | None]:
     """gspo's decode loop (gspo/rollout/decode.py): preallocated KV cache, the same tokens as HF for the same seed."""
     return decode.sample(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_ids=eos,
                          pad_token_id=pad, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
@@ -154,7 +170,7 @@ def _native_sample(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, 
 
 
 def _hf_generate(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, greedy,
-                 seeded, with_logprobs) -> tuple[Tensor, Tensor | None]:
+                 seeded, with_logprobs, group_size) -> tuple[Tensor, Tensor | None]:
     """HF `generate`: completion ids (N, T) and, if asked, the sampler's log-probs (N, T)."""
     sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     if seeded is not None:
@@ -199,7 +215,7 @@ class SeededSampler:
     """
 
     def __init__(self, seeds: list[int], temperature: float, device):
-        self.temperature = temperature
+        self.seeds, self.temperature = list(seeds), temperature  # an engine seeds its own sampler from `seeds`
         self.generators = [torch.Generator(device=device).manual_seed(int(s) % 2**63) for s in seeds]
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
@@ -215,34 +231,93 @@ def row_seeds(seed: int, step: int, first_row: int, count: int) -> list[int]:
     return [base + first_row + i for i in range(count)]
 
 
+def keeps_sampler_logprobs(cfg, engine: bool = False) -> bool:
+    """Whether a run keeps the sampler's log-probs (mu): it trains on them (use_sampler_logprobs, a
+    rollout correction), or mu may differ from pi_old (a copy, a lag, an engine), or log_mismatch."""
+    return bool(cfg.use_sampler_logprobs or cfg.rollout_correction != "none" or cfg.sampler_dtype
+                or cfg.sampler_lag or cfg.log_mismatch or engine)
+
+
+class PolicySampler:
+    """The sampler of the gspo and hf backends: the policy itself, or a copy of its weights.
+
+    A copy when `sampler_dtype` differs from the policy's (a low-precision stand-in for an
+    inference engine's numerics) or `sampler_lag` = k > 0 (a stand-in for asynchronous training:
+    rollout s samples with the weights the updates of rollout s - 1 - k left, the initial ones
+    until then). `push(policy)` after each rollout's updates; without a copy it does nothing and the
+    sampled tokens are those of the policy itself, bit for bit.
+    """
+
+    def __init__(self, policy, tokenizer=None, cfg=None):
+        from gspo.models import DTYPES
+
+        own = next(policy.parameters()).dtype
+        self.dtype = DTYPES[cfg.sampler_dtype] if cfg is not None and cfg.sampler_dtype else own
+        self.lag = cfg.sampler_lag if cfg is not None else 0
+        self.start_s = 0.0
+        self.pending: deque = deque()  # the lag's newer weights, oldest first
+        if self.dtype == own and self.lag == 0:
+            self.model = policy
+            return
+        if is_fsdp2(policy):
+            raise ValueError("sampler_dtype/sampler_lag: the sampler copy needs the full weights, which fsdp shards; "
+                             "use distributed=ddp (or one process)")
+        t0 = time.perf_counter()
+        self.model = copy.deepcopy(policy).to(self.dtype).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.start_s = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def push(self, policy) -> float:
+        """Load the policy's weights (k rollouts later with a lag); seconds taken (0.0 without a copy)."""
+        if self.model is policy:
+            return 0.0
+        t0 = time.perf_counter()
+        state = policy.state_dict()
+        if self.lag:
+            self.pending.append({k: v.detach().to(self.dtype, copy=True) for k, v in state.items()})
+            state = self.pending.popleft() if len(self.pending) > self.lag else None
+        if state is not None:
+            self.model.load_state_dict(state)  # cast into the copy's dtype
+        return time.perf_counter() - t0
+
+
 class Generator:
     """The sampling plug of the trainer: G completions per prompt from the policy being trained.
 
-    Built once; `sample(prompts, step, first_row)` returns this rank's `Rollout` with the sampler's
-    own log-probs (mu) when asked, the experts it used when `recorder` is given, and per-row seeds
-    (global row numbers from `first_row`) when `seeded`. `sync(policy)` after the updates: a
-    no-op here, the sampler is the policy itself (an inference engine would load the new weights).
+    Built once, from the policy's current weights; `sample(prompts, step, first_row)` returns this
+    rank's `Rollout` with the sampler's own log-probs (mu) when `with_logprobs`, the experts it
+    used when `recorder` is given (called with the model that samples), and per-row seeds (global
+    row numbers from `first_row`) when `seeded`. `sync(policy)` after the updates loads the new
+    weights into the sampler (an engine, a copy; nothing when the sampler is the policy itself)
+    and returns `time/sync_s`.
     """
 
-    def __init__(self, model, tokenizer, cfg, *, seeded: bool, recorder=lambda: None, records: bool = False):
+    def __init__(self, model, tokenizer, cfg, *, seeded: bool, recorder=lambda model: None, records: bool = False):
         self.model, self.tokenizer, self.cfg, self.seeded, self.recorder = model, tokenizer, cfg, seeded, recorder
-        name = pick_generator(model, cfg.generation_backend)
-        backend = GENERATORS[name]
-        needs = {"seeded_rows": seeded, "routing_record": records, "logprobs": cfg.use_sampler_logprobs}
+        self.name = pick_generator(model, cfg.generation_backend)
+        backend = GENERATORS[self.name]
+        with_logprobs = keeps_sampler_logprobs(cfg, engine=backend.start is not None)
+        needs = {"seeded_rows": seeded, "routing_record": records, "logprobs": with_logprobs}
         missing = [what for what, needed in needs.items() if needed and not getattr(backend, what)]
         if missing:
-            raise ValueError(f"generation_backend={name!r} cannot provide {', '.join(missing)}, which this run "
-                             "needs (seeded_sampling or torchrun, routing_replay=rollout, use_sampler_logprobs)")
+            raise ValueError(f"generation_backend={self.name!r} cannot provide {', '.join(missing)}, which this run "
+                             "needs (seeded_sampling or torchrun, routing_replay=rollout, the sampler's log-probs)")
+        self.with_logprobs = with_logprobs
+        self.sampler = (backend.start or PolicySampler)(model, tokenizer, cfg)
 
     def sample(self, prompts: list[str], step: int, first_row: int) -> Rollout:
         cfg, G = self.cfg, self.cfg.num_generations
+        sampler = self.sampler.model if isinstance(self.sampler, PolicySampler) else self.sampler
         return generate(self.model, self.tokenizer, prompts, G, max_new_tokens=cfg.max_completion_length,
                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                         max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts,
-                        with_logprobs=cfg.use_sampler_logprobs,
-                        routing_recorder=self.recorder(),
+                        with_logprobs=self.with_logprobs,
+                        routing_recorder=self.recorder(sampler),
                         row_seeds=row_seeds(cfg.seed, step, first_row, len(prompts) * G) if self.seeded else None,
-                        backend=cfg.generation_backend)
+                        backend=self.name, sampler=sampler)
 
-    def sync(self, policy) -> None:
-        pass
+    def sync(self, policy) -> dict:
+        """Load the updated policy into the sampler; {"time/sync_s": seconds}."""
+        return {"time/sync_s": self.sampler.push(policy)}

@@ -1,0 +1,94 @@
+"""Samplers that are not pi_old (gspo/rollout/sampling.py: PolicySampler): a low-precision copy of
+the weights (sampler_dtype) and stale weights (sampler_lag), measured with gspo/correction.py."""
+
+import pytest
+import torch
+from conftest import read_metrics, starts_with_digit, tiny_cfg
+
+from gspo.correction import mismatch_metrics, mismatch_moments
+from gspo.logprobs import completion_logprobs
+from gspo.models import seeded_model
+from gspo.rollout import Generator, PolicySampler
+from gspo.trainer import train
+
+PROMPTS = ["1+2+3=", "4+0+5=", "7+7+1="]
+
+
+def built(tmp_path, **kw):
+    cfg = tiny_cfg(tmp_path, num_generations=4, max_completion_length=16, temperature=1.0, **kw)
+    _, model, tokenizer = seeded_model(cfg)
+    return cfg, model, tokenizer
+
+
+def trainer_logprobs(model, rollout) -> torch.Tensor:
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+    return logp  # (N, T)
+
+
+def mismatch(model, rollout) -> dict:
+    moments, _ = mismatch_moments(trainer_logprobs(model, rollout), rollout.sampler_logprobs, rollout.completion_mask)
+    return mismatch_metrics(moments)
+
+
+def step_weights(model, seed: int) -> dict:
+    """A stand-in for an optimizer step: nudge every weight; returns a copy of the new weights."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_without_dtype_or_lag_the_sampler_is_the_policy(tmp_path):
+    cfg, model, _ = built(tmp_path)
+    sampler = PolicySampler(model, None, cfg)
+    assert sampler.model is model and sampler.push(model) == 0.0
+
+
+def test_bf16_sampler_mismatch_is_orders_of_magnitude_above_fp32(tmp_path):
+    cfg, model, tokenizer = built(tmp_path, log_mismatch=True, seeded_sampling=True)
+    fp32 = Generator(model, tokenizer, cfg, seeded=True).sample(PROMPTS, 1, 0)
+    cfg16, _, _ = built(tmp_path, sampler_dtype="bfloat16", seeded_sampling=True)
+    generator16 = Generator(model, tokenizer, cfg16, seeded=True)
+    assert next(generator16.sampler.model.parameters()).dtype == torch.bfloat16
+    bf16 = generator16.sample(PROMPTS, 1, 0)
+    kl32, kl16 = mismatch(model, fp32)["mismatch/kl"], mismatch(model, bf16)["mismatch/kl"]
+    # measured (tiny-dense SMALL, this seed): fp32 1.9e-14 (float rounding), bf16 4.9e-7 (fp16 8.1e-9)
+    assert kl32 < 1e-10, kl32
+    assert kl16 > 1e3 * max(kl32, 1e-12), (kl16, kl32)
+    # the copy follows the policy after a push (in its own dtype)
+    step_weights(model, 1)
+    generator16.sync(model)
+    for (name, p), q in zip(model.named_parameters(), generator16.sampler.model.parameters()):
+        assert torch.equal(q, p.detach().to(torch.bfloat16)), name
+
+
+def test_lag_samples_with_the_policy_of_k_rollouts_ago(tmp_path):
+    cfg, model, tokenizer = built(tmp_path, sampler_lag=2, seeded_sampling=True)
+    generator = Generator(model, tokenizer, cfg, seeded=True)
+    saved = [{k: v.clone() for k, v in model.state_dict().items()}]  # weights after 0, 1, 2, 3 updates
+    for step in (1, 2, 3, 4):
+        rollout = generator.sample(PROMPTS, step, 0)
+        # rollout s samples with the weights of max(0, s - 1 - k) updates
+        reference = type(model)(model.config)
+        reference.load_state_dict(saved[max(0, step - 1 - 2)])
+        reference.eval()
+        torch.testing.assert_close(rollout.sampler_logprobs, trainer_logprobs(reference, rollout) * rollout.completion_mask,
+                                   atol=1e-5, rtol=0)
+        if step > 1:  # and not with the current policy's
+            assert mismatch(model, rollout)["mismatch/abs_logp_diff_max"] > 1e-2
+        saved.append(step_weights(model, step))
+        generator.sync(model)
+
+
+@pytest.mark.slow
+def test_training_with_a_stale_sampler_logs_its_mismatch(tmp_path):
+    # lag 1: rollout 1 samples with the initial weights = pi_old; rollout 2 still with them, pi_old moved on
+    cfg = tiny_cfg(tmp_path, sampler_lag=1, max_steps=3, rollout_correction="token_tis", rollout_correction_high=1.5,
+                   reward_funcs=[starts_with_digit], per_device_batch_size=4)
+    train(cfg)
+    steps = [m for m in read_metrics(cfg.output_dir) if m["step"] > 0]
+    assert steps[0]["mismatch/kl"] < 1e-9 and steps[0]["mismatch/clipped_frac"] == 0
+    assert steps[1]["mismatch/kl"] > 1e-4 and steps[2]["mismatch/kl"] > 1e-4
+    assert all("time/sync_s" in m and 0 <= m["mismatch/ess"] <= 1 for m in steps)
