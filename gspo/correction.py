@@ -117,6 +117,9 @@ def correction_units(mode: str) -> dict[str, str]:
 def mismatch_moments(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor) -> tuple[dict, dict]:
     """Means (float64) from which `mismatch_metrics` finishes, and what each averages over.
 
+    Near mu == pi_old the weights are ~1: the moments hold w^2 - 1 and W - 1 (expm1), not w^2, so
+    the divergences keep their digits even after a float32 reduction across ranks.
+
     Every entry is a mean over tokens or over sequences (or a `/max`), so that the moments of
     several ranks recombine by a weighted mean: `Topology.reduce(*mismatch_moments(...))`
     needs the counts, which the second dict names ("tokens" / "sequences").
@@ -136,12 +139,12 @@ def mismatch_moments(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tenso
 
     moments = {
         "tok/k3": tok(w - 1.0 - log_w),  # KL(mu || pi_old) from samples of mu: E_mu[r - 1 - log r], r = pi_old/mu
-        "tok/w2": tok(w.square()),
+        "tok/w2m1": tok(torch.expm1(2 * log_w)),  # w^2 - 1: no cancellation near 1
         "tok/absdiff": tok(log_w.abs()),
         "tok/absdiff/max": (log_w.abs() * m).max(),
         "tok/p": tok(p), "tok/q": tok(q), "tok/pp": tok(p * p), "tok/qq": tok(q * q), "tok/pq": tok(p * q),
-        "seq/W": seq_log_w.clamp(-_MAX_LOG, _MAX_LOG).exp().mean(),
-        "seq/W2": (2 * seq_log_w.clamp(-_MAX_LOG, _MAX_LOG)).exp().mean(),
+        "seq/Wm1": torch.expm1(seq_log_w.clamp(-_MAX_LOG, _MAX_LOG)).mean(),  # W - 1
+        "seq/W2m1": torch.expm1(2 * seq_log_w.clamp(-_MAX_LOG, _MAX_LOG)).mean(),  # W^2 - 1
     }
     units = {k: "sequences" if k.startswith("seq/") else "tokens" for k in moments}
     return moments, units
@@ -163,9 +166,9 @@ def mismatch_metrics(moments: dict) -> dict[str, float]:
     pearson = max(-1.0, min(1.0, cov / math.sqrt(var_p * var_q))) if var_p > 0 and var_q > 0 else math.nan
     return {
         "mismatch/kl": g["tok/k3"],
-        "mismatch/chi2_token": g["tok/w2"] - 1.0,
-        "mismatch/chi2_seq": g["seq/W2"] - 1.0,
-        "mismatch/ess": g["seq/W"] ** 2 / g["seq/W2"],
+        "mismatch/chi2_token": g["tok/w2m1"],
+        "mismatch/chi2_seq": g["seq/W2m1"],
+        "mismatch/ess": (1.0 + g["seq/Wm1"]) ** 2 / (1.0 + g["seq/W2m1"]),
         "mismatch/abs_logp_diff_mean": g["tok/absdiff"],
         "mismatch/abs_logp_diff_max": g["tok/absdiff/max"],
         "mismatch/prob_pearson": pearson,

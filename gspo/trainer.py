@@ -198,6 +198,9 @@ def restore(checkpoint: Path, cfg, topology: Topology, out_dir: Path, model, opt
             print(f"resume: {moved.name.split('.damaged')[0]} failed verification; set aside as {moved} "
                   "(nothing deleted)", file=sys.stderr, flush=True)
         discard_newer_checkpoints(out_dir, state["step"], cfg.overwrite_output_dir)
+    if cfg.sampler_lag and topology.is_main:
+        print(f"resume: sampler_lag={cfg.sampler_lag}: the sampler starts again from the resumed weights (the older "
+              "weights it lagged behind are not checkpointed)", file=sys.stderr, flush=True)
     source.load_state_dict(state["trainer_state"]["sampler"])
     guard.load_state_dict(state["trainer_state"]["guard"])
     return state["step"] + 1, {int(k): v for k, v in state["trainer_state"]["evals"].items()}

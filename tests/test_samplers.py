@@ -92,3 +92,16 @@ def test_training_with_a_stale_sampler_logs_its_mismatch(tmp_path):
     assert steps[0]["mismatch/kl"] < 1e-9 and steps[0]["mismatch/clipped_frac"] == 0
     assert steps[1]["mismatch/kl"] > 1e-4 and steps[2]["mismatch/kl"] > 1e-4
     assert all("time/sync_s" in m and 0 <= m["mismatch/ess"] <= 1 for m in steps)
+
+
+def test_a_checkpoint_older_than_the_sampler_settings_resumes_at_their_defaults(tmp_path):
+    from gspo.checkpoint import check_resumable, saved_config
+
+    cfg = tiny_cfg(tmp_path)
+    old = {k: v for k, v in saved_config(cfg).items()
+           if k not in ("sampler_dtype", "sampler_lag", "rollout_correction", "rollout_correction_low",
+                        "rollout_correction_high", "log_mismatch", "vllm_sleep")}
+    check_resumable(old, cfg, 1)  # the new settings at their defaults: what the old run did
+    check_resumable(old, tiny_cfg(tmp_path, log_mismatch=True, vllm_sleep=False), 1)  # logging / memory only
+    with pytest.raises(ValueError, match=r"sampler_lag=0 \(now 2\)"):
+        check_resumable(old, tiny_cfg(tmp_path, sampler_lag=2), 1)

@@ -4,6 +4,7 @@ change, and what happens to newer checkpoints."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import MISSING, fields
 import os
 from pathlib import Path
 
@@ -81,7 +82,8 @@ RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_
                      "save_steps", "save_total_limit", "eval_steps", "log_samples_steps", "log_samples_count",
                      "tensorboard", "wandb", "wandb_project", "max_consecutive_skips", "dist_timeout_s",
                      "distributed",  # checkpoints hold full weights and optimizer state in one layout
-                     "generation_backend")  # both samplers draw the same tokens for the same seed
+                     "generation_backend",  # gspo and hf draw the same tokens for the same seed (vllm: its own)
+                     "log_mismatch", "vllm_gpu_memory_utilization", "vllm_kv_cache_bytes", "vllm_sleep")
 
 
 def saved_config(cfg, world_size: int = 1) -> dict:
@@ -101,6 +103,8 @@ def saved_config(cfg, world_size: int = 1) -> dict:
 def check_resumable(saved: dict, cfg, step: int, world: int = 1) -> None:
     """A resumed run must compute what the checkpointed one did: same settings, and steps left to run."""
     now = saved_config(cfg, world)
+    # a setting newer than the checkpoint acted as its default then
+    saved = {**{f.name: f.default for f in fields(cfg) if f.default is not MISSING and f.name not in saved}, **saved}
     changed = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))
     if changed:
         def describe(k: str) -> str:
