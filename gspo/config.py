@@ -147,7 +147,7 @@ class TrainConfig(ModelConfig):
     logprob_chunk_size: int | None = None
     """Rows of the output head computed at once when taking log-probs (memory vs speed); None: rows that keep a chunk's fp32 logits at 2**26 elements (441 at V=151,936)."""
     generation_backend: str = "auto"
-    """Sampler: gspo (own KV-cached loop, HF's tokens for the same seed, no per-step cache copies), hf (HF generate) or auto (gspo where the model allows: plain KV-cache attention, not FSDP-sharded)."""
+    """Sampler: gspo (own KV-cached loop, HF's tokens for the same seed, no per-step cache copies), hf (HF generate), vllm (a vLLM engine in the training process, weights pushed after each step's updates; `make test-vllm`, pip install 'gspo[vllm]') or auto (gspo where the model allows: plain KV-cache attention, not FSDP-sharded; never vllm)."""
     sampler_dtype: str | None = None
     """The sampler's parameter dtype, e.g. bfloat16: gspo/hf sample from a copy of the weights in it (refreshed after each step's updates), vllm runs its engine in it; null: the policy's own. A stand-in for an inference engine's numerics (mu != pi_old: see mismatch/*)."""
     sampler_lag: int = 0

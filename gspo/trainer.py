@@ -168,6 +168,7 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
         raise TrainingInterrupted(stopped.signum, step - 1, saved) from None
     finally:
         stop.restore()
+        generator.close()
         progress.close()
         logger.close()
 

@@ -239,7 +239,7 @@ def test_generation_config_processor_falls_back(dense):
 def test_bad_arguments_raise(dense):
     model, tok = dense
     with pytest.raises(ValueError, match="backend must be"):
-        generate(model, tok, PROMPTS, 1, max_new_tokens=3, backend="vllm")
+        generate(model, tok, PROMPTS, 1, max_new_tokens=3, backend="nope")
     ids, mask = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left").values()
     with pytest.raises(ValueError, match="max_new_tokens"):
         sample(model, ids, mask, max_new_tokens=0, eos_token_ids=[2], pad_token_id=0)

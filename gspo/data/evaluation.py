@@ -6,12 +6,14 @@ import torch
 
 from gspo.data.rewards import answer_match, get_reward_fn, score_completions
 from gspo.data.rows import columns_of
-from gspo.rollout import generate
+from gspo.rollout import generate, policy_backend
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, rows: list[dict], cfg, *, sampled: bool = True) -> dict[str, float]:
     """Greedy accuracy, and mean@k / pass@k of `cfg.eval_k` samples at `cfg.eval_temperature`.
+
+    Sampled with the policy itself (never a stale or low-precision copy, nor an engine).
 
     Correctness is the `answer_match` reward, so rows need an `answer` column; without one
     the mean total reward of `cfg.reward_funcs` is reported instead (`eval/reward`).
@@ -24,7 +26,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg, *, sampled: bool = True) -
     limit = getattr(cfg, "max_prompt_length", 512)
     common = dict(max_new_tokens=cfg.max_completion_length, max_prompt_length=limit,
                   truncate_prompts=getattr(cfg, "truncate_prompts", "error"),
-                  backend=getattr(cfg, "generation_backend", "auto"))
+                  backend=policy_backend(getattr(cfg, "generation_backend", "auto")))
     runs = {"greedy": generate(model, tokenizer, prompts, 1, greedy=True, **common)}
     if sampled:
         runs["sampled"] = generate(model, tokenizer, prompts, k, temperature=cfg.eval_temperature, **common)

@@ -24,10 +24,12 @@ from gspo.rollout.sampling import (
                                    generator_choices,
                                    keeps_sampler_logprobs,
                                    pick_generator,
+                                   policy_backend,
                                    register_generator,
                                    row_seeds,
 )
 
 __all__ = ["GENERATORS", "Generator", "GeneratorBackend", "PolicySampler", "Rollout", "SeededSampler", "completion_mask_from_ids",
-           "encode_prompts", "eos_ids", "generate", "generator_choices", "keeps_sampler_logprobs", "pad_id", "pick_generator",
+           "encode_prompts", "eos_ids", "generate", "generator_choices", "keeps_sampler_logprobs", "pad_id", "pick_generator", "policy_backend",
            "register_generator", "row_seeds"]
+import gspo.rollout.vllm_engine  # noqa: F401  (registers "vllm")

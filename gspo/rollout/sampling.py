@@ -149,6 +149,11 @@ def generator_choices() -> tuple[str, ...]:
     return ("auto", *GENERATORS)
 
 
+def policy_backend(backend: str) -> str:
+    """The backend that samples with the policy itself: `backend`, or "auto" where it names an engine (vllm)."""
+    return "auto" if backend in GENERATORS and GENERATORS[backend].start is not None else backend
+
+
 def pick_generator(model, backend: str) -> str:
     """The registered generator `backend` names, or for "auto" the first that can run `model`."""
     if backend not in generator_choices():
@@ -321,3 +326,9 @@ class Generator:
     def sync(self, policy) -> dict:
         """Load the updated policy into the sampler; {"time/sync_s": seconds}."""
         return {"time/sync_s": self.sampler.push(policy)}
+
+    def close(self) -> None:
+        """Shut down an engine this Generator started (vllm: one per process at a time); nothing otherwise."""
+        close = getattr(self.sampler, "close", None)
+        if close is not None:
+            close()

