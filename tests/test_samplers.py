@@ -92,6 +92,7 @@ def test_training_with_a_stale_sampler_logs_its_mismatch(tmp_path):
     assert steps[0]["mismatch/kl"] < 1e-9 and steps[0]["mismatch/clipped_frac"] == 0
     assert steps[1]["mismatch/kl"] > 1e-4 and steps[2]["mismatch/kl"] > 1e-4
     assert all("time/sync_s" in m and 0 <= m["mismatch/ess"] <= 1 for m in steps)
+    assert steps[0]["time/sampler_start_s"] > 0 and "time/sampler_start_s" not in steps[1]  # the copy, made once
 
 
 def test_a_checkpoint_older_than_the_sampler_settings_resumes_at_their_defaults(tmp_path):

@@ -309,7 +309,7 @@ class Generator:
         if missing:
             raise ValueError(f"generation_backend={self.name!r} cannot provide {', '.join(missing)}, which this run "
                              "needs (seeded_sampling or torchrun, routing_replay=rollout, the sampler's log-probs)")
-        self.with_logprobs = with_logprobs
+        self.with_logprobs, self.synced = with_logprobs, False
         self.sampler = (backend.start or PolicySampler)(model, tokenizer, cfg)
 
     def sample(self, prompts: list[str], step: int, first_row: int) -> Rollout:
@@ -324,8 +324,12 @@ class Generator:
                         backend=self.name, sampler=sampler)
 
     def sync(self, policy) -> dict:
-        """Load the updated policy into the sampler; {"time/sync_s": seconds}."""
-        return {"time/sync_s": self.sampler.push(policy)}
+        """Load the updated policy into the sampler; {"time/sync_s": seconds}, and on the first call
+        `time/sampler_start_s` (the engine's start-up, or making the copy; 0 for the policy itself)."""
+        stats = {"time/sync_s": self.sampler.push(policy)}
+        if not self.synced:
+            stats["time/sampler_start_s"], self.synced = self.sampler.start_s, True
+        return stats
 
     def close(self) -> None:
         """Shut down an engine this Generator started (vllm: one per process at a time); nothing otherwise."""
