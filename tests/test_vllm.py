@@ -224,6 +224,6 @@ def test_gspo_training_with_vllm_moves_a_forced_reward(tmp_path):
     assert first < 0.35, first
     assert last > first + 0.4, (first, last)
     assert all(0 < r["time/sync_s"] < 10 for r in records)
-    assert 0.5 < records[0]["time/sampler_start_s"] < 60 and "time/sampler_start_s" not in records[1]
+    assert 0 < records[0]["time/sampler_start_s"] < 60 and "time/sampler_start_s" not in records[1]
     kl = max(r["mismatch/kl"] for r in records)
     assert math.isfinite(kl) and kl < 1e-4, kl  # fp32 engine against the trainer: measured < 1e-12
