@@ -1,7 +1,9 @@
-"""Group-relative advantages (GRPO / GSPO) and group statistics. Pure functions.
+"""Advantages: group-relative (GRPO / GSPO), leave-one-out (RLOO), GAE over tokens (PPO), and
+group statistics. Pure functions.
 
-Advantage estimators are registered by name (`register_estimator`); `advantage_scale` in the
-config picks one, and `group_advantages` checks the inputs and dispatches to it.
+Sequence-level estimators are registered by name (`register_estimator`); `advantage_scale` in
+the config picks one, and `group_advantages` checks the inputs and dispatches to it. `gae` works
+per token from a critic's values (N, T) and is not a registered sequence estimator.
 
 Rewards arrive as a flat (N,) tensor, N = B * G, ordered group by group: the G
 completions of prompt 0, then the G of prompt 1, and so on.
@@ -105,6 +107,63 @@ def batch_scaled(rewards: torch.Tensor, group_size: int, eps: float, valid: torc
 def centred_only(rewards: torch.Tensor, group_size: int, eps: float, valid: torch.Tensor | None) -> torch.Tensor:
     """Dr. GRPO: centred within the group, not divided by any std."""
     return _flat(_centred(rewards, group_size, valid)[1], rewards)  # (N,)
+
+
+@register_estimator("rloo")
+def leave_one_out(rewards: torch.Tensor, group_size: int, eps: float, valid: torch.Tensor | None) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics"): r_i minus the mean of the other valid rewards of
+    its group, not divided by any std; 0 for a sample with no valid sibling. With k valid samples,
+    r_i - mean_{j != i} r_j = k / (k - 1) * (r_i - mean_j r_j), which is how it is computed."""
+    _, centred, count = _centred(rewards, group_size, valid)  # (B, G), (B, G), (B, 1) or None
+    k = torch.full((centred.shape[0], 1), float(group_size), dtype=centred.dtype) if count is None else count
+    return _flat(torch.where(k > 1, centred * k / (k - 1).clamp(min=1), torch.zeros_like(centred)), rewards)  # (N,)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over completion tokens (Schulman et al. 2016, eq. (16)).
+
+    rewards, values, mask: (N, T); completions right-padded (mask True on each row's first L_i
+    tokens). values[:, t] is the critic's estimate of the return from token t on; after a
+    completion's last token the value is 0 (the episode ends there). With
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l delta_{t+l}; returns A + V.
+    Padding holds anything (even NaN) and never changes a real token's advantage; it gets 0.
+    Returns (advantages (N, T), returns (N, T)), float32 computed in float64.
+
+    Example: rewards [0, 0, 0, 1], values [0.5, 0.4, 0.6, 0.7], gamma 0.9, lam 0.8:
+    A = [0.0883264, 0.31712, 0.246, 0.3].
+    """
+    if not 0 <= gamma <= 1 or not 0 <= lam <= 1:
+        raise ValueError(f"gae: gamma={gamma!r} and lam={lam!r} must be in [0, 1]")
+    if rewards.shape != values.shape or rewards.shape != mask.shape or rewards.dim() != 2:
+        raise ValueError(f"gae: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must be the same (N, T)")
+    mask = mask.bool()
+    r = torch.where(mask, rewards.double(), 0.0)  # (N, T)
+    v = torch.where(mask, values.detach().double(), 0.0)  # (N, T)
+    T = r.shape[1]
+    advantages = torch.zeros_like(r)  # (N, T)
+    running = torch.zeros_like(r[:, 0])  # (N,) A_{t+1}
+    for t in reversed(range(T)):
+        following = v[:, t + 1] if t + 1 < T else torch.zeros_like(running)  # (N,) 0 past a row's end
+        delta = r[:, t] + gamma * following - v[:, t]  # (N,)
+        running = torch.where(mask[:, t], delta + gamma * lam * running, 0.0)  # (N,)
+        advantages[:, t] = running
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    return advantages.to(dtype), torch.where(mask, advantages + v, 0.0).to(dtype)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
+    """(N, T) values normalised over the masked tokens: (x - mean) / std (population), 0 on padding.
+
+    shift_mean=False only divides by the std (the mean stays), as PPO implementations do for returns."""
+    mask = mask.bool()
+    x = torch.where(mask, values.double(), 0.0)  # (N, T)
+    n = mask.sum().clamp(min=1)
+    mean = x.sum() / n
+    std = ((torch.where(mask, x - mean, 0.0) ** 2).sum() / n).sqrt()
+    out = ((x - mean) if shift_mean else x) / (std + eps)
+    return torch.where(mask, out, 0.0).to(values.dtype)
 
 
 def _centred(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None

@@ -115,7 +115,7 @@ class TrainConfig(ModelConfig):
     aggregation: str | None = None
     """Loss aggregation: seq_mean_token_mean, token_mean (DAPO) or seq_mean_token_sum_norm (Dr. GRPO); default per objective."""
     advantage_scale: str = "group"
-    """Advantage normalisation: group (GRPO), batch, none (Dr. GRPO), or one registered with gspo.advantages.register_estimator."""
+    """Sequence advantage: group (GRPO: centred, divided by the group's std), batch (the batch's std), none (Dr. GRPO: centred only), rloo (leave-one-out baseline), or one registered with gspo.advantages.register_estimator."""
     num_minibatches: int = 4
     """Optimizer steps per rollout batch (GSPO paper: 4); minibatches after the first are off-policy."""
     num_epochs: int = 1

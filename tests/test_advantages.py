@@ -2,8 +2,11 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gspo.advantages import ESTIMATORS, group_advantages, group_stats, register_estimator, unregister_estimator
+from gspo.advantages import (ESTIMATORS, gae, group_advantages, group_stats, register_estimator, unregister_estimator,
+                             whiten)
 from gspo.config import TrainConfig, make_config
 
 
@@ -102,6 +105,66 @@ def test_a_registered_estimator_is_dispatched_and_accepted_by_the_config():
         assert make_config(TrainConfig, {"advantage_scale": "sign"}).advantage_scale == "sign"
     finally:
         unregister_estimator("sign")
-    assert list(ESTIMATORS) == ["group", "batch", "none"]
-    with pytest.raises(ValueError, match="advantage_scale='sign' is not one of group, batch, none"):
+    assert list(ESTIMATORS) == ["group", "batch", "none", "rloo"]
+    with pytest.raises(ValueError, match="advantage_scale='sign' is not one of group, batch, none, rloo"):
         make_config(TrainConfig, {"advantage_scale": "sign"})
+
+
+def test_rloo_hand_values():
+    # group (1, 0, 0, 0): 1 - 0 = 1, 0 - 1/3; group (2, 2, 0, 4): 2 - 2, 2 - 2, 0 - 8/3, 4 - 4/3
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0, 4.0]), 4, scale="rloo")
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, 0.0, 0.0, -8 / 3, 8 / 3]))
+    # dropped samples are no one's baseline; a sample with no valid sibling gets 0
+    valid = torch.tensor([True, True, False, False, True, False, False, False])
+    adv = group_advantages(torch.tensor([1.0, 0.0, 9.0, 9.0, 5.0, 0.0, 0.0, 0.0]), 4, scale="rloo", valid=valid)
+    assert adv.tolist() == [1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def gae_case():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 2.0, math.nan, 7.0]])  # row 1: 2 tokens, then padding
+    values = torch.tensor([[0.5, 0.4, 0.6, 0.7], [1.0, 0.5, math.inf, -3.0]])
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    return rewards, values, mask
+
+
+def test_gae_hand_values():
+    # gamma 0.9, lam 0.8 (gamma * lam = 0.72); delta_t = r_t + 0.9 V_{t+1} - V_t, V after the last token = 0
+    # row 0: deltas (-0.14, 0.14, 0.03, 0.3) -> A_3 = 0.3, A_2 = 0.03 + 0.72 * 0.3 = 0.246,
+    #        A_1 = 0.14 + 0.72 * 0.246 = 0.31712, A_0 = -0.14 + 0.72 * 0.31712 = 0.0883264
+    # row 1: deltas (0.9 * 0.5 - 1 = -0.55, 2 - 0.5 = 1.5) -> A_1 = 1.5, A_0 = -0.55 + 0.72 * 1.5 = 0.53
+    advantages, returns = gae(*gae_case(), gamma=0.9, lam=0.8)
+    torch.testing.assert_close(advantages, torch.tensor([[0.0883264, 0.31712, 0.246, 0.3], [0.53, 1.5, 0.0, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.5883264, 0.71712, 0.846, 1.0], [1.53, 2.0, 0.0, 0.0]]))
+
+
+def test_gae_with_gamma_lambda_one_and_zero_values_gives_the_terminal_reward_everywhere():
+    rewards, _, mask = gae_case()
+    advantages, returns = gae(rewards, torch.zeros(2, 4), mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(advantages, torch.tensor([[1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 0.0, 0.0]]))
+    torch.testing.assert_close(returns, advantages)
+
+
+@settings(max_examples=40)
+@given(st.integers(0, 2**31 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.sampled_from([0.0, math.nan, 1e9]))
+def test_gae_padding_never_changes_a_real_token(seed, gamma, lam, pad_value):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 6, (3,), generator=g)
+    mask = torch.arange(6)[None, :] < lengths[:, None]  # (3, 6) right-padded
+    rewards, values = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
+    a, r = gae(rewards, values, mask, gamma, lam)
+    filled = [torch.where(mask, t, torch.full_like(t, pad_value)) for t in (rewards, values)]
+    b, s = gae(*filled, mask, gamma, lam)
+    assert torch.equal(a, b) and torch.equal(r, s) and not a[~mask].any()
+    wider = [torch.cat([t, torch.full((3, 2), pad_value)], 1) for t in (rewards, values)]
+    c, _ = gae(*wider, torch.cat([mask, torch.zeros(3, 2, dtype=torch.bool)], 1), gamma, lam)
+    assert torch.equal(c[:, :6], a)
+
+
+def test_whiten_over_the_masked_tokens():
+    x = torch.tensor([[1.0, 3.0, math.nan], [5.0, 7.0, 2.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    # tokens 1, 3, 5, 7: mean 4, population std sqrt(5)
+    torch.testing.assert_close(whiten(x, mask), torch.tensor([[-3, -1, 0], [1, 3, 0]]) / math.sqrt(5), atol=1e-6,
+                               rtol=0)
+    torch.testing.assert_close(whiten(x, mask, shift_mean=False), torch.tensor([[1, 3, 0], [5, 7, 0]]) / math.sqrt(5),
+                               atol=1e-6, rtol=0)
