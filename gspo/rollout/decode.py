@@ -92,6 +92,11 @@ class PrefixKVLayer(CacheLayerMixin):
         self.keys = self.values = None
 
 
+def _cache_argument(params) -> str | None:
+    """The name under which the model's forward takes a KV cache, or None."""
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
 def prefix_cache(num_layers: int, capacity: int) -> Cache:
     """An HF `Cache` of `num_layers` `PrefixKVLayer`s holding up to `capacity` positions each."""
     return Cache(layers=[PrefixKVLayer(capacity) for _ in range(num_layers)])
@@ -145,7 +150,9 @@ def unsupported_reason(model) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported"
     params = inspect.signature(model.forward).parameters
-    for name in ("cache", "position_ids", "attention_mask"):
+    if _cache_argument(params) is None:
+        return f"{type(model).__name__}.forward takes no `cache` (or `past_key_values`) argument"
+    for name in ("position_ids", "attention_mask"):
         if name not in params:
             return f"{type(model).__name__}.forward takes no `{name}` argument"
     # What HF would build for this model; a plain full-attention KV layer everywhere is what we replace
@@ -242,10 +249,12 @@ def sample(
     unfinished = torch.ones(N, dtype=torch.bool, device=device)  # (N,)
     # the last token is never fed back: P + max_new_tokens - 1 positions ever enter the cache
     cache = prefix_cache(_num_layers(model), P + max_new_tokens - 1)
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    params = inspect.signature(model.forward).parameters
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    extra[_cache_argument(params)] = cache  # transformers >= 5.20 names it `cache`, earlier 5.x `past_key_values`
 
     out = model(input_ids=prompt_ids, attention_mask=None if mask is None else mask[:, :P],
-                position_ids=position_ids, cache=cache, use_cache=True, return_dict=True, **extra)
+                position_ids=position_ids, use_cache=True, return_dict=True, **extra)
     if any(layer.filled != P for layer in cache.layers):
         raise ValueError(f"{type(model).__name__} did not fill gspo's KV cache in every layer; use backend='hf'")
     T = max_new_tokens
@@ -274,6 +283,6 @@ def sample(
                 T = t + 1
                 break
             out = model(input_ids=token[:, None], attention_mask=None if mask is None else mask[:, : P + t + 1],
-                        position_ids=next_position + t, cache=cache, use_cache=True, return_dict=True, **extra)
+                        position_ids=next_position + t, use_cache=True, return_dict=True, **extra)
     completion_ids = ids[:, P : P + T].clone()  # (N, T)
     return completion_ids, logprobs[:, :T].clone() if with_logprobs else None
