@@ -12,6 +12,10 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The "50M" dense model of the sampler benchmarks (49.2M parameters with the add3 vocabulary):
+# model_overrides of the tiny-dense preset, the same in every table that names it
+MODEL_50M = {"num_hidden_layers": 8, "hidden_size": 640, "intermediate_size": 2560, "num_attention_heads": 10,
+             "num_key_value_heads": 5, "head_dim": 64}
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -22,15 +22,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, table, write_result
+from common import MODEL_50M, machine, median, table, write_result
 
 # name: (model_overrides of tiny-dense, prompts B, completions per prompt G, max new tokens T)
 CASES = {
     "demo": ({}, 16, 8, 48),  # the demo's RL rollout (gspo/demo.py: DEMO_RL)
-    "50M": ({"num_hidden_layers": 8, "hidden_size": 640, "intermediate_size": 2560, "num_attention_heads": 10,
-             "num_key_value_heads": 5, "head_dim": 64}, 16, 8, 48),
-    "50M-long": ({"num_hidden_layers": 8, "hidden_size": 640, "intermediate_size": 2560, "num_attention_heads": 10,
-                  "num_key_value_heads": 5, "head_dim": 64}, 4, 8, 128),
+    "50M": (MODEL_50M, 16, 8, 48),
+    "50M-long": (MODEL_50M, 4, 8, 128),
 }
 BACKENDS = ("vllm", "gspo", "hf")
 

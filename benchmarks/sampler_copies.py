@@ -18,13 +18,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median, table, write_result  # noqa: E402
+from common import MODEL_50M, median, table, write_result
 
-MODELS = {
-    "demo (0.6M)": {},
-    "50M": {"num_hidden_layers": 8, "hidden_size": 640, "intermediate_size": 2560, "num_attention_heads": 10,
-            "num_key_value_heads": 5, "head_dim": 64},
-}
+MODELS = {"demo (0.6M)": {}, "50M": MODEL_50M}
 VARIANTS = {"policy": {}, "policy + mu": {"log_mismatch": True}, "bf16 copy": {"sampler_dtype": "bfloat16"},
             "lag 1 copy": {"sampler_lag": 1}}
 
@@ -39,7 +35,7 @@ def main() -> None:
     from gspo.config import TrainConfig, make_config
     from gspo.correction import mismatch_metrics, mismatch_moments
     from gspo.logprobs import completion_logprobs
-    from gspo.models import seeded_model
+    from gspo.models import count_parameters, seeded_model
     from gspo.rollout import Generator
 
     torch.set_num_threads(args.threads)
@@ -51,7 +47,7 @@ def main() -> None:
                 "seeded_sampling": True, "output_dir": tempfile.mkdtemp(), "device": "cpu"}
         cfg = make_config(TrainConfig, base)
         _, model, tokenizer = seeded_model(cfg)
-        params = sum(p.numel() for p in model.parameters())
+        params = count_parameters(model)
         generators = {name: Generator(model, tokenizer, make_config(TrainConfig, {**base, **kw}), seeded=True)
                       for name, kw in VARIANTS.items()}
         times = {name: [] for name in VARIANTS}

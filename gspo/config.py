@@ -444,9 +444,8 @@ def _validate_train(cfg: TrainConfig) -> None:
                          "distribution's log-probs; disable one of them")
     check_choice(cfg, "task_weighting", WEIGHTINGS)
     check_choice(cfg, "generation_backend", generator_choices())
-    if cfg.sampler_dtype is not None and cfg.sampler_dtype not in set(DTYPES) - {"auto"}:
-        raise ValueError(f"config: sampler_dtype={cfg.sampler_dtype!r}; choose one of "
-                         f"{', '.join(d for d in DTYPES if d != 'auto')} or null (the policy's own)")
+    if cfg.sampler_dtype is not None:  # null: the policy's own dtype
+        check_choice(cfg, "sampler_dtype", tuple(d for d in DTYPES if d != "auto"))
     check_positive(cfg, "sampler_lag", allow_zero=True)
     check_choice(cfg, "rollout_correction", CORRECTIONS)
     _prefixed(thresholds, cfg.rollout_correction, cfg.rollout_correction_low, cfg.rollout_correction_high)

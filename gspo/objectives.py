@@ -54,7 +54,7 @@ class LossInputs:
 
     def weigh_seq(self, per_seq: Tensor) -> Tensor:
         """(N,) per-sequence terms times the correction's factor averaged over each sequence's tokens."""
-        return per_seq if self.weight is None else per_seq * ((self.weight * self.maskf).sum(-1) / self.lengths)
+        return per_seq if self.weight is None else per_seq * (self.weight.sum(-1) / self.lengths)  # 0 on padding
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ change, and what happens to newer checkpoints."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import MISSING, fields
 import os
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from gspo.checkpoint.files import (

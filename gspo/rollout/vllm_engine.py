@@ -1,6 +1,6 @@
 """The vllm generator (`generation_backend: vllm`): a vLLM engine colocated in the training process.
 
-`Generator` starts it once per run from the policy's current weights (`start_engine`): the policy
+`Generator` starts it once per run from the policy's current weights (`VLLMEngine`): the policy
 is saved (safetensors) to a temporary folder, `vllm.LLM` loads it in this very process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, eager, no tokenizer: gspo hands it token ids and decodes
 itself). `sample` submits one request per prompt with n = G and lays the completions out as
@@ -350,14 +350,6 @@ def _hidden(logger: str, *messages: str):
         log.removeFilter(keep)
 
 
-def start_engine(policy, tokenizer, cfg) -> VLLMEngine:
-    """The backend's `start`: an engine built from the policy's current weights."""
-    return VLLMEngine(policy, tokenizer, cfg)
-
-
-def _vllm_sample(engine, prompt_ids, prompt_mask, **kwargs) -> tuple[Tensor, Tensor | None]:
-    return engine.sample(prompt_ids, prompt_mask, **kwargs)
-
-
-register_generator("vllm", GeneratorBackend(_vllm_sample, unsupported_reason, seeded_rows=True, routing_record=False,
-                                            logprobs=True, start=start_engine))
+# start: an engine built from the policy's current weights; sample: its method, the engine first
+register_generator("vllm", GeneratorBackend(VLLMEngine.sample, unsupported_reason, seeded_rows=True,
+                                            routing_record=False, logprobs=True, start=VLLMEngine))
