@@ -46,7 +46,7 @@ def rl_config(spec: dict):
         model=spec["model_dir"], task="add3", seed=spec["seed"], output_dir=spec["output_dir"],
         max_steps=spec["steps"], per_device_batch_size=spec["B"], num_generations=spec["G"],
         num_minibatches=spec["M"], num_epochs=1, max_completion_length=spec["T"], temperature=1.0,
-        top_k=0, top_p=1.0, objective="gspo", clip_low=3e-4, clip_high=4e-4, advantage_scale="group",
+        top_k=0, top_p=1.0, objective="gspo", clip_low=3e-4, clip_high=4e-4, advantage_estimator="group",
         kl_coef=0.0, learning_rate=spec["lr"], lr_scheduler="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0, eval_num_prompts=spec["eval_prompts"],
         eval_k=spec["eval_k"], eval_steps=0, save_steps=0, log_samples_steps=0, progress=False,

@@ -1,9 +1,10 @@
 """Advantages: group-relative (GRPO / GSPO), leave-one-out (RLOO), GAE over tokens (PPO), and
 group statistics. Pure functions.
 
-Sequence-level estimators are registered by name (`register_estimator`); `advantage_scale` in
+Sequence-level estimators are registered by name (`register_estimator`); `advantage_estimator` in
 the config picks one, and `group_advantages` checks the inputs and dispatches to it. `gae` works
-per token from a critic's values (N, T) and is not a registered sequence estimator.
+per token from a critic's values (N, T) and is not a registered sequence estimator; the config's
+choices are `estimator_choices()`: the registry's names and "gae".
 
 Rewards arrive as a flat (N,) tensor, N = B * G, ordered group by group: the G
 completions of prompt 0, then the G of prompt 1, and so on.
@@ -17,7 +18,14 @@ from collections.abc import Callable
 import torch
 
 ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
-"""The registry, name -> estimator(rewards, group_size, eps, valid) -> (N,) advantages; config's `advantage_scale`."""
+"""The registry, name -> estimator(rewards, group_size, eps, valid) -> (N,) advantages; config's `advantage_estimator`."""
+TOKEN_ESTIMATORS = ("gae",)
+"""Estimators that need a critic and give one advantage per token (gspo/baselines.py)."""
+
+
+def estimator_choices() -> tuple[str, ...]:
+    """Every value `advantage_estimator` accepts: the registered sequence estimators, then gae."""
+    return (*ESTIMATORS, *TOKEN_ESTIMATORS)
 
 
 def register_estimator(name: str):
@@ -48,8 +56,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     """A_i = (r_i - mean of its group) / (std + eps). rewards: (N,) -> advantages (N,).
 
     scale: a registered estimator (ESTIMATORS). "group" divides by the group's std (DeepSeekMath
-    sec. 4.1.2, GSPO eq. (6)); "batch" by the std of the whole batch (as in REINFORCE++); "none" only
-    centres (Dr. GRPO argues the std division biases toward easy or hard prompts).
+    sec. 4.1.2, GSPO eq. (6)); "batch" by the std of the whole batch (REINFORCE++-baseline); "none" only
+    centres (Dr. GRPO argues the std division biases toward easy or hard prompts); "rloo" subtracts
+    the mean of the other samples; "reinforce_pp" uses no group at all (the batch's mean and std).
     The std is the population std (divide by G), so a group whose rewards all agree gets
     exactly zero advantage and never NaN.
     valid: optional (N,) bool; samples marked False (a dropped reward, possibly NaN) get
@@ -117,6 +126,18 @@ def leave_one_out(rewards: torch.Tensor, group_size: int, eps: float, valid: tor
     _, centred, count = _centred(rewards, group_size, valid)  # (B, G), (B, G), (B, 1) or None
     k = torch.full((centred.shape[0], 1), float(group_size), dtype=centred.dtype) if count is None else count
     return _flat(torch.where(k > 1, centred * k / (k - 1).clamp(min=1), torch.zeros_like(centred)), rewards)  # (N,)
+
+
+@register_estimator("reinforce_pp")
+def batch_normalised(rewards: torch.Tensor, group_size: int, eps: float, valid: torch.Tensor | None) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025): (r_i - batch mean) / (batch std + eps) over the valid samples, with no
+    per-prompt baseline (the groups are ignored); dropped samples get 0."""
+    keep = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
+    r = torch.where(keep, rewards, 0).double()  # (N,)
+    n = keep.sum().clamp(min=1)
+    mean = r.sum() / n
+    std = ((torch.where(keep, r - mean, 0.0) ** 2).sum() / n).sqrt()
+    return _flat(torch.where(keep, (r - mean) / (std + eps), 0.0), rewards)  # (N,)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,

@@ -114,8 +114,24 @@ class TrainConfig(ModelConfig):
     """Upper clip range: ratio <= 1 + clip_high. Default per objective: gspo 4e-4, grpo 0.2."""
     aggregation: str | None = None
     """Loss aggregation: seq_mean_token_mean, token_mean (DAPO) or seq_mean_token_sum_norm (Dr. GRPO); default per objective."""
-    advantage_scale: str = "group"
-    """Sequence advantage: group (GRPO: centred, divided by the group's std), batch (the batch's std), none (Dr. GRPO: centred only), rloo (leave-one-out baseline), or one registered with gspo.advantages.register_estimator."""
+    advantage_estimator: str = "group"
+    """Advantages: group (GRPO: centred in the group, divided by its std), batch (centred in the group, the batch's std), none (Dr. GRPO: centred only), rloo (leave-one-out baseline), reinforce_pp (REINFORCE++: the batch's mean and std, no group), gae (PPO: a learned critic, GAE per token; needs an objective that takes per-token advantages, e.g. grpo), or one registered with gspo.advantages.register_estimator. Formerly advantage_scale (still accepted)."""
+    critic_model: str | None = None
+    """gae: the critic's decoder: null copies the policy's (its architecture and initial weights), else a local path or hub name of a causal LM, or a `critic` folder a gspo PPO run wrote; a scalar value head (zero at the start) on top."""
+    critic_learning_rate: float | None = None
+    """gae: AdamW learning rate of the critic, which has its own optimizer (the policy's betas, weight decay, warmup and lr_scheduler); null: learning_rate."""
+    vf_coef: float = 1.0
+    """gae: weight of the value loss. The critic has its own AdamW, which ignores a constant scale of its loss; vf_coef acts through max_grad_norm, which clips the critic's gradient (on its own)."""
+    value_clip: float | None = 0.2
+    """gae: PPO's clipped value loss: a value moved more than this from its rollout-time estimate gets no further pull; null: unclipped 0.5 * (V - R)^2."""
+    gae_gamma: float = 1.0
+    """gae: discount per completion token (1: the terminal reward counts in full at every token)."""
+    gae_lambda: float = 0.95
+    """gae: GAE's lambda in [0, 1]: 1 uses the whole return (high variance), 0 only the critic's next value (high bias)."""
+    kl_in_reward: bool = False
+    """gae: fold the KL penalty into the per-token rewards, r_t -= kl_coef * (log pi_old - log pi_ref) (InstructGPT), instead of adding kl_coef * KL to the loss; needs kl_coef > 0."""
+    whiten_advantages: bool = True
+    """gae: normalise the advantages over the rollout's tokens (mean 0, std 1) before the policy loss, as PPO implementations do; the sequence estimators are normalised by their own rule."""
     num_minibatches: int = 4
     """Optimizer steps per rollout batch (GSPO paper: 4); minibatches after the first are off-policy."""
     num_epochs: int = 1
@@ -310,12 +326,27 @@ def _yaml_value(text: str, where: str):
         raise ValueError(f"{where}: invalid YAML (nested too deeply)") from None
 
 
+RENAMED = {"advantage_scale": "advantage_estimator"}
+"""Old setting name -> new: a config (or a checkpoint's) that uses the old name still reads."""
+
+
+def renamed(values: dict) -> dict:
+    """`values` with old setting names (RENAMED) under their new names; both given is an error."""
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise ValueError(f"config: {old!r} is the old name of {new!r}; give only {new!r}")
+            out[new] = out.pop(old)
+    return out
+
+
 def make_config(cls, values: dict):
     """Type-check a mapping against the dataclass and build it, then validate."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
-    for key, value in values.items():
+    for key, value in renamed(values).items():
         if key not in hints or key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -385,7 +416,7 @@ def validate(cfg) -> None:
 
 
 def _validate_train(cfg: TrainConfig) -> None:
-    from gspo.advantages import ESTIMATORS
+    from gspo.advantages import estimator_choices
     from gspo.data.mixture import WEIGHTINGS, check_tasks
     from gspo.moe import REPLAY_MODES
     from gspo.objectives import (
@@ -403,7 +434,8 @@ def _validate_train(cfg: TrainConfig) -> None:
 
     check_choice(cfg, "objective", OBJECTIVES)
     check_choice(cfg, "lr_scheduler", SCHEDULES)
-    check_choice(cfg, "advantage_scale", ESTIMATORS)
+    check_choice(cfg, "advantage_estimator", estimator_choices())
+    _validate_critic(cfg, OBJECTIVES)
     check_choice(cfg, "kl_estimator", KL_ESTIMATORS)
     check_choice(cfg, "routing_replay", REPLAY_MODES)
     check_choice(cfg, "distributed", MODES)
@@ -464,6 +496,27 @@ def _validate_train(cfg: TrainConfig) -> None:
         raise ValueError(f"config: task_weight_smoothing={cfg.task_weight_smoothing!r} must be in [0, 1)")
     if cfg.tasks is not None:  # the entries are checked where they are parsed
         check_tasks(cfg)
+
+
+def _validate_critic(cfg: TrainConfig, objectives) -> None:
+    """advantage_estimator=gae and its fields (the critic: gspo/baselines.py)."""
+    check_positive(cfg, "critic_learning_rate", "vf_coef", "value_clip")
+    for name in ("gae_gamma", "gae_lambda"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ValueError(f"config: {name}={getattr(cfg, name)!r} must be in [0, 1]")
+    gae = cfg.advantage_estimator == "gae"
+    if gae and not objectives[cfg.objective].token_advantages:
+        raise ValueError(f"config: advantage_estimator=gae gives one advantage per token, but objective "
+                         f"{cfg.objective!r} takes one per sequence; use objective grpo (PPO's token ratio), "
+                         "gspo_token, cispo or sapo")
+    if cfg.kl_in_reward and not gae:
+        raise ValueError("config: kl_in_reward folds the KL into GAE's per-token rewards: it needs "
+                         "advantage_estimator=gae (with another estimator the KL stays in the loss: kl_coef)")
+    if cfg.kl_in_reward and cfg.kl_coef <= 0:
+        raise ValueError("config: kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
+    if not gae and (cfg.critic_model is not None or cfg.critic_learning_rate is not None):
+        raise ValueError(f"config: critic_model / critic_learning_rate set, but advantage_estimator="
+                         f"{cfg.advantage_estimator!r} trains no critic; set advantage_estimator=gae")
 
 
 def _prefixed(check, *args) -> None:

@@ -4,20 +4,25 @@ The value at completion token t estimates the return from t on, given the prompt
 before t: it is read from the hidden state at position P + t - 1, the one whose logits predict
 token t (as `gspo.logprobs.completion_logprobs` reads log-probs). By default the decoder starts as
 a copy of the policy's (InstructGPT, TRL's PPO: the critic shares the policy's architecture and
-initial weights), the head at zero, so every value starts at 0.
+initial weights), the head at zero, so every value starts at 0. The trainer plug that computes
+values once per rollout and trains the critic is `gspo.baselines.CriticBaseline`.
 
-Not yet a trainer plug: the critic's place in the loop (values once per rollout, trained on the
-same minibatches, checkpointed) is the rest of issue 17.
+On disk (`save_value_model`, the `critic` folder of a PPO run): the decoder as `save_pretrained`
+writes it, and the head in `value_head.safetensors`; `load_value_model` reads that folder back, or
+takes the decoder of any causal LM checkpoint with a fresh zero head.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from gspo.logprobs import position_ids_from_mask
+
+HEAD_FILE = "value_head.safetensors"
 
 
 class ValueModel(nn.Module):
@@ -26,16 +31,23 @@ class ValueModel(nn.Module):
     def __init__(self, decoder: nn.Module, hidden_size: int):
         super().__init__()
         self.decoder = decoder
-        self.head = nn.Linear(hidden_size, 1)
+        dtype = next(decoder.parameters()).dtype
+        with torch.random.fork_rng(devices=[]):  # building the head must not move the run's random stream
+            self.head = nn.Linear(hidden_size, 1, dtype=dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
+    def get_decoder(self) -> nn.Module:
+        """The decoder (its `.layers` are what fsdp shards one by one)."""
+        return self.decoder
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """(N, L) values of every position (from its hidden state)."""
+        """(N, L) float32 values of every position (from its hidden state; the head computed in float32)."""
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         hidden = out.last_hidden_state  # (N, L, H)
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (N, L)
+        weight, bias = self.head.weight.float(), self.head.bias.float()
+        return nn.functional.linear(hidden.float(), weight, bias).squeeze(-1)  # (N, L)
 
 
 def value_model_from(policy) -> ValueModel:
@@ -47,6 +59,47 @@ def value_model_from(policy) -> ValueModel:
     config = policy.config.get_text_config()
     critic = ValueModel(copy.deepcopy(decoder), config.hidden_size)
     return critic.to(next(policy.parameters()).device)
+
+
+def load_value_model(name_or_path: str, *, dtype: torch.dtype, device, trust_remote_code: bool = False
+                     ) -> ValueModel:
+    """A critic from a folder or hub name: a gspo `critic` folder (decoder + value head), or any
+    causal LM's decoder (`AutoModel`, which drops an LM head) with a zero head."""
+    from transformers import AutoModel
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            decoder = AutoModel.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"critic_model {name_or_path!r}: could not load a decoder ({err})") from err
+    if not hasattr(decoder, "layers"):
+        decoder = getattr(decoder, "get_decoder", lambda: decoder)()  # an encoder-decoder or wrapper: its decoder
+    critic = ValueModel(decoder, decoder.config.get_text_config().hidden_size)
+    head = Path(name_or_path) / HEAD_FILE
+    if head.is_file():
+        from safetensors.torch import load_file
+
+        saved = load_file(str(head))
+        if set(saved) != {"weight", "bias"} or saved["weight"].shape != critic.head.weight.shape:
+            raise ValueError(f"critic_model: {head} does not fit the decoder (hidden size "
+                             f"{critic.head.weight.shape[1]}): {({k: tuple(v.shape) for k, v in saved.items()})}")
+        with torch.no_grad():
+            critic.head.load_state_dict(saved)
+    return critic.to(device)
+
+
+def save_value_model(critic: ValueModel, path, state_dict: dict | None = None) -> None:
+    """Write `critic` as `load_value_model` reads it: the decoder's `save_pretrained` and the head.
+
+    `state_dict`: the critic's full weights (fsdp gathers them), else the module's own.
+    """
+    from safetensors.torch import save_file
+
+    state = critic.state_dict() if state_dict is None else state_dict
+    path = Path(path)
+    decoder = {k[len("decoder."):]: v for k, v in state.items() if k.startswith("decoder.")}
+    critic.decoder.save_pretrained(path, state_dict=decoder)
+    save_file({k: state[f"head.{k}"].detach().cpu().contiguous() for k in ("weight", "bias")}, str(path / HEAD_FILE))
 
 
 def completion_values(critic: ValueModel, input_ids: Tensor, attention_mask: Tensor, completion_len: int) -> Tensor:

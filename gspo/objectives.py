@@ -68,6 +68,7 @@ class Objective:
     options: tuple[str, ...]  # the keyword-only parameters of `loss`, passed through from `policy_loss`
     ratio_unit: str = "tokens"  # what its `ratio/*` and `clip/*` stats average over: "tokens" or "sequences"
     corrects: bool = False  # applies a rollout correction's factor (LossInputs.weigh / weigh_seq) to its terms
+    token_advantages: bool = True  # accepts (N, T) per-token advantages (GAE's) as well as (N,)
 
 
 OBJECTIVES: dict[str, Objective] = {}
@@ -75,7 +76,8 @@ OBJECTIVES: dict[str, Objective] = {}
 
 
 def register_objective(name: str, *, default_clip: tuple[float | None, float | None], default_aggregation: str,
-                       length_neutral: bool = False, ratio_unit: str = "tokens", corrects: bool = False):
+                       length_neutral: bool = False, ratio_unit: str = "tokens", corrects: bool = False,
+                       token_advantages: bool = True):
     """Decorator: register `loss(x: LossInputs, **options) -> (policy loss, stats)` as objective `name`.
 
     default_clip: (clip_low, clip_high) when the config leaves them unset; (None, None) for an objective
@@ -86,6 +88,8 @@ def register_objective(name: str, *, default_clip: tuple[float | None, float | N
     average over ("tokens", or "sequences" for one ratio per sequence), so ranks can recombine them.
     corrects: the loss multiplies its per-token terms by `x.weigh(...)` (or per-sequence terms by
     `x.weigh_seq(...)`), so a rollout correction (rollout_correction) can be used with it.
+    token_advantages: the loss takes (N, T) advantages too (`x.adv_t`), so advantage_estimator=gae
+    (a critic's per-token advantages) can be used with it; False for one advantage per sequence.
     """
     if name in OBJECTIVES:
         raise ValueError(f"objective {name!r} is already registered")
@@ -99,7 +103,7 @@ def register_objective(name: str, *, default_clip: tuple[float | None, float | N
     def add(loss):
         options = tuple(p.name for p in inspect.signature(loss).parameters.values() if p.kind is p.KEYWORD_ONLY)
         OBJECTIVES[name] = Objective(loss, tuple(default_clip), default_aggregation, length_neutral, options,
-                                     ratio_unit, corrects)
+                                     ratio_unit, corrects, token_advantages)
         return loss
 
     return add
@@ -247,7 +251,7 @@ def policy_loss(
 # ------------------------------------------------------------------------------- the objectives
 @register_objective("gspo", default_clip=(3e-4, 4e-4),  # GSPO paper, sec. 5.1: sequence ratios live near 1
                     default_aggregation="seq_mean_token_mean", length_neutral=True,  # GSPO eq. (5): 1/G sum_i
-                    ratio_unit="sequences", corrects=True)
+                    ratio_unit="sequences", corrects=True, token_advantages=False)
 def gspo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: one length-normalised ratio per sequence, clipped, times the sequence's advantage."""
     if x.adv.dim() == 2:

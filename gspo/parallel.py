@@ -54,11 +54,17 @@ class Part:
     index: torch.Tensor  # (n,) local row numbers
     units: float
     total: float
+    tokens: float = 0.0  # this rank's completion tokens of the minibatch
+    total_tokens: float = 0.0  # the global minibatch's
 
     @property
     def weight(self) -> float:
         """1 for this rank's real rows, 0 for a stand-in (every real row counts at least one unit)."""
         return 1.0 if self.units else 0.0
+
+    def by_tokens(self) -> "Part":
+        """The same rows, shared out by completion tokens (for a token-mean loss such as the critic's)."""
+        return Part(self.index, self.tokens, self.total_tokens, self.tokens, self.total_tokens)
 
 
 @dataclass(frozen=True)
@@ -141,21 +147,23 @@ class Topology:
         """This rank's rows of a global batch of per_rank * world_size rows (rank order)."""
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
-    def part(self, idx: torch.Tensor, num_local: int, units_per_row: torch.Tensor | None) -> Part:
+    def part(self, idx: torch.Tensor, num_local: int, lengths: torch.Tensor, by_tokens: bool) -> Part:
         """This rank's rows of the global minibatch `idx` (global row numbers, rank r holds
         r * num_local .. (r+1) * num_local - 1), and its share of the minibatch's units.
 
-        `units_per_row`: (N,) the units each global row counts for (its tokens), or None (one sequence each).
+        `lengths`: (N,) completion tokens of every global row; `by_tokens`: the loss's units are
+        tokens (else sequences, one per row).
         """
-        total = float(len(idx)) if units_per_row is None else float(units_per_row[idx].sum())
+        total_tokens = float(lengths[idx].sum())
+        total = total_tokens if by_tokens else float(len(idx))
         if not self.enabled:
-            return Part(idx, total, total)
+            return Part(idx, total, total, total_tokens, total_tokens)
         first = self.rank * num_local
         mine = idx[(idx >= first) & (idx < first + num_local)]  # (n,) in the minibatch's order
         if len(mine) == 0:  # none here: a stand-in row, weight 0 (fsdp's forwards are collective)
-            return Part(torch.zeros(1, dtype=idx.dtype), 0.0, total)
-        units = float(len(mine)) if units_per_row is None else float(units_per_row[mine].sum())
-        return Part(mine - first, units, total)
+            return Part(torch.zeros(1, dtype=idx.dtype), 0.0, total, 0.0, total_tokens)
+        tokens = float(lengths[mine].sum())
+        return Part(mine - first, tokens if by_tokens else float(len(mine)), total, tokens, total_tokens)
 
     def loss_scale(self, part: Part) -> float:
         """Weight of this rank's loss (a mean over `part.units`) so gradients combine into the global

@@ -81,7 +81,7 @@ def prepare_output_dir(cfg, resuming: bool = False) -> Path:
     """
     out = Path(cfg.output_dir)
     clean_stale(out) if out.is_dir() else None  # half-written checkpoints of a killed run
-    old = [out / METRICS_FILE, out / SAMPLES_FILE, *sorted(out.glob("checkpoint-*"))]
+    old = [out / METRICS_FILE, out / SAMPLES_FILE, out / "critic", *sorted(out.glob("checkpoint-*"))]  # critic: PPO
     old = [p for p in old if p.exists()]
     if old and not resuming:
         if not cfg.overwrite_output_dir:

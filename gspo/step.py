@@ -1,6 +1,6 @@
 """The stages of one RL step after sampling: score, prepare, update (per minibatch) and metrics.
 
-    rollout --gather_scores--> Scores (N,) --prepare--> Batch (advantages, pi_old, pi_ref, minibatch plan)
+    rollout --gather_scores--> Scores (N,) --prepare--> Batch (pi_old, pi_ref, advantages, minibatch plan)
             --Learner.update x M x epochs--> per-minibatch stats --step_metrics--> one metrics line
 
 Every stage works on this rank's rows and asks the Topology (gspo/parallel.py) for the little it
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gspo.advantages import group_advantages, group_stats
+from gspo.advantages import group_stats
 from gspo.correction import behaviour_weights, correction_units, mismatch_metrics, mismatch_moments
 from gspo.logprobs import completion_logprobs
 from gspo.objectives import policy_loss, stat_units
@@ -57,6 +57,7 @@ class Batch:
     rollout: Rollout  # this rank's rows, with rewards, advantages, old_logprobs (pi_old), ref_logprobs, routing
     epochs: list  # num_epochs lists of M Parts: this rank's rows of each global minibatch
     first_on_policy: bool  # the first minibatch's pi_old is its own first training forward (left to update)
+    stats: dict  # the baseline's: advantages/*, and a critic's value/explained_var
 
     def minibatches(self):
         """(i, part, on_policy) for every minibatch of every epoch, in training order."""
@@ -65,28 +66,26 @@ class Batch:
                 yield i, part, self.first_on_policy and epoch == 0 and i == 0
 
 
-def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routing, model, ref_model,
+def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routing, model, ref_model, baseline,
             shuffle: torch.Generator) -> Batch:
-    """Advantages, the minibatch plan of every epoch, pi_old and pi_ref log-probs: the step's Batch.
+    """The minibatch plan of every epoch, pi_old and pi_ref log-probs, advantages: the step's Batch.
 
-    Advantages are normalised within each group of G (a dropped sample gets 0). The plan
-    partitions the global rollout from the shared `shuffle` generator, the same on every rank.
+    The plan partitions the global rollout from the shared `shuffle` generator, the same on every
+    rank. Advantages come last, from the `baseline` (gspo/baselines.py: the group's rewards, or a
+    critic's values once per rollout and GAE); a dropped sample gets 0.
     pi_old is computed once per rollout, on the first epoch's minibatch shapes. The first
     minibatch is on-policy (same weights, same shapes): its pi_old is its first training
     forward's own log-probs, detached (ratio exactly 1), so it is not computed here, unless
     routing replay "old_policy" (GSPO sec. 5.3) needs the experts this forward records.
     With use_sampler_logprobs (GSPO sec. 5.4) the sampler's likelihoods (mu) serve as pi_old.
     """
-    device, G, M = rollout.input_ids.device, cfg.num_generations, cfg.num_minibatches
-    share = topology.batch_share(rollout.num_sequences)
-    advantages = group_advantages(scores.rewards, G, scale=cfg.advantage_scale, valid=scores.valid)  # (N,)
-    rollout.rewards, rollout.advantages = scores.rewards[share].to(device), advantages[share].to(device)  # (n,)
-    token_units = stat_units(cfg.objective, cfg.aggregation)["loss/policy"] == "tokens"
-    units = scores.lengths if token_units else None  # what a rank's share of a minibatch counts
+    device, M = rollout.input_ids.device, cfg.num_minibatches
+    rollout.rewards = scores.rewards[topology.batch_share(rollout.num_sequences)].to(device)  # (n,)
+    token_units = stat_units(cfg.objective, cfg.aggregation)["loss/policy"] == "tokens"  # what a share counts
     N = len(scores.rewards)
-    epochs = [[topology.part(idx, rollout.num_sequences, units)
+    epochs = [[topology.part(idx, rollout.num_sequences, scores.lengths, token_units)
                for idx in torch.randperm(N, generator=shuffle).chunk(M)] for _ in range(cfg.num_epochs)]
-    first_on_policy = not cfg.use_sampler_logprobs and not routing.records_pi_old
+    first_on_policy = not cfg.use_sampler_logprobs and not routing.records_pi_old and not baseline.needs_pi_old
     logp_kwargs = logprob_options(cfg)
     with torch.no_grad():
         if cfg.use_sampler_logprobs:
@@ -98,24 +97,27 @@ def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routin
         if ref_model is not None:
             rollout.ref_logprobs = minibatch_logprobs(ref_model, rollout, [p.index for p in epochs[0]], logp_kwargs,
                                                       writes=[p.weight > 0 for p in epochs[0]])  # (n, T)
-    return Batch(rollout, epochs, first_on_policy)
+        stats = baseline.estimate(rollout, scores, epochs[0], topology)  # rollout.advantages (n,) or (n, T)
+    return Batch(rollout, epochs, first_on_policy, stats)
 
 
 class Learner:
-    """One optimizer step per minibatch: policy loss (+ auxiliary term), guard, statistics.
+    """One optimizer step per minibatch: policy loss (+ auxiliary term), guard, statistics; then the
+    baseline's own step (a critic's value loss; nothing for the group baseline).
 
     A rollout correction (cfg.rollout_correction) weighs each minibatch's terms by pi_old/mu,
     from its pi_old (for the on-policy minibatch: its own first forward) and the sampler's mu.
     """
 
-    def __init__(self, cfg, model, optimizer, scheduler, guard, *, topology: Topology, routing, aux,
+    def __init__(self, cfg, model, optimizer, scheduler, guard, *, topology: Topology, routing, aux, baseline,
                  loss_fn=policy_loss):
         self.model, self.optimizer, self.scheduler, self.guard = model, optimizer, scheduler, guard
-        self.topology, self.routing, self.aux, self.loss_fn = topology, routing, aux, loss_fn
+        self.topology, self.routing, self.aux, self.baseline, self.loss_fn = topology, routing, aux, baseline, loss_fn
         self.max_grad_norm = cfg.max_grad_norm
+        kl_coef = 0.0 if cfg.kl_in_reward else cfg.kl_coef  # folded into the rewards instead (gae)
         self.loss_kwargs = dict(objective=cfg.objective, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                 aggregation=cfg.aggregation, norm_length=cfg.max_completion_length,
-                                kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
+                                kl_coef=kl_coef, kl_estimator=cfg.kl_estimator)
         self.logp_kwargs = logprob_options(cfg)
         self.correction = (cfg.rollout_correction, cfg.rollout_correction_low, cfg.rollout_correction_high)
         units = stat_units(cfg.objective, cfg.aggregation)  # and the loss and entropy, for recombining across ranks
@@ -159,6 +161,7 @@ class Learner:
             self.guard.skip(step, loss, stats["grad/norm"])
         stats["entropy"] = mean_entropy
         stats.update(self.topology.reduce(*watch.after_step()))
+        stats.update(self.baseline.update(mb, part, step))  # the critic learns from the same minibatch
         return stats
 
 
@@ -242,7 +245,12 @@ def ended_with_eos(rollout: Rollout, stop_ids: list[int]) -> torch.Tensor:
     return torch.isin(final, torch.tensor(stop_ids, device=final.device))
 
 
+def token_mean(advantage: torch.Tensor, mask: torch.Tensor) -> float:
+    """A sequence's advantage as a number: itself, or the mean over its tokens of per-token ones."""
+    return advantage.item() if advantage.dim() == 0 else float(advantage[mask].mean())
+
+
 def sample_records(rollout: Rollout, count: int) -> list[dict]:
     return [{"prompt": rollout.prompts[i], "completion": rollout.completions[i],
-             "reward": rollout.rewards[i].item(), "advantage": rollout.advantages[i].item()}
+             "reward": rollout.rewards[i].item(), "advantage": token_mean(rollout.advantages[i], rollout.completion_mask[i])}
             for i in range(min(count, rollout.num_sequences))]

@@ -3,7 +3,7 @@
 One RL step (DESIGN.md, "The shape of the trainer"):
   1. sample   B prompts -> G completions each (N = B*G), from the current policy (= pi_old)
   2. score    rewards (N,), each reward function's values, lengths
-  3. prepare  group advantages, pi_old (and pi_ref) log-probs, the minibatch plan: one Batch
+  3. prepare  the minibatch plan, pi_old (and pi_ref) log-probs, advantages: one Batch
   4. update   M minibatches x num_epochs, one optimizer step each (minibatches 2..M are
               off-policy: that is where the importance ratio matters)
   5. metrics  one line of metrics.jsonl
@@ -11,7 +11,8 @@ One RL step (DESIGN.md, "The shape of the trainer"):
 Everything optional is a plug built once before the loop, with a do-nothing twin, so the loop
 never asks which case it is in: the Topology (one process, DDP, FSDP2: gspo/parallel.py), the
 Generator (gspo/rollout/), Routing (MoE replay and drift: gspo/routing.py), the prompt source
-(one task or a mixture: gspo/data/source.py) and the auxiliary term (SFT: gspo/auxiliary.py).
+(one task or a mixture: gspo/data/source.py), the auxiliary term (SFT: gspo/auxiliary.py) and the
+baseline (gspo/baselines.py: the group's rewards, or PPO's critic, trained on the same minibatches).
 The sampler is the policy itself (gspo/rollout/decode.py or HF `generate`), a copy of it (low
 precision, stale: sampler_dtype, sampler_lag) or an inference engine colocated in this process
 (vllm); where its distribution mu is not pi_old, `mismatch/*` measure by how much and a rollout
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from gspo.auxiliary import auxiliary_term
+from gspo.baselines import build_baseline
 from gspo.checkpoint import (OPTIMIZER_FILE, capture_rng, check_finite_state, check_resumable,
                              discard_newer_checkpoints, load_checkpoint, load_model_weights, load_state_file,
                              resolve_resume, save_checkpoint, saved_config, set_aside_damaged)
@@ -69,16 +71,23 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     ref_model = topology.wrap(frozen_copy(model)) if cfg.kl_coef > 0 else None
     if topology.sharded and checkpoint is not None:  # fsdp shards what it wraps: the checkpoint's weights go in first
         load_model_weights(model, checkpoint)  # checked finite before they are copied in
+
+    def make_optimizer(module, lr: float):  # the policy's and a critic's: AdamW on the run's schedule
+        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                      weight_decay=cfg.weight_decay, **fused_adamw(module))
+        total_updates = cfg.max_steps * cfg.num_minibatches * cfg.num_epochs
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_schedule(cfg.lr_scheduler, cfg.warmup_steps, total_updates))
+
+    baseline = build_baseline(cfg, model, topology, make_optimizer, checkpoint)  # a critic copies the policy first
     model = topology.wrap(model)
     B, G, W = cfg.per_device_batch_size, cfg.num_generations, topology.world_size
     source = prompt_source(cfg, tokenizer, max(1000, cfg.max_steps * B * W))
     aux = auxiliary_term(cfg, tokenizer, device, source.train_rows)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay, **fused_adamw(model))
-    total_updates = cfg.max_steps * cfg.num_minibatches * cfg.num_epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.lr_scheduler, cfg.warmup_steps, total_updates))
+    optimizer, scheduler = make_optimizer(model, cfg.learning_rate)
     guard = NonFiniteGuard(cfg.max_consecutive_skips)
-    learner = Learner(cfg, model, optimizer, scheduler, guard, topology=topology, routing=routing, aux=aux)
+    learner = Learner(cfg, model, optimizer, scheduler, guard, topology=topology, routing=routing, aux=aux,
+                      baseline=baseline)
     shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch plans
     stop_ids = eos_ids(tokenizer, model)
 
@@ -89,12 +98,14 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
         # leaves weights, optimizer and schedule as step `step` left them).
         resume_point = resume_point or {"rng": None, "sampler": source.state_dict()}
         path, state = out_dir / f"checkpoint-{step}", topology.full_state(model, optimizer)
+        extra_states = baseline.checkpoint_states()  # a critic's weights, optimizer and schedule
         if topology.is_main:
             path = save_checkpoint(out_dir, step, model=model, tokenizer=tokenizer, scheduler=scheduler,
                                    config=saved_config(cfg, W), rng_generators={"shuffle": shuffle},
                                    rng_state=resume_point["rng"], keep=cfg.save_total_limit, trainer_state={
                                        "sampler": resume_point["sampler"], "guard": guard.state_dict(),
-                                       "evals": {str(k): v for k, v in evals.items()}, "world_size": W}, **state)
+                                       "evals": {str(k): v for k, v in evals.items()}, "world_size": W},
+                                   extra_states=extra_states, **state)
         topology.barrier()
         return path
 
@@ -132,13 +143,14 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
                                            offset=topology.rank * B, timeout_s=cfg.reward_timeout_s)
             scores = gather_scores(topology, rollout, rewards, per_fn, stop_ids)
             task_metrics = source.observe(scores.rewards, scores.valid, G)  # several tasks: reweigh them
-            # 3. Prepare: advantages, pi_old and pi_ref log-probs, the minibatch plan, once.
+            # 3. Prepare: the minibatch plan, pi_old and pi_ref log-probs, advantages (a critic's values), once.
             batch = prepare(rollout, scores, cfg=cfg, topology=topology, routing=routing, model=model,
-                            ref_model=ref_model, shuffle=shuffle)
+                            ref_model=ref_model, baseline=baseline, shuffle=shuffle)
             t_rollout = time.perf_counter() - t0
             stop.abandonable = False  # from here on the step changes the weights: it is finished first
 
-            # 4. Update: one optimizer step per minibatch (with sft_coef, minibatch i also fits references part i).
+            # 4. Update: one optimizer step per minibatch (with sft_coef, minibatch i also fits references part i;
+            #    a critic takes its own step on the same minibatch).
             aux.begin_step(step, examples)
             step_stats = [learner.update(batch, i, part, on_policy=on_policy, step=step)
                           for i, part, on_policy in batch.minibatches()]
@@ -146,7 +158,7 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
             t_train = time.perf_counter() - t0 - t_rollout
 
             # 5. Metrics.
-            metrics = step_metrics(scores, step_stats, {**task_metrics, **sampler_stats}, group_size=G,
+            metrics = step_metrics(scores, step_stats, {**task_metrics, **batch.stats, **sampler_stats}, group_size=G,
                                    drop_bad=cfg.drop_bad_rewards, skipped=guard.skipped, lr=scheduler.get_last_lr()[0],
                                    t_rollout=t_rollout, t_train=t_train)
             # 6. Evaluate, log, checkpoint.
@@ -175,6 +187,7 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     full = topology.full_weights(model)  # fsdp: every rank takes part in gathering the shards
     if topology.is_main:
         save_model(model, tokenizer, out_dir / "model", state_dict=full)
+    baseline.save(out_dir / "critic")  # PPO: the trained critic (critic_model can start from it)
     topology.barrier()
     return {"evals": evals, "seconds": time.perf_counter() - started, "output_dir": str(out_dir)}
 

@@ -40,9 +40,12 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     if clip is None:
         per_token, clipped_more = unclipped, torch.zeros_like(mask)
     else:
-        v_clip = old + (v - old).clamp(-clip, clip)  # (N, T)
-        clipped = (v_clip - target).square()
-        per_token, clipped_more = torch.maximum(unclipped, clipped), clipped > unclipped  # (N, T)
+        moved = v - old  # (N, T)
+        clipped = (old + moved.clamp(-clip, clip) - target).square()  # (N, T)
+        # inside the band V_clip is V up to rounding (old + (V - old) need not be V bit for bit): only a
+        # value moved beyond `clip` can have the larger, gradient-free clipped term
+        clipped_more = (moved.abs() > clip) & (clipped > unclipped)  # (N, T)
+        per_token = torch.where(clipped_more, clipped, unclipped)  # (N, T) = max of the two
     n = maskf.sum()
     loss = 0.5 * (per_token * maskf).sum() / n
     stats = {"loss/value": loss.detach(), "value/clip_frac": (clipped_more & mask).to(values.dtype).sum() / n,
@@ -50,12 +53,28 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return loss, stats
 
 
+def token_moments(mask: Tensor, **tensors: Tensor) -> dict[str, float]:
+    """Means over the masked tokens of each (N, T) tensor and of its square, in float64:
+    {name: mean, name_sq: mean of squares}. Weighted by their token counts they recombine across
+    ranks (`Topology.reduce`); NaN where the mask is empty."""
+    mask = mask.bool()
+    n = float(mask.sum())
+    out = {}
+    for name, t in tensors.items():
+        x = torch.where(mask, t.detach().double(), 0.0)  # (N, T)
+        out[name] = float(x.sum()) / n if n else float("nan")
+        out[f"{name}_sq"] = float(x.square().sum()) / n if n else float("nan")
+    return out
+
+
+def explained_variance_of(moments: dict) -> float:
+    """1 - Var(R - V) / Var(R) from `token_moments(mask, ret=R, err=R - V)` (population variances)."""
+    var_r = float(moments["ret_sq"]) - float(moments["ret"]) ** 2
+    var_err = float(moments["err_sq"]) - float(moments["err"]) ** 2
+    return 1.0 - var_err / var_r if var_r > 1e-12 else float("nan")
+
+
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     """1 - Var(R - V) / Var(R) over the masked tokens: 1 a perfect critic, 0 no better than the
     mean return, negative worse than it; NaN when the returns do not vary."""
-    mask = mask.bool()
-    v, r = values.detach().double()[mask], returns.detach().double()[mask]  # (n,)
-    var_r = r.var(unbiased=False)
-    if not var_r > 0:
-        return float("nan")
-    return float(1.0 - (r - v).var(unbiased=False) / var_r)
+    return explained_variance_of(token_moments(mask, ret=returns, err=returns - values.detach()))

@@ -67,6 +67,8 @@ CASES = {
         task_weighting="dynamic", task_weight_floor=0.1, task_weight_smoothing=0.5, task_progress_coef=1.0,
         sft_coef=0.5, sft_schedule="linear", per_device_batch_size=4),
     "sampler_logprobs": dict(use_sampler_logprobs=True),
+    "ppo_gae_kl_in_reward": dict(objective="grpo", advantage_estimator="gae", gae_lambda=0.9, kl_coef=0.05,
+                                 kl_in_reward=True, critic_learning_rate=3e-3),  # issue 17: the critic's path
     "ddp": dict(DIST, distributed="ddp"),
     "fsdp": dict(DIST, distributed="fsdp"),
 }
@@ -187,7 +189,14 @@ def weight_difference(old: dict, new: dict, rel: float) -> str | None:
 
 
 def compare(golden: dict, new: dict) -> tuple[bool, str]:
-    """(passed, one line: identical / within tolerance (why) / differs: first difference)."""
+    """(passed, one line: identical / within tolerance (why) / differs: first difference).
+
+    A metric the golden run did not log at all (a newly added one) is named, not compared: new
+    metrics are additive; every metric the golden has must still be there and agree.
+    """
+    known = {k for row in golden["metrics"] for k in row}
+    added = sorted({k for row in new["metrics"] for k in row} - known)
+    new = {**new, "metrics": [{k: v for k, v in row.items() if k in known} for row in new["metrics"]]}
     bitwise = new["metrics"] == golden["metrics"] and new["weights"]["sha256"] == golden["weights"]["sha256"]
     if golden["nproc"] > 1:
         problem = (metric_difference(golden["metrics"], new["metrics"], "dist")
@@ -205,7 +214,8 @@ def compare(golden: dict, new: dict) -> tuple[bool, str]:
         tolerance = f"within rtol={FALLBACK_RTOL}, weight hash skipped (environment differs: {changed})"
     if problem:
         return False, f"differs: {problem}"
-    return True, "identical" if bitwise else tolerance
+    return True, ("identical" if bitwise else tolerance) + (f" (new metrics, not in the golden: {', '.join(added)})"
+                                                            if added else "")
 
 
 def load_golden(case: str) -> dict:

@@ -102,12 +102,34 @@ def test_a_registered_estimator_is_dispatched_and_accepted_by_the_config():
         # groups (1, 0) and (0.5, 0.5): centred (0.5, -0.5) and (0, 0) -> signs (1, -1), (0, 0)
         assert group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2, scale="sign").tolist() == [1.0, -1.0, 0.0, 0.0]
         assert calls == [None]  # every sample valid
-        assert make_config(TrainConfig, {"advantage_scale": "sign"}).advantage_scale == "sign"
+        assert make_config(TrainConfig, {"advantage_estimator": "sign"}).advantage_estimator == "sign"
+        assert make_config(TrainConfig, {"advantage_scale": "sign"}).advantage_estimator == "sign"  # the old name
     finally:
         unregister_estimator("sign")
-    assert list(ESTIMATORS) == ["group", "batch", "none", "rloo"]
-    with pytest.raises(ValueError, match="advantage_scale='sign' is not one of group, batch, none, rloo"):
+    assert list(ESTIMATORS) == ["group", "batch", "none", "rloo", "reinforce_pp"]
+    with pytest.raises(ValueError, match="advantage_estimator='sign' is not one of group, batch, none, rloo, "
+                                         "reinforce_pp, gae"):
         make_config(TrainConfig, {"advantage_scale": "sign"})
+    with pytest.raises(ValueError, match="'advantage_scale' is the old name of 'advantage_estimator'"):
+        make_config(TrainConfig, {"advantage_scale": "group", "advantage_estimator": "rloo"})
+
+
+def test_reinforce_pp_hand_values():
+    # REINFORCE++: rewards (1, 0, 0, 0, 2, 2, 0, 4) over the whole batch, groups ignored: mean 9/8,
+    # population variance (1/8)(sum r^2) - mean^2 = 25/8 - 81/64 = 119/64, std = sqrt(119)/8 = 1.36358
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0, 4.0])
+    adv = group_advantages(rewards, 4, scale="reinforce_pp", eps=1e-9)
+    std = 119**0.5 / 8
+    expected = [(r - 9 / 8) / std for r in rewards.tolist()]
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-6, rtol=0)
+    assert abs(expected[0] - (-0.0917)) < 1e-3  # (1 - 1.125) / 1.36358
+    # a dropped sample: out of the mean and std, advantage 0; rewards (1, NaN | 0, 3): mean 4/3, var 14/9
+    valid = torch.tensor([True, False, True, True])
+    adv = group_advantages(torch.tensor([1.0, float("nan"), 0.0, 3.0]), 2, scale="reinforce_pp", eps=1e-9,
+                           valid=valid)
+    s = (14 / 9) ** 0.5
+    torch.testing.assert_close(adv, torch.tensor([(1 - 4 / 3) / s, 0.0, (0 - 4 / 3) / s, (3 - 4 / 3) / s]),
+                               atol=1e-6, rtol=0)
 
 
 def test_rloo_hand_values():

@@ -158,6 +158,7 @@ def test_missing_prompt_column_is_a_clear_error(tmp_path):
 def test_pi_old_forward_skips_the_first_minibatch(tmp_path):
     """Minibatch 1 is on-policy: its pi_old is its training forward (bitwise equal, test above), so
     `prepare` runs M - 1 pi_old forwards and leaves minibatch 1's rows at 0. The Routing plug is the seam."""
+    from gspo.baselines import GroupBaseline
     from gspo.parallel import Topology
     from gspo.routing import NoRouting
     from gspo.step import gather_scores, prepare
@@ -178,7 +179,7 @@ def test_pi_old_forward_skips_the_first_minibatch(tmp_path):
         scores = gather_scores(Topology(), rollout, torch.arange(8, dtype=torch.float32), {}, [tok.eos_token_id])
         routing = Counting(records)
         batch = prepare(rollout, scores, cfg=cfg, topology=Topology(), routing=routing, model=model, ref_model=None,
-                        shuffle=torch.Generator().manual_seed(0))
+                        baseline=GroupBaseline("group", 4), shuffle=torch.Generator().manual_seed(0))
         assert routing.calls == expected and batch.first_on_policy is not records
         assert [len(parts) for parts in batch.epochs] == [4, 4]  # both epochs planned up front
         # the loop trains once per planned minibatch (M x epochs forwards with grad); only the first is on-policy

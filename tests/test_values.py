@@ -25,6 +25,22 @@ def test_clipped_value_loss_hand_values_and_gradient():
     assert stats["value/mean"].item() == pytest.approx(2.4 / 3)
 
 
+def test_values_inside_the_clip_band_are_never_counted_as_clipped():
+    # old + (V - old) is V only up to rounding: with V near 0 and V_old up to 0.15 away, every V_clip
+    # differs from V in its last bits and comparing the two squared errors alone counts ~4% of these
+    # unclipped tokens as clipped (measured); only a value moved beyond the band may be
+    g = torch.Generator().manual_seed(0)
+    old = (torch.rand(64, 16, generator=g) - 0.5) * 0.3  # (N, T)
+    values = (torch.randn(64, 16, generator=g) * 1e-6).requires_grad_()  # moved < 0.2 from old
+    returns = torch.randn(64, 16, generator=g)
+    mask = torch.ones(64, 16, dtype=torch.bool)
+    assert (values - old).abs().max() < 0.2 and (old + (values - old) != values).float().mean() > 0.9
+    loss, stats = value_loss(values, old, returns, mask, clip=0.2)
+    assert stats["value/clip_frac"].item() == 0.0
+    plain, _ = value_loss(values, old, returns, mask, clip=None)
+    assert loss.item() == plain.item()  # the unclipped loss, bit for bit
+
+
 def test_unclipped_value_loss_is_half_the_mean_squared_error():
     values = torch.tensor([[1.5, 0.9], [0.0, 0.0]])
     loss, stats = value_loss(values, torch.zeros(2, 2), torch.tensor([[2.0, 0.0], [1.0, 5.0]]), MASK, clip=None)

@@ -21,6 +21,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.json"
 TRAINER_STATE_FILE = "trainer_state.json"
+CRITIC_FILE = "critic.pt"  # PPO's critic: weights, optimizer, schedule, guard (gspo/baselines.py)
 CONFIG_FILE = "train_config.json"  # config.json is the model's (save_pretrained)
 TMP_PREFIX = ".tmp-"
 FORMAT = "gspo-checkpoint"

@@ -18,7 +18,7 @@ from gspo.checkpoint.files import (
     step_of,
     verify_checkpoint,
 )
-from gspo.config import to_dict
+from gspo.config import renamed, to_dict
 from gspo.data.mixture import saved_tasks
 from gspo.data.rewards import reward_spec
 
@@ -103,6 +103,7 @@ def saved_config(cfg, world_size: int = 1) -> dict:
 def check_resumable(saved: dict, cfg, step: int, world: int = 1) -> None:
     """A resumed run must compute what the checkpointed one did: same settings, and steps left to run."""
     now = saved_config(cfg, world)
+    saved = renamed(saved)  # a checkpoint written before a setting was renamed
     # a setting newer than the checkpoint acted as its default then
     saved = {**{f.name: f.default for f in fields(cfg) if f.default is not MISSING and f.name not in saved}, **saved}
     changed = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k))

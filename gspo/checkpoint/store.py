@@ -44,7 +44,7 @@ def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer
                     trainer_state: dict | None = None, config: dict | None = None,
                     rng_generators: dict[str, torch.Generator] | None = None, keep: int | None = 2,
                     model_state_dict: dict | None = None, optimizer_state_dict: dict | None = None,
-                    rng_state: dict | None = None) -> Path:
+                    rng_state: dict | None = None, extra_states: dict[str, dict] | None = None) -> Path:
     """Write `run_dir/checkpoint-<step>` atomically; then keep only the newest `keep` checkpoints.
 
     Each of model/tokenizer/optimizer/scheduler is optional (None: not saved). A sharded (FSDP)
@@ -53,7 +53,9 @@ def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer
     `config` must be JSON that reads back equal (no tuples, no non-string keys). The RNG states
     (global ones and `rng_generators`) are captured when this is called, unless `rng_state` (a
     `capture_rng` result taken earlier, say when a step began) is given. An existing checkpoint
-    of the same step is replaced; `keep=None` keeps every checkpoint. Returns the checkpoint's path.
+    of the same step is replaced; `keep=None` keeps every checkpoint. `extra_states`: file name ->
+    a plain state (tensors, numbers, strings: a critic's weights and optimizer), `torch.save`d beside
+    the others and read back with `load_state_file`. Returns the checkpoint's path.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -68,6 +70,10 @@ def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer
               [(OPTIMIZER_FILE, "optimizer", optimizer), (SCHEDULER_FILE, "scheduler", scheduler)] if obj is not None}
     if optimizer_state_dict is not None:
         states[OPTIMIZER_FILE] = ("optimizer", optimizer_state_dict)
+    for name, state in (extra_states or {}).items():
+        if name in states or name in texts or "/" in name:
+            raise ValueError(f"save_checkpoint: extra state {name!r} would overwrite a checkpoint file")
+        states[name] = (name, state)
     for label, state in states.values():
         check_plain(state, label)
 

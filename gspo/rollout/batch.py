@@ -22,9 +22,11 @@ class Rollout:
     completions: list  # N completion texts
     sampler_logprobs: Tensor | None = None  # (N, T) log-probs under the sampling distribution
     rewards: Tensor | None = None  # (N,)
-    advantages: Tensor | None = None  # (N,)
+    advantages: Tensor | None = None  # (N,), or (N, T) per token (a critic's GAE)
     old_logprobs: Tensor | None = None  # (N, T)
     ref_logprobs: Tensor | None = None  # (N, T)
+    old_values: Tensor | None = None  # (N, T) the critic's values when the rollout was made (gae)
+    returns: Tensor | None = None  # (N, T) the critic's targets: GAE advantages + old_values
     routing: object | None = None  # gspo.moe.RoutingRecord (R, N, P+T, k) aligned with input_ids; -1 = route freely
 
     @property

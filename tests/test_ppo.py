@@ -1,0 +1,222 @@
+"""PPO in the trainer: advantage_estimator=gae, the critic plug (gspo/baselines.py), its config,
+checkpoints and exact resume. The pure parts (gae, value_loss) are tested in test_advantages.py
+and test_values.py; the value model in test_critic.py."""
+
+import math
+import statistics
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SMALL, changed, final_weights, initial_weights, read_metrics, starts_with_digit, tiny_cfg
+from gspo.baselines import CriticBaseline, GroupBaseline, build_baseline
+from gspo.config import TrainConfig, make_config
+from gspo.critic import HEAD_FILE, load_value_model
+from gspo.models import load_model
+from gspo.parallel import Part, Topology
+from gspo.rollout import Rollout
+from gspo.run import NonFiniteGuard
+from gspo.trainer import train
+
+PPO = dict(objective="grpo", advantage_estimator="gae")
+
+
+class FixedValues(torch.nn.Module):
+    """A stand-in critic: the value of every position is read from a table (N, L)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = torch.tensor(table)
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask):
+        return self.table[:, : input_ids.shape[1]] + 0 * self.unused
+
+
+def hand_rollout(rewards, old=None, ref=None) -> Rollout:
+    """2 rows, 1 prompt token, 3 completion tokens; row 1 ends after 2 (its third is padding)."""
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 0]])
+    return Rollout(input_ids=ids, attention_mask=torch.cat([torch.ones(2, 1, dtype=torch.long), mask.long()], 1),
+                   completion_mask=mask, prompts=["p", "p"], completions=["a", "b"], rewards=torch.tensor(rewards),
+                   old_logprobs=old, ref_logprobs=ref)
+
+
+def critic_baseline(table, **kw) -> CriticBaseline:
+    cfg = tiny_cfg_values(**kw)
+    critic = FixedValues(table)
+    optimizer = torch.optim.SGD(critic.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return CriticBaseline(cfg, critic, optimizer, scheduler, NonFiniteGuard(5), Topology())
+
+
+def tiny_cfg_values(**kw) -> TrainConfig:
+    return make_config(TrainConfig, {**PPO, **kw})
+
+
+ALL = [Part(torch.arange(2), 2.0, 2.0, 5.0, 5.0)]  # one minibatch holding both rows
+
+
+def test_gae_plug_hand_values_and_whitening():
+    # values at completion tokens are read from positions 0..2: row 0 (0.5, 0.4, 0.6), row 1 (0.2, 0.1)
+    table = [[0.5, 0.4, 0.6, 9.0], [0.2, 0.1, 9.0, 9.0]]
+    # rewards 1 (row 0, on token 2) and -1 (row 1, on token 1); gamma 0.9, lambda 0.8 (gamma*lambda = 0.72):
+    # row 0: d2 = 1 - 0.6 = 0.4, A2 = 0.4; d1 = 0.9*0.6 - 0.4 = 0.14, A1 = 0.14 + 0.72*0.4 = 0.428;
+    #        d0 = 0.9*0.4 - 0.5 = -0.14, A0 = -0.14 + 0.72*0.428 = 0.16816
+    # row 1: d1 = -1 - 0.1 = -1.1, A1 = -1.1; d0 = 0.9*0.1 - 0.2 = -0.11, A0 = -0.11 + 0.72*(-1.1) = -0.902
+    A = [0.16816, 0.428, 0.4, -0.902, -1.1]
+    R = [0.66816, 0.828, 1.0, -0.702, -1.0]  # A + V
+    for whiten in (False, True):
+        baseline = critic_baseline(table, gae_gamma=0.9, gae_lambda=0.8, whiten_advantages=whiten)
+        rollout = hand_rollout([1.0, -1.0])
+        stats = baseline.estimate(rollout, None, ALL, Topology())
+        mask = rollout.completion_mask
+        torch.testing.assert_close(rollout.returns[mask], torch.tensor(R), atol=1e-6, rtol=0)
+        mean, std = statistics.fmean(A), statistics.pstdev(A)
+        want = [(a - mean) / (std + 1e-8) for a in A] if whiten else A
+        torch.testing.assert_close(rollout.advantages[mask], torch.tensor(want), atol=1e-6, rtol=0)
+        assert rollout.advantages[1, 2] == 0.0 and rollout.returns[1, 2] == 0.0  # padding
+        assert stats["advantages/mean"] == pytest.approx(mean, abs=1e-6)  # before whitening (float32 advantages)
+        assert stats["advantages/std"] == pytest.approx(std, abs=1e-6)
+        # R - V = A: explained variance 1 - Var(A) / Var(R)
+        assert stats["value/explained_var"] == pytest.approx(1 - statistics.pvariance(A) / statistics.pvariance(R),
+                                                             abs=1e-6)
+
+
+def test_terminal_reward_reaches_every_token_and_kl_folds_into_the_reward():
+    # gamma = lambda = 1 and a zero critic: every token's return is the sum of the rewards after it
+    zero = [[0.0] * 4, [0.0] * 4]
+    baseline = critic_baseline(zero, gae_gamma=1.0, gae_lambda=1.0, whiten_advantages=False)
+    rollout = hand_rollout([2.0, -1.0])
+    baseline.estimate(rollout, None, ALL, Topology())
+    assert rollout.returns.tolist() == [[2.0, 2.0, 2.0], [-1.0, -1.0, 0.0]]
+    assert torch.equal(rollout.advantages, rollout.returns)  # A = R - V, V = 0
+    # kl_in_reward, kl_coef 0.5: r_t -= 0.5 * (log pi_old - log pi_ref); row 0's log-ratios (0.2, 0, -0.2)
+    # give rewards (-0.1, 0, 1.1) with the terminal 1; returns (1.0, 1.1, 1.1); row 1's (0.4, 0.2 | pad 7)
+    # give (-0.2, -0.1 - 1) -> returns (-1.3, -1.1)
+    old = torch.tensor([[0.2, 0.0, -0.2], [0.4, 0.2, 7.0]])
+    baseline = critic_baseline(zero, gae_gamma=1.0, gae_lambda=1.0, whiten_advantages=False, kl_coef=0.5,
+                               kl_in_reward=True)
+    assert baseline.needs_pi_old  # prepare then computes pi_old for the first minibatch too
+    rollout = hand_rollout([1.0, -1.0], old=old, ref=torch.zeros(2, 3))
+    baseline.estimate(rollout, None, ALL, Topology())
+    torch.testing.assert_close(rollout.returns, torch.tensor([[1.0, 1.1, 1.1], [-1.3, -1.1, 0.0]]), atol=1e-6,
+                               rtol=0)
+
+
+def test_a_dropped_sample_gets_no_advantage_and_stays_out_of_the_statistics():
+    table = [[0.5, 0.4, 0.6, 9.0], [0.2, 0.1, 9.0, 9.0]]
+    baseline = critic_baseline(table, gae_gamma=0.9, gae_lambda=0.8)
+    rollout = hand_rollout([1.0, float("nan")])
+    stats = baseline.estimate(rollout, None, ALL, Topology())
+    A = [0.16816, 0.428, 0.4]  # row 0 as in the hand example; row 1 dropped
+    assert rollout.advantages[1].tolist() == [0.0, 0.0, 0.0]
+    assert stats["advantages/mean"] == pytest.approx(statistics.fmean(A), abs=1e-6)
+    assert torch.isfinite(rollout.advantages).all() and torch.isfinite(rollout.returns).all()
+
+
+def test_group_baseline_is_the_registered_estimator():
+    from gspo.advantages import group_advantages
+    from gspo.step import Scores
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0, 4.0])
+    scores = Scores(rewards, torch.ones(8, dtype=torch.bool), {}, torch.ones(8), torch.ones(8, dtype=torch.bool))
+    for name in ("group", "rloo", "reinforce_pp"):
+        rollout = Rollout(torch.zeros(8, 2, dtype=torch.long), torch.ones(8, 2), torch.ones(8, 1, dtype=torch.bool),
+                          [""] * 8, [""] * 8)
+        stats = GroupBaseline(name, 4).estimate(rollout, scores, [], Topology())
+        want = group_advantages(rewards, 4, scale=name)
+        assert torch.equal(rollout.advantages, want)
+        assert stats["advantages/mean"] == pytest.approx(want.double().mean().item(), abs=1e-12)
+
+
+def test_ppo_trains_policy_and_critic_and_the_reward_rises(tmp_path):
+    # the learnable reward of test_trainer.py (a completion starting with a digit, ~12% at random init)
+    cfg = tiny_cfg(tmp_path, **PPO, reward_funcs=[starts_with_digit], max_steps=30, per_device_batch_size=4,
+                   num_generations=8, max_completion_length=4, learning_rate=3e-3, critic_learning_rate=3e-3,
+                   eval_num_prompts=1, log_samples_steps=0)
+    train(cfg)
+    records = read_metrics(tmp_path / "run")[1:]
+    rewards = [r["reward/mean"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.35 and last > first + 0.4, (first, last)
+    for key in ("loss/value", "value/mean", "value/explained_var", "value/clip_frac", "advantages/mean",
+                "advantages/std", "value/grad_norm"):
+        assert all(math.isfinite(r[key]) for r in records), key
+    # the head starts at zero (minibatch 1 of step 1 sees values 0, explaining nothing); later the values
+    # track the rising reward (measured: value/mean 0.04 -> 1.0 as reward/mean rises 0.1 -> 0.95)
+    assert abs(records[0]["value/mean"]) < 0.1 and abs(records[0]["value/explained_var"]) < 0.05
+    assert abs(records[-1]["value/mean"] - last) < 0.25, (records[-1]["value/mean"], last)
+    trained = final_weights(tmp_path / "run")
+    assert len(changed(initial_weights(cfg), trained)) > len(trained) // 2
+    critic = load_value_model(str(tmp_path / "run" / "critic"), dtype=torch.float32, device="cpu")
+    head = load_file(str(tmp_path / "run" / "critic" / HEAD_FILE))
+    assert torch.equal(critic.head.weight, head["weight"]) and head["weight"].abs().sum() > 0  # trained, reloaded
+    policy = initial_weights(cfg)
+    moved = [k for k, v in critic.decoder.state_dict().items() if not torch.equal(v, policy[f"model.{k}"])]
+    assert len(moved) > len(policy) // 4  # the critic's decoder was trained too (its own copy)
+
+
+def test_ppo_resume_is_exact_including_the_critic(tmp_path):
+    kw = dict(**PPO, reward_funcs=[starts_with_digit], per_device_batch_size=2, num_generations=4,
+              max_completion_length=6, eval_num_prompts=2, log_samples_steps=0, kl_coef=0.05, kl_in_reward=True,
+              eval_steps=2, save_steps=2)  # the same evaluations as the run that stops at step 2
+    full = tiny_cfg(tmp_path / "full", **kw, max_steps=4)
+    train(full)
+    part = tiny_cfg(tmp_path / "part", **kw, max_steps=2)
+    train(part)
+    train(tiny_cfg(tmp_path / "part", **kw, max_steps=4, resume_from_checkpoint="latest"))
+
+    def strip(records):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in records]
+
+    assert strip(read_metrics(tmp_path / "part" / "run")) == strip(read_metrics(tmp_path / "full" / "run"))
+    assert changed(final_weights(tmp_path / "full" / "run"), final_weights(tmp_path / "part" / "run")) == []
+    a, b = (load_file(str(tmp_path / d / "run" / "critic" / "model.safetensors")) for d in ("full", "part"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    ha, hb = (load_file(str(tmp_path / d / "run" / "critic" / HEAD_FILE)) for d in ("full", "part"))
+    assert torch.equal(ha["weight"], hb["weight"]) and ha["weight"].abs().sum() > 0
+
+
+def test_critic_model_from_a_saved_critic_or_a_causal_lm(tmp_path):
+    policy, tokenizer = load_model("tiny-dense", overrides=SMALL, seed=3)
+    policy.save_pretrained(tmp_path / "lm")
+    critic = load_value_model(str(tmp_path / "lm"), dtype=torch.float32, device="cpu")
+    assert all(torch.equal(v, policy.state_dict()[f"model.{k}"]) for k, v in critic.decoder.state_dict().items())
+    assert not critic.head.weight.any()  # a causal LM brings no value head: zero
+    from gspo.critic import save_value_model
+
+    torch.nn.init.normal_(critic.head.weight)
+    save_value_model(critic, tmp_path / "critic")
+    again = load_value_model(str(tmp_path / "critic"), dtype=torch.float32, device="cpu")
+    assert torch.equal(again.head.weight, critic.head.weight)
+    # the trainer builds it from critic_model (not from the policy it trains)
+    cfg = tiny_cfg(tmp_path, **PPO, critic_model=str(tmp_path / "critic"))
+    other, _ = load_model("tiny-dense", overrides=SMALL, seed=0)
+    baseline = build_baseline(cfg, other, Topology(), _adamw)
+    assert torch.equal(baseline.critic.head.weight, critic.head.weight)
+    with pytest.raises(ValueError, match="critic_model '.*nowhere': could not load a decoder"):
+        load_value_model(str(tmp_path / "nowhere"), dtype=torch.float32, device="cpu")
+
+
+def _adamw(module, lr):
+    optimizer = torch.optim.AdamW(module.parameters(), lr=lr)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"advantage_estimator": "gae", "objective": "gspo"},
+     "advantage_estimator=gae gives one advantage per token, but objective 'gspo' takes one per sequence"),
+    ({"kl_in_reward": True, "kl_coef": 0.1}, "kl_in_reward folds the KL into GAE's per-token rewards"),
+    ({**PPO, "kl_in_reward": True}, "kl_in_reward needs kl_coef > 0"),
+    ({"critic_learning_rate": 1e-4}, "critic_model / critic_learning_rate set, but advantage_estimator='group'"),
+    ({**PPO, "gae_lambda": 1.5}, r"gae_lambda=1.5 must be in \[0, 1\]"),
+    ({**PPO, "value_clip": 0.0}, "value_clip=0.0 must be > 0"),
+    ({**PPO, "vf_coef": -1.0}, "vf_coef=-1.0 must be > 0"),
+    ({"advantage_estimator": "ppo"}, "advantage_estimator='ppo' is not one of group, batch, none, rloo, reinforce_pp, "
+                                     "gae"),
+])
+def test_bad_ppo_settings_are_named(settings, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(TrainConfig, settings)
