@@ -46,7 +46,8 @@ def build_baseline(cfg, policy, topology: Topology, make_optimizer, checkpoint=N
     if checkpoint is not None:
         file = checkpoint / CRITIC_FILE
         if not file.is_file():
-            raise ValueError(f"resume: {checkpoint} holds no {CRITIC_FILE}, but advantage_estimator=gae trains a critic")
+            raise ValueError(f"resume: {checkpoint} holds no {CRITIC_FILE}, but advantage_estimator=gae trains a "
+                             "critic")
         state = load_state_file(file)
         check_finite_state(state, str(file))
         critic.load_state_dict(state["model"])
@@ -94,7 +95,8 @@ class CriticBaseline:
     def __init__(self, cfg, critic, optimizer, scheduler, guard: NonFiniteGuard, topology: Topology):
         self.critic, self.optimizer, self.scheduler, self.guard, self.topology = (critic, optimizer, scheduler, guard,
                                                                                   topology)
-        self.gamma, self.lam, self.whiten, self.clip = cfg.gae_gamma, cfg.gae_lambda, cfg.whiten_advantages, cfg.value_clip
+        self.gamma, self.lam, self.clip = cfg.gae_gamma, cfg.gae_lambda, cfg.value_clip
+        self.whiten = cfg.whiten_advantages
         self.vf_coef, self.max_grad_norm = cfg.vf_coef, cfg.max_grad_norm
         self.kl_in_reward = cfg.kl_coef if cfg.kl_in_reward else 0.0
         self.needs_pi_old = cfg.kl_in_reward

@@ -252,5 +252,6 @@ def token_mean(advantage: torch.Tensor, mask: torch.Tensor) -> float:
 
 def sample_records(rollout: Rollout, count: int) -> list[dict]:
     return [{"prompt": rollout.prompts[i], "completion": rollout.completions[i],
-             "reward": rollout.rewards[i].item(), "advantage": token_mean(rollout.advantages[i], rollout.completion_mask[i])}
+             "reward": rollout.rewards[i].item(),
+             "advantage": token_mean(rollout.advantages[i], rollout.completion_mask[i])}
             for i in range(min(count, rollout.num_sequences))]

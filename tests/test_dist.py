@@ -257,6 +257,17 @@ def test_ppo_critic_matches_one_process_under_ddp_and_fsdp_and_resumes(tmp_path)
     resumed = run(tmp_path, 1, "per_device_batch_size=4", f"output_dir={target.name}", "--resume", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "one", target, rel=5e-4, metric_abs=1e-6)
+    # ... and on two fsdp processes (the critic's optimizer state sharded again): the same run, bit for bit
+    target = tmp_path / "fsdp_resume2"
+    shutil.copytree(tmp_path / "fsdp", target)
+    for name in ("checkpoint-3", "model", "critic"):
+        shutil.rmtree(target / name)
+    resumed = run(tmp_path, 2, "per_device_batch_size=2", f"output_dir={target.name}", "distributed=fsdp",
+                  "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert comparable(target) == comparable(tmp_path / "fsdp")
+    a, b = (load_file(d / "critic" / "model.safetensors") for d in (target, tmp_path / "fsdp"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_on_another_world_size_needs_the_same_global_batch():

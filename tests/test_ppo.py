@@ -205,6 +205,20 @@ def _adamw(module, lr):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
+def test_a_checkpoint_saved_before_the_rename_and_the_ppo_fields_resumes():
+    from gspo.checkpoint import check_resumable, saved_config
+
+    cfg = make_config(TrainConfig, {"advantage_estimator": "rloo", "max_steps": 3})
+    old = saved_config(cfg)
+    old["advantage_scale"] = old.pop("advantage_estimator")  # an older gspo's name
+    for name in ("critic_model", "vf_coef", "value_clip", "gae_gamma", "gae_lambda", "kl_in_reward",
+                 "whiten_advantages", "critic_learning_rate"):
+        del old[name]  # not there yet: they acted as their defaults
+    check_resumable(old, cfg, 1)
+    with pytest.raises(ValueError, match=r"advantage_estimator='rloo' \(now 'group'\)"):
+        check_resumable(old, make_config(TrainConfig, {"max_steps": 3}), 1)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"advantage_estimator": "gae", "objective": "gspo"},
      "advantage_estimator=gae gives one advantage per token, but objective 'gspo' takes one per sequence"),

@@ -64,7 +64,8 @@ from gspo.checkpoint.store import (
                                    save_checkpoint,
 )
 
-__all__ = ["CONFIG_FILE", "CRITIC_FILE", "MANIFEST_FILE", "OPTIMIZER_FILE", "RNG_FILE", "SCHEDULER_FILE", "TRAINER_STATE_FILE",
+__all__ = ["CONFIG_FILE", "CRITIC_FILE", "MANIFEST_FILE", "OPTIMIZER_FILE", "RNG_FILE", "SCHEDULER_FILE",
+           "TRAINER_STATE_FILE",
            "RESUME_MAY_CHANGE", "capture_rng", "check_finite_state", "check_resumable", "clean_stale",
            "discard_newer_checkpoints", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_model_weights",
            "load_state_file", "prune_checkpoints", "remove_checkpoint", "resolve_resume", "restore_rng",
