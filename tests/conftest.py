@@ -152,3 +152,108 @@ def initial_weights(cfg) -> dict:
 def changed(before: dict, after: dict) -> list[str]:
     """The names of the tensors in `after` that differ from `before` in any bit."""
     return [name for name, tensor in after.items() if not torch.equal(tensor, before[name])]
+
+
+# ------------------------------------------------------------------------------- a tiny reward model
+def answer_pairs(split: str, n: int, seed: int, *, one_digit: bool = False) -> list[dict]:
+    """`n` add3 problems of `split` as {"prompt", "answer", "correct", "wrong"} completions.
+
+    `correct` is the task's worked solution, ending in "#### <answer>" (answer_match: 1.0); `wrong` is
+    the same text with another answer (answer_match: 0.0). By default that is the answer of another
+    random add3 problem, so a wrong answer is as plausible on its own as the right one and only its
+    agreement with the prompt and the worked steps tells them apart; `one_digit` changes one digit of
+    the right answer instead (a near miss). The same split and seed give the same pairs (fewer: a prefix).
+    """
+    import random
+
+    from gspo.tasks import get_task
+
+    task = get_task("add3")
+    rng = random.Random(f"answer_pairs:{split}:{seed}:{one_digit}")  # n rows: a prefix of n + 1
+    pairs = []
+    for row in task.dataset(split, n, seed=seed):
+        answer = row["answer"]
+        stem = row["solution"].removesuffix(answer)  # "7+5=12;...;#### "
+        wrong = answer
+        while wrong == answer:
+            if one_digit:
+                i = rng.randrange(len(answer))
+                wrong = answer[:i] + rng.choice("123456789" if i == 0 else "0123456789") + answer[i + 1:]
+            else:
+                wrong = task.sample(rng)["answer"]
+        pairs.append({"prompt": row["prompt"], "answer": answer, "correct": row["solution"], "wrong": stem + wrong})
+    return pairs
+
+
+def _reward_scores(model, tokenizer, prompts: list[str], completions: list[str]):
+    """logits[:, 0] of prompt + completion, right-padded as RewardModelReward pads: (n,), with grad."""
+    enc = tokenizer([p + c for p, c in zip(prompts, completions)], return_tensors="pt", padding=True,
+                    padding_side="right")
+    return model(**enc).logits[:, 0]  # (n,)
+
+
+def _margins(model, tokenizer, pairs: list[dict]):
+    """r(x, y_correct) - r(x, y_wrong) per pair: (n,), with grad."""
+    prompts = [p["prompt"] for p in pairs]
+    r = _reward_scores(model, tokenizer, prompts + prompts,
+                       [p["correct"] for p in pairs] + [p["wrong"] for p in pairs])  # (2n,)
+    return r[: len(pairs)] - r[len(pairs):]  # (n,)
+
+
+def _bradley_terry(margins):
+    """-log sigmoid(r_correct - r_wrong) per pair: ln 2 where the two scores tie."""
+    return -torch.nn.functional.logsigmoid(margins)
+
+
+def train_tiny_reward_model(path, steps: int = 300, seed: int = 0, *, batch_pairs: int = 16,
+                            lr: float = 3e-4) -> dict:
+    """Train a tiny Qwen3ForSequenceClassification reward model on add3 and save it (and its tokenizer) to
+    `path`, where `get_reward_fn("rm:<path>")` loads it. Seeded: the same arguments save the same weights.
+
+    The model (2 layers, width 64, 4 heads, MLP 256: 136,704 parameters) reads the character tokenizer of the
+    tiny-dense preset, so prompts and completions tokenize as in training. Each of `steps` Adam steps
+    takes `batch_pairs` fresh train-split answer_pairs and descends the Bradley-Terry loss
+    -log sigmoid(r(x, y_correct) - r(x, y_wrong)); steps=0 saves the untrained model (a random RM).
+    About 10 s on one CPU thread at the default 300 steps.
+
+    Returns {"train_loss": mean loss of the last 20 steps (NaN without steps), "eval_loss": mean loss
+    on 256 held-out test-split pairs (ln 2 = 0.693 when every score ties), "accuracy": the fraction of
+    those pairs the model ranks correctly, "one_digit_accuracy": the same on one-digit near misses}.
+    """
+    import math
+
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from gspo.tasks import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=512,
+                         num_labels=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    train = answer_pairs("train", steps * batch_pairs, seed)
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream does not move
+        torch.manual_seed(seed)
+        model = Qwen3ForSequenceClassification(config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    warmup = max(1, steps // 20)  # Adam's first steps are its largest: ramp the rate up over 5% of the steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    losses = []
+    for step in range(steps):
+        loss = _bradley_terry(_margins(model, tokenizer, train[step * batch_pairs:(step + 1) * batch_pairs])).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+
+    model.eval()
+    with torch.no_grad():
+        held_out = _margins(model, tokenizer, answer_pairs("test", 256, seed))  # (256,)
+        near_miss = _margins(model, tokenizer, answer_pairs("test", 256, seed, one_digit=True))  # (256,)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return {"train_loss": sum(losses[-20:]) / len(losses[-20:]) if losses else math.nan,
+            "eval_loss": _bradley_terry(held_out).mean().item(),
+            "accuracy": (held_out > 0).float().mean().item(),
+            "one_digit_accuracy": (near_miss > 0).float().mean().item()}
