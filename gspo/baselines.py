@@ -98,7 +98,7 @@ class CriticBaseline:
         self.gamma, self.lam, self.clip = cfg.gae_gamma, cfg.gae_lambda, cfg.value_clip
         self.whiten = cfg.whiten_advantages
         self.vf_coef, self.max_grad_norm = cfg.vf_coef, cfg.max_grad_norm
-        self.kl_in_reward = cfg.kl_coef if cfg.kl_in_reward else 0.0
+        self.kl_reward_coef = cfg.kl_coef if cfg.kl_in_reward else 0.0  # 0: the KL stays in the loss (or is off)
         self.needs_pi_old = cfg.kl_in_reward
 
     def estimate(self, rollout: Rollout, scores, parts: list[Part], topology: Topology) -> dict:
@@ -110,8 +110,8 @@ class CriticBaseline:
         with torch.no_grad():
             values = self._values(rollout, parts)  # (n, T) float32
         rewards = terminal_rewards(torch.where(valid, rollout.rewards, 0.0).float(), mask)  # (n, T)
-        if self.kl_in_reward:  # InstructGPT: r_t - beta * (log pi_old - log pi_ref), the k1 estimate per token
-            rewards = rewards - self.kl_in_reward * (rollout.old_logprobs - rollout.ref_logprobs).float()
+        if self.kl_reward_coef:  # InstructGPT: r_t - beta * (log pi_old - log pi_ref), the k1 estimate per token
+            rewards = rewards - self.kl_reward_coef * (rollout.old_logprobs - rollout.ref_logprobs).float()
         advantages, returns = gae(rewards, values, mask, self.gamma, self.lam)  # (n, T) each
         moments = token_moments(keep, adv=advantages, ret=returns, err=returns - values)
         count = float(keep.sum())

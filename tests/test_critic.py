@@ -1,5 +1,5 @@
 """The value model (gspo/critic.py): built from the policy, aligned with the log-probs' positions,
-and able to fit a fixed rollout's returns (the critic alone, before it is a trainer plug)."""
+and able to fit a fixed rollout's returns (the critic alone; in the trainer: test_ppo.py)."""
 
 import torch
 from conftest import SMALL
