@@ -64,3 +64,21 @@ def test_explained_variance_by_hand():
     # errors (0, 1, -1): variance 2/3 -> 1 - (2/3) / (8/3) = 0.75
     assert explained_variance(torch.tensor([[1.0, 2.0], [6.0, 0.0]]), returns, MASK) == pytest.approx(0.75)
     assert math.isnan(explained_variance(returns, torch.ones(2, 2), MASK))
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("pad", [0.0, 1e6, math.nan, -math.inf])
+def test_padding_never_changes_the_value_loss_or_its_gradient(seed, pad):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(4, 6, generator=g) > 0.3  # (N, T)
+    mask[:, 0] = True
+    values, old, returns = (torch.randn(4, 6, generator=g) for _ in range(3))
+    results = []
+    for fill in (0.0, pad):
+        v = torch.where(mask, values, fill).requires_grad_()
+        loss, stats = value_loss(v, torch.where(mask, old, fill), torch.where(mask, returns, fill), mask, clip=0.2)
+        loss.backward()
+        results.append((loss.detach(), {k: t.clone() for k, t in stats.items()}, torch.where(mask, v.grad, 0.0)))
+    (l0, s0, g0), (l1, s1, g1) = results
+    assert torch.equal(l0, l1) and torch.equal(g0, g1) and all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert torch.isfinite(g1).all() and l0 > 0
