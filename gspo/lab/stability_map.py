@@ -1,0 +1,112 @@
+"""The stability map: for every method x regime cell of a lab, did the method learn, learn slowly,
+or collapse? Pure functions of the run summaries (`gspo.lab.report.summarize_run`), and a figure.
+
+A cell holds the runs of one method in one regime, one per seed. Its outcome, by rule:
+  collapsed  at least half of its seeds collapsed (`detect_collapse`: held-out accuracy fell from its
+             best without recovering, or the entropy fell to a tenth and stayed); the number is the
+             median step of those collapses
+  learned    otherwise, if its mean gain in held-out accuracy (final - start) is at least
+             `learned_share` of the best mean gain among the regime's cells that did not collapse,
+             and above 0
+  slowed     otherwise (it kept learning, but clearly less than the best method of the regime)
+A regime's column also says whether anything in it separates: some two cells that did not collapse
+differ in gain by more than 2 standard errors (`gspo.lab.report.compare`), or some cells collapsed
+and others did not. A regime where nothing separates is reported as such, not ranked.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from itertools import combinations
+from pathlib import Path
+
+from gspo.lab.report import compare, stat
+
+OUTCOMES = ("learned", "slowed", "collapsed")
+COLORS = {"learned": "#4caf50", "slowed": "#ffc107", "collapsed": "#e53935"}
+
+
+def cell(runs: list[dict]) -> dict:
+    """The seeds of one method in one regime: gain statistics (`stat`) and collapses.
+
+    Returns {"gain": stat of acc_final - acc_start, "n": seeds, "collapsed": how many collapsed,
+    "collapse_step": median step of those (None if none)}.
+    """
+    steps = [r["collapse_step"] for r in runs if r["collapse_step"] is not None]
+    return {"gain": stat([r["acc_final"] - r["acc_start"] for r in runs]), "n": len(runs), "collapsed": len(steps),
+            "collapse_step": statistics.median(steps) if steps else None}
+
+
+def stability_map(runs: list[dict], *, method_of: Callable[[dict], str], regime_of: Callable[[dict], str],
+                  learned_share: float = 0.5) -> dict:
+    """{"methods": [...], "regimes": [...], "cells": {(method, regime): cell + "outcome" + "text"},
+    "separated": {regime: bool}} from run summaries; rows and columns in first-seen order."""
+    if not 0 < learned_share <= 1:
+        raise ValueError(f"learned_share={learned_share!r} must be in (0, 1]")
+    methods, regimes, groups = [], [], {}
+    for r in runs:
+        key = (method_of(r), regime_of(r))
+        methods += [key[0]] if key[0] not in methods else []
+        regimes += [key[1]] if key[1] not in regimes else []
+        groups.setdefault(key, []).append(r)
+    cells = {key: cell(group) for key, group in groups.items()}
+    separated = {}
+    for regime in regimes:
+        column = {m: cells[(m, regime)] for m in methods if (m, regime) in cells}
+        standing = {m: c for m, c in column.items() if 2 * c["collapsed"] < c["n"]}
+        best = max((c["gain"]["mean"] for c in standing.values()), default=float("nan"))
+        for m, c in column.items():
+            if m not in standing:
+                c["outcome"] = "collapsed"
+                c["text"] = f"collapsed at step {c['collapse_step']:g} ({c['collapsed']}/{c['n']} seeds)"
+                continue
+            gain = c["gain"]["mean"]
+            c["outcome"] = "learned" if gain > 0 and gain >= learned_share * best else "slowed"
+            c["text"] = f"{100 * gain:+.1f} ± {100 * c['gain']['std']:.1f} pp"
+        mixed = 0 < len(standing) < len(column)  # some collapsed, some did not
+        differ = any(compare(a["gain"], b["gain"])[2] != "same" for a, b in combinations(standing.values(), 2))
+        separated[regime] = mixed or differ
+    return {"methods": methods, "regimes": regimes, "cells": cells, "separated": separated}
+
+
+def map_table(smap: dict) -> str:
+    """The map as a markdown table: a row per method, a column per regime, "outcome: number" cells."""
+    header = ["method"] + [r + ("" if smap["separated"][r] else " (nothing separates)") for r in smap["regimes"]]
+    rows = [[m] + [f"{c['outcome']}: {c['text']}" if (c := smap["cells"].get((m, r))) else "–"
+                   for r in smap["regimes"]] for m in smap["methods"]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def draw_map(smap: dict, path: Path, title: str = "stability map") -> Path:
+    """The map as a coloured grid (learned / slowed / collapsed), each cell with its number."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods, regimes = smap["methods"], smap["regimes"]
+    fig, ax = plt.subplots(figsize=(1.8 + 2.0 * len(regimes), 0.9 + 0.6 * len(methods)))
+    for i, m in enumerate(methods):
+        for j, r in enumerate(regimes):
+            c = smap["cells"].get((m, r))
+            color = COLORS[c["outcome"]] if c else "#eeeeee"
+            ax.add_patch(plt.Rectangle((j, i), 1, 1, facecolor=color, edgecolor="white", linewidth=2))
+            ax.text(j + 0.5, i + 0.5, c["text"].replace(" (", "\n(") if c else "–", ha="center", va="center",
+                    fontsize=7)
+    ax.set_xlim(0, len(regimes))
+    ax.set_ylim(len(methods), 0)
+    ax.set_xticks([j + 0.5 for j in range(len(regimes))],
+                  [r + ("" if smap["separated"][r] else "\n(nothing separates)") for r in regimes], fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(methods))], methods, fontsize=8)
+    ax.tick_params(length=0)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[o]) for o in OUTCOMES]
+    ax.legend(handles, OUTCOMES, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

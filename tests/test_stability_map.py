@@ -1,0 +1,66 @@
+"""The stability map (gspo/lab/stability_map.py) on synthetic run summaries, cells computed by hand."""
+
+import pytest
+
+from gspo.lab.stability_map import draw_map, map_table, stability_map
+
+
+def run(method, regime, start, final, collapse_step=None):
+    return {"spec": {"method": method, "regime": regime}, "acc_start": start, "acc_final": final,
+            "collapse_step": collapse_step}
+
+
+RUNS = [
+    # fp32: gains grpo (.30, .34, .32) mean .32 std .02, gspo (.28, .30, .32) mean .30 std .02: difference .02,
+    # SE sqrt(.02^2/3 + .02^2/3) = .0163, not beyond 2 SE: nothing separates; both learned (.30 >= .5 * .32)
+    run("grpo", "fp32", 0.2, 0.50), run("grpo", "fp32", 0.2, 0.54), run("grpo", "fp32", 0.2, 0.52),
+    run("gspo", "fp32", 0.2, 0.48), run("gspo", "fp32", 0.2, 0.50), run("gspo", "fp32", 0.2, 0.52),
+    # bf16: grpo collapses on 2 of 3 seeds (steps 12 and 18: median 15); gspo learns (.30 each)
+    run("grpo", "bf16", 0.2, 0.05, 12), run("grpo", "bf16", 0.2, 0.04, 18), run("grpo", "bf16", 0.2, 0.5),
+    run("gspo", "bf16", 0.2, 0.50), run("gspo", "bf16", 0.2, 0.50), run("gspo", "bf16", 0.2, 0.50),
+    # stale4: grpo gains (.10, .12, .08) mean .10 < .5 * .30: slowed; gspo (.30, .32, .28) learned; 0.2 apart
+    # with SE .0163: separated. One gspo seed collapsed (1 of 3: not the cell's outcome)
+    run("grpo", "stale4", 0.2, 0.30), run("grpo", "stale4", 0.2, 0.32), run("grpo", "stale4", 0.2, 0.28),
+    run("gspo", "stale4", 0.2, 0.50, 30), run("gspo", "stale4", 0.2, 0.52), run("gspo", "stale4", 0.2, 0.48),
+]
+
+
+def build(runs=RUNS, **kw):
+    return stability_map(runs, method_of=lambda r: r["spec"]["method"], regime_of=lambda r: r["spec"]["regime"], **kw)
+
+
+def test_cells_by_hand():
+    smap = build()
+    assert smap["methods"] == ["grpo", "gspo"] and smap["regimes"] == ["fp32", "bf16", "stale4"]
+    outcome = {key: c["outcome"] for key, c in smap["cells"].items()}
+    assert outcome == {("grpo", "fp32"): "learned", ("gspo", "fp32"): "learned", ("grpo", "bf16"): "collapsed",
+                       ("gspo", "bf16"): "learned", ("grpo", "stale4"): "slowed", ("gspo", "stale4"): "learned"}
+    assert smap["separated"] == {"fp32": False, "bf16": True, "stale4": True}
+    c = smap["cells"][("grpo", "fp32")]
+    assert c["gain"]["mean"] == pytest.approx(0.32) and c["gain"]["std"] == pytest.approx(0.02) and c["n"] == 3
+    assert smap["cells"][("grpo", "bf16")]["text"] == "collapsed at step 15 (2/3 seeds)"
+    assert smap["cells"][("gspo", "stale4")]["collapsed"] == 1
+    assert smap["cells"][("grpo", "stale4")]["text"] == "+10.0 ± 2.0 pp"
+
+
+def test_the_learned_share_moves_the_line_between_learned_and_slowed():
+    # gspo/fp32 gains .30 of the best .32: learned at share .9 (>= .288), slowed at share .95 (< .304)
+    assert build(learned_share=0.9)["cells"][("gspo", "fp32")]["outcome"] == "learned"
+    assert build(learned_share=0.95)["cells"][("gspo", "fp32")]["outcome"] == "slowed"
+    with pytest.raises(ValueError, match="learned_share"):
+        build(learned_share=0.0)
+
+
+def test_a_regime_where_nothing_learns_has_no_learned_cell():
+    runs = [run(m, "hard", 0.2, 0.2 - d) for m in ("grpo", "gspo") for d in (0.0, 0.01, 0.02)]
+    smap = build(runs)
+    assert {c["outcome"] for c in smap["cells"].values()} == {"slowed"} and smap["separated"] == {"hard": False}
+
+
+def test_table_and_figure(tmp_path):
+    table = map_table(build())
+    assert table.splitlines()[0] == "| method | fp32 (nothing separates) | bf16 | stale4 |"
+    assert "| grpo | learned: +32.0 ± 2.0 pp | collapsed: collapsed at step 15 (2/3 seeds) | slowed: +10.0 ± 2.0 pp |" \
+        in table
+    path = draw_map(build(), tmp_path / "map.png")
+    assert path.stat().st_size > 5000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
