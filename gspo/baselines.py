@@ -53,7 +53,7 @@ def build_baseline(cfg, policy, topology: Topology, make_optimizer, checkpoint=N
         critic.load_state_dict(state["model"])
     critic = topology.wrap(critic)
     optimizer, scheduler = make_optimizer(critic, cfg.critic_learning_rate or cfg.learning_rate)
-    guard = NonFiniteGuard(cfg.max_consecutive_skips)
+    guard = NonFiniteGuard(cfg.max_consecutive_skips, "critic steps", "critic_learning_rate")
     if state is not None:
         if topology.sharded:
             topology.load_optimizer_state(critic, optimizer, state["optimizer"])

@@ -154,8 +154,9 @@ class StopSignals:
 class NonFiniteGuard:
     """Counts optimizer steps skipped for a non-finite loss or gradient; aborts after `limit` in a row."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, what: str = "optimizer steps", lr_name: str = "learning_rate"):
         self.limit, self.skipped, self.in_a_row = limit, 0, 0
+        self.what, self.lr_name = what, lr_name  # named in the abort message (the policy's, or the critic's)
 
     def ok(self) -> None:
         self.in_a_row = 0
@@ -171,8 +172,8 @@ class NonFiniteGuard:
         self.in_a_row += 1
         if self.in_a_row >= self.limit:
             raise TrainingAborted(
-                f"step {step}: {self.in_a_row} optimizer steps in a row had a non-finite loss ({loss.item()}) or "
-                f"gradient norm ({float(norm)}); the weights were not updated by them. Lower learning_rate, check "
+                f"step {step}: {self.in_a_row} {self.what} in a row had a non-finite loss ({loss.item()}) or "
+                f"gradient norm ({float(norm)}); the weights were not updated by them. Lower {self.lr_name}, check "
                 "rewards and inputs, or raise max_consecutive_skips")
 
 

@@ -296,3 +296,22 @@ def test_the_rlhf_path_a_trained_reward_model_scores_the_last_token_and_ppo_trai
     records = read_metrics(tmp_path / "run")[1:]
     assert all(math.isfinite(r["reward/reward_model"]) and r["loss/value"] > 0 for r in records)
     assert len(changed(initial_weights(cfg), final_weights(tmp_path / "run"))) > 0
+
+
+def test_a_non_finite_value_loss_skips_the_critic_step_and_aborts_naming_the_critic():
+    from gspo.run import TrainingAborted
+
+    cfg = tiny_cfg_values()
+    critic = FixedValues([[0.0] * 4, [0.0] * 4])
+    optimizer = torch.optim.SGD(critic.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    baseline = CriticBaseline(cfg, critic, optimizer, scheduler,
+                              NonFiniteGuard(2, "critic steps", "critic_learning_rate"), Topology())
+    mb = hand_rollout([1.0, 0.0])
+    mb.old_values, mb.returns = torch.zeros(2, 3), torch.full((2, 3), float("nan"))  # a NaN target
+    stats = baseline.update(mb, ALL[0], step=1)
+    assert math.isnan(stats["loss/value"]) and stats["value/skipped_steps"] == 1
+    assert critic.unused.grad is None and critic.unused.item() == 0.0  # no step taken
+    with pytest.raises(TrainingAborted, match="2 critic steps in a row had a non-finite loss .* Lower "
+                                              "critic_learning_rate"):
+        baseline.update(mb, ALL[0], step=2)
