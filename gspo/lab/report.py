@@ -11,13 +11,14 @@ coarse test; the report gives the numbers next to every verdict.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 from pathlib import Path
 
 import numpy as np
 
+from gspo.lab.stability_map import regimes_section
+from gspo.lab.stats import compare, stat
 from gspo.report import load_metrics
 
 # What the paper (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071) reports.
@@ -123,29 +124,8 @@ def load_lab(lab_dir: str | os.PathLike) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------- over seeds
-def stat(values) -> dict:
-    """mean, std (n-1; 0 for one value), n of the finite values."""
-    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
-    if not len(v):
-        return {"mean": float("nan"), "std": float("nan"), "n": 0}
-    std = float(v.std(ddof=1)) if len(v) > 1 else 0.0
-    std = 0.0 if std < 1e-12 * max(1.0, abs(float(v.mean()))) else std  # float noise of equal values
-    return {"mean": float(v.mean()), "std": std, "n": int(len(v))}
-
-
 def select(runs: list[dict], **spec) -> list[dict]:
     return [r for r in runs if all(r["spec"][k] == v for k, v in spec.items())]
-
-
-def compare(a: dict, b: dict) -> tuple[float, float, str]:
-    """(a - b, its SE, "higher" | "lower" | "same") for two `stat` results; beyond 2 SE counts."""
-    diff = a["mean"] - b["mean"]
-    if not (a["n"] and b["n"]):
-        return float("nan"), float("nan"), "n/a"
-    se = math.sqrt(a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"])
-    if abs(diff) > 2 * se and abs(diff) > 1e-12:
-        return diff, se, "higher" if diff > 0 else "lower"
-    return diff, se, "same"
 
 
 def fmt(s: dict, pct: bool = True, digits: int = 1) -> str:
@@ -349,6 +329,7 @@ def write_report(lab_dir: str | os.PathLike) -> Path:
                               fmt(r["clip"], digits=2), f"{r['collapsed']}/{r['n']}", delta])
         out += [_table(["setting", "objective", "seeds", "final", "mean over run", "clipped", "collapsed",
                         "Δ mean over run"], srows), ""]
+    out += regimes_section(runs, cfg, lab_dir / "plots")
     collapsed = [r for r in runs if r["collapse_step"] is not None]
     out += ["## Collapse detection", "",
             "A run is flagged when its held-out accuracy falls below its best by max(10 pts, half the best) and "

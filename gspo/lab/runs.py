@@ -4,6 +4,8 @@ A lab is a folder of short RL runs from shared cold-start models:
   main grid   objectives x {dense, moe} x routing replay (MoE only) x seeds   (claims C1, C2, C4, C5)
   depth sweep GRPO on MoE models of several depths                         (claim C3)
   search      GRPO vs GSPO under settings that might separate them         (where do they differ?)
+  regimes     methods x regime axes (sampler mismatch, staleness, off-policy degree, answer length,
+              MoE shape) x seeds: the stability map (gspo/lab/regimes.py, gspo/lab/stability_map.py)
 Every run is an ordinary `gspo.trainer.train` run with its own metrics.jsonl; a run is complete
 when its `done.json` exists, so rerunning the same command skips finished runs and restarts
 the one that was interrupted. `gspo.lab.report` turns the folder into report.md with plots.
@@ -22,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gspo.config import SFTConfig, TrainConfig, check_choice, check_positive, load_config, make_config, to_dict
+from gspo.lab.regimes import check_regimes, regime_runs, train_settings
 
 PRESETS = {"dense": "tiny-dense", "moe": "tiny-moe"}
 DONE = "done.json"
@@ -85,6 +88,16 @@ class LabConfig:
     """Architecture of the search runs (the paper's instability is an MoE one), no routing replay."""
     search_seeds: list | None = field(default_factory=lambda: [0, 1])
     """Seeds of the search runs; null: `seeds`."""
+    main_grid: bool = True
+    """Run the main grid (objectives x models x routing replay); false for a lab of regimes only."""
+    regimes: dict = field(default_factory=dict)
+    """Regimes: axis -> level -> settings, {TrainConfig field: value} plus `arch` (config overrides of the cold-start model, e.g. {num_hidden_layers: 16}); every level runs each method of `regime_methods` that applies to it, beside a shared `baseline` level (the lab's own settings). Empty: no regimes (gspo/lab/regimes.py)."""
+    regime_methods: dict = field(default_factory=dict)
+    """Regimes: method name -> TrainConfig overrides, e.g. {grpo_tis: {objective: grpo, rollout_correction: token_tis}}."""
+    regime_model: str = "moe"
+    """Architecture of the regime runs (dense or moe; routing replay methods run on moe only)."""
+    regime_seeds: list | None = None
+    """Seeds of the regime runs; null: `seeds`."""
     sft_max_steps: int = 400
     """Cold-start SFT steps (upper bound; it stops at `sft_target_accuracy`)."""
     sft_target_accuracy: float = 0.4
@@ -110,7 +123,7 @@ class LabConfig:
                 if value not in choices:
                     raise ValueError(f"config: {name} entry {value!r} is not one of {', '.join(choices)}")
         check_choice(self, "search_model", PRESETS)
-        for name in ("seeds", "search_seeds", "depths"):
+        for name in ("seeds", "search_seeds", "regime_seeds", "depths"):
             values = getattr(self, name) or []
             if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
                 raise ValueError(f"config: {name}={values!r} must be a list of integers")
@@ -127,6 +140,8 @@ class LabConfig:
         for label, overrides in self.search.items():
             if not isinstance(overrides, dict):
                 raise ValueError(f"config: search[{label!r}] must be a mapping of TrainConfig fields, got {overrides!r}")
+        check_choice(self, "regime_model", PRESETS)
+        check_regimes(self.regimes, self.regime_methods)
         # Every run's TrainConfig is built (and so checked) by `train_config` before anything runs.
 
 
@@ -140,30 +155,39 @@ QUICK_LAB = dict(objectives=["grpo", "gspo"], seeds=[0, 1], num_layers=2, max_st
 class RunSpec:
     """One RL run of the lab: what distinguishes it from its neighbours in the grid."""
 
-    group: str  # main | depth | search
+    group: str  # main | depth | search | regime
     objective: str
     model: str  # dense | moe
     layers: int
     replay: str  # none | old_policy | rollout
     seed: int
-    label: str = ""  # the search setting's name
-    overrides: dict = field(default_factory=dict)  # TrainConfig fields the search setting changes
+    label: str = ""  # the search setting's or regime's name
+    overrides: dict = field(default_factory=dict)  # TrainConfig fields the search setting (regime + method) changes
+    method: str = ""  # a regime run's method name
+    arch: dict = field(default_factory=dict)  # a regime's config overrides of the cold-start model
 
     @property
     def name(self) -> str:
+        if self.group == "regime":
+            return f"regime-{self.label}-{self.method}-s{self.seed}"
         head = {"main": "", "depth": f"depth{self.layers}-", "search": f"search-{self.label}-"}[self.group]
         return f"{head}{self.objective}-{self.model}-{self.replay}-s{self.seed}"
 
     @property
     def config_key(self) -> tuple:
         """Runs that differ only by seed share this key (they are averaged in the report)."""
-        return (self.group, self.label, self.objective, self.model, self.layers, self.replay)
+        return (self.group, self.label, self.method, self.objective, self.model, self.layers, self.replay)
+
+    @property
+    def cold_key(self) -> tuple:
+        """The cold start it needs: architecture, depth, other model config, task (None: the lab's)."""
+        return (self.model, self.layers, tuple(sorted(self.arch.items())), self.overrides.get("task"))
 
 
 def expand_grid(cfg: LabConfig) -> list[RunSpec]:
     """Every run of the lab, in the order they are run (cheapest claims first)."""
     runs = []
-    for model in cfg.models:
+    for model in cfg.models if cfg.main_grid else []:
         replays = [r for r in cfg.routing_replay if model == "moe" or r == "none"] or ["none"]
         for replay in replays:
             for objective in cfg.objectives:
@@ -176,27 +200,36 @@ def expand_grid(cfg: LabConfig) -> list[RunSpec]:
             seeds = cfg.search_seeds if cfg.search_seeds is not None else cfg.seeds
             runs += [RunSpec("search", objective, cfg.search_model, cfg.num_layers, "none", s, label, dict(overrides))
                      for s in seeds]
+    seeds = cfg.regime_seeds if cfg.regime_seeds is not None else cfg.seeds
+    for label, settings, method, overrides in regime_runs(cfg.regimes, cfg.regime_methods, cfg.regime_model)[0]:
+        train, arch = {**train_settings(settings), **overrides}, dict(settings.get("arch", {}))
+        layers = arch.pop("num_hidden_layers", cfg.num_layers)
+        runs += [RunSpec("regime", train.get("objective", "grpo"), cfg.regime_model, layers,
+                         train.get("routing_replay", "none"), s, label, train, method, arch) for s in seeds]
     return runs
 
 
-def coldstart_dir(lab_dir: Path, model: str, layers: int) -> Path:
-    return Path(lab_dir) / "coldstart" / f"{model}-L{layers}"
+def coldstart_dir(lab_dir: Path, model: str, layers: int, arch: tuple = (), task: str | None = None) -> Path:
+    """lab/coldstart/<model>-L<layers>[-<field><value>...][-<task>]: one per architecture and task."""
+    name = f"{model}-L{layers}" + "".join(f"-{k}{v}" for k, v in arch) + (f"-{task}" if task else "")
+    return Path(lab_dir) / "coldstart" / name
 
 
-def sft_config(cfg: LabConfig, model: str, layers: int) -> SFTConfig:
-    """The cold start: the demo's partial SFT (stops at `sft_target_accuracy`), one per architecture."""
+def sft_config(cfg: LabConfig, model: str, layers: int, arch: tuple = (), task: str | None = None) -> SFTConfig:
+    """The cold start: the demo's partial SFT (stops at `sft_target_accuracy`), one per architecture and task."""
     return make_config(SFTConfig, dict(
-        model=PRESETS[model], model_overrides={"num_hidden_layers": layers}, task=cfg.task, num_examples=2000,
+        model=PRESETS[model], model_overrides={"num_hidden_layers": layers, **dict(arch)}, task=task or cfg.task,
+        num_examples=2000,
         max_steps=cfg.sft_max_steps, batch_size=32, learning_rate=2e-3, warmup_steps=20,
         target_accuracy=cfg.sft_target_accuracy, eval_steps=20, eval_num_prompts=100,
         max_completion_length=cfg.max_completion_length, seed=0, device=cfg.device, progress=False,
-        output_dir=str(coldstart_dir(cfg.output_dir, model, layers))))
+        output_dir=str(coldstart_dir(cfg.output_dir, model, layers, arch, task))))
 
 
 def train_config(cfg: LabConfig, spec: RunSpec) -> TrainConfig:
     """The run's full TrainConfig (validated): lab settings, then the search overrides, then `train_overrides`."""
     values = dict(
-        model=str(coldstart_dir(cfg.output_dir, spec.model, spec.layers) / "model"), task=cfg.task,
+        model=str(coldstart_dir(cfg.output_dir, *spec.cold_key) / "model"), task=cfg.task,
         objective=spec.objective, routing_replay=spec.replay, seed=spec.seed, device=cfg.device,
         max_steps=cfg.depth_steps if spec.group == "depth" else cfg.max_steps,
         per_device_batch_size=cfg.per_device_batch_size, num_generations=cfg.num_generations,
@@ -279,11 +312,12 @@ def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
 
     with _pool(workers) as pool:
         # Cold starts, one per architecture the runs use; the costliest first.
-        colds = sorted({(s.model, s.layers) for s in specs}, key=lambda ml: -ml[1] * (2 if ml[0] == "moe" else 1))
-        colds = [ml for ml in colds if not is_done(coldstart_dir(lab_dir, *ml))]
-        for model, layers in colds:
-            log(f"cold start {model}-L{layers}: SFT until greedy accuracy {cfg.sft_target_accuracy:.0%}")
-        for future in [pool.submit(_cold_start, sft_config(cfg, model, layers)) for model, layers in colds]:
+        colds = sorted({s.cold_key for s in specs}, key=lambda key: -key[1] * (2 if key[0] == "moe" else 1))
+        colds = [key for key in colds if not is_done(coldstart_dir(lab_dir, *key))]
+        for key in colds:
+            log(f"cold start {coldstart_dir(lab_dir, *key).name}: SFT until greedy accuracy "
+                f"{cfg.sft_target_accuracy:.0%}")
+        for future in [pool.submit(_cold_start, sft_config(cfg, *key)) for key in colds]:
             future.result()
 
         clock = _Clock()

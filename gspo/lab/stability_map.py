@@ -1,7 +1,8 @@
 """The stability map: for every method x regime cell of a lab, did the method learn, learn slowly,
 or collapse? Pure functions of the run summaries (`gspo.lab.report.summarize_run`), and a figure.
 
-A cell holds the runs of one method in one regime, one per seed. Its outcome, by rule:
+A cell holds the runs of one method in one regime, one per seed (`summarize_run`'s dicts: acc_start,
+acc_final, collapse_step). Its outcome, by rule:
   collapsed  at least half of its seeds collapsed (`detect_collapse`: held-out accuracy fell from its
              best without recovering, or the entropy fell to a tenth and stayed); the number is the
              median step of those collapses
@@ -21,7 +22,8 @@ from collections.abc import Callable
 from itertools import combinations
 from pathlib import Path
 
-from gspo.lab.report import compare, stat
+from gspo.lab.regimes import regime_runs
+from gspo.lab.stats import compare, stat
 
 OUTCOMES = ("learned", "slowed", "collapsed")
 COLORS = {"learned": "#4caf50", "slowed": "#ffc107", "collapsed": "#e53935"}
@@ -110,3 +112,24 @@ def draw_map(smap: dict, path: Path, title: str = "stability map") -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def regimes_section(runs: list[dict], cfg: dict, plots_dir: Path) -> list[str]:
+    """report.md's lines for the lab's regime runs: the map as a table and a figure, and every
+    method x regime combination the grid left out, with its reason. `cfg`: the lab's config (lab.json)."""
+    runs = [r for r in runs if r["spec"]["group"] == "regime"]
+    if not runs:
+        return []
+    smap = stability_map(runs, method_of=lambda r: r["spec"]["method"], regime_of=lambda r: r["spec"]["label"])
+    figure = draw_map(smap, Path(plots_dir) / "stability_map.png")
+    left_out = regime_runs(cfg.get("regimes", {}), cfg.get("regime_methods", {}), cfg.get("regime_model", "moe"))[1]
+    out = ["## Regimes: the stability map", "",
+           "Each cell: one method in one regime over its seeds; the number is the mean gain in held-out "
+           "accuracy (final - start, ± std over seeds) or the step of collapse. collapsed: half the seeds or more "
+           "collapsed; learned: at least half the best gain of the regime; slowed: less. A regime marked "
+           "'nothing separates' has no two cells apart by more than 2 standard errors.", "",
+           map_table(smap), "", f"![stability map](plots/{figure.name})", ""]
+    if left_out:
+        out += ["Not run (the rule that left each out):", ""]
+        out += [f"- {x['method']} in {x['regime']}: {x['reason']}" for x in left_out] + [""]
+    return out

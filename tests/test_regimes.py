@@ -1,0 +1,127 @@
+"""The regimes lab (gspo/lab/regimes.py): levels x methods, what is left out and why, every knob
+reaching its run's config and metrics, and a micro regimes lab end to end."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import read_metrics
+from gspo.config import make_config
+from gspo.lab.regimes import levels, not_applicable
+from gspo.lab.report import load_lab
+from gspo.lab.runs import LabConfig, expand_grid, run_lab, sft_config, train_config
+from gspo.lab.stability_map import stability_map
+
+REGIMES = {"mismatch": {"bf16": {"sampler_dtype": "bfloat16"}, "vllm": {"generation_backend": "vllm"}},
+           "staleness": {"lag1": {"sampler_lag": 1}},
+           "off_policy": {"mb8": {"num_minibatches": 8}},
+           "length": {"long": {"task": "add4", "max_completion_length": 64}},
+           "moe_shape": {"deep": {"arch": {"num_hidden_layers": 6}},
+                         "wide": {"arch": {"num_experts": 16, "num_experts_per_tok": 4}}}}
+METHODS = {"grpo": {"objective": "grpo"}, "gspo": {"objective": "gspo"},
+           "grpo_r2": {"objective": "grpo", "routing_replay": "old_policy"},
+           "grpo_tis": {"objective": "grpo", "rollout_correction": "token_tis"}}
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def regimes_lab(tmp_path, **values) -> LabConfig:
+    return make_config(LabConfig, {"output_dir": str(tmp_path / "lab"), "main_grid": False, "depths": [], "search": {},
+                                   "regimes": REGIMES, "regime_methods": METHODS, "seeds": [0, 1], **values})
+
+
+def test_levels_methods_and_what_is_left_out(tmp_path):
+    assert [label for label, _ in levels(REGIMES)] == ["baseline", "mismatch-bf16", "mismatch-vllm", "staleness-lag1",
+                                                       "off_policy-mb8", "length-long", "moe_shape-deep",
+                                                       "moe_shape-wide"]
+    specs = expand_grid(regimes_lab(tmp_path))
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names)) and {s.group for s in specs} == {"regime"}
+    # grpo, gspo, grpo_r2 on every level on MoE; grpo_tis only where the sampler is not pi_old (bf16, lag1, vllm);
+    # the vllm level only where vllm is installed
+    runnable = 8 if HAS_VLLM else 7
+    assert len(specs) == 2 * (3 * runnable + (3 if HAS_VLLM else 2))
+    assert "regime-mismatch-bf16-grpo_tis-s1" in names and "regime-baseline-grpo_tis-s0" not in names
+    assert not_applicable(METHODS["grpo_tis"], {}, "moe") == ("no sampler mismatch (mu = pi_old): the correction is "
+                                                              "the identity")
+    assert not_applicable(METHODS["grpo_r2"], {}, "dense") == "routing replay needs an MoE model"
+    if not HAS_VLLM:
+        assert not_applicable(METHODS["grpo"], REGIMES["mismatch"]["vllm"], "moe").startswith("vllm is not installed")
+    dense = expand_grid(regimes_lab(tmp_path, regime_model="dense"))
+    assert not any(s.method == "grpo_r2" for s in dense) and len(dense) == len(specs) - 2 * runnable
+
+
+def test_every_regime_knob_reaches_its_runs_config(tmp_path):
+    cfg = regimes_lab(tmp_path, seeds=[3])
+    specs = {s.name: s for s in expand_grid(cfg)}
+    lab = tmp_path / "lab" / "coldstart"
+
+    def config(name):
+        return train_config(cfg, specs[name])
+
+    base = config("regime-baseline-grpo-s3")
+    assert (base.objective, base.sampler_dtype, base.sampler_lag, base.num_minibatches, base.task, base.seed) == \
+        ("grpo", None, 0, 4, "add3", 3)
+    assert base.model == str(lab / "moe-L4" / "model")
+    assert config("regime-mismatch-bf16-gspo-s3").sampler_dtype == "bfloat16"
+    tis = config("regime-staleness-lag1-grpo_tis-s3")
+    assert (tis.sampler_lag, tis.rollout_correction) == (1, "token_tis")
+    assert config("regime-off_policy-mb8-grpo-s3").num_minibatches == 8
+    assert config("regime-baseline-grpo_r2-s3").routing_replay == "old_policy"
+    long = config("regime-length-long-grpo-s3")
+    assert (long.task, long.max_completion_length, long.model) == ("add4", 64, str(lab / "moe-L4-add4" / "model"))
+    assert config("regime-moe_shape-deep-grpo-s3").model == str(lab / "moe-L6" / "model")
+    wide = specs["regime-moe_shape-wide-grpo-s3"]
+    assert train_config(cfg, wide).model == str(lab / "moe-L4-num_experts16-num_experts_per_tok4" / "model")
+    cold = sft_config(cfg, *wide.cold_key)
+    assert cold.model_overrides == {"num_hidden_layers": 4, "num_experts": 16, "num_experts_per_tok": 4}
+    assert sft_config(cfg, *specs["regime-length-long-grpo-s3"].cold_key).task == "add4"
+
+
+def test_bad_regime_settings_are_named(tmp_path):
+    with pytest.raises(ValueError, match="regimes are set but regime_methods is empty"):
+        regimes_lab(tmp_path, regime_methods={})
+    with pytest.raises(ValueError, match=r"regimes\['mismatch'\]\['bf16'\] must be a mapping"):
+        regimes_lab(tmp_path, regimes={"mismatch": {"bf16": "bfloat16"}})
+    with pytest.raises(ValueError, match=r"regime_methods\['grpo'\] must be a mapping"):
+        regimes_lab(tmp_path, regime_methods={"grpo": "grpo"})
+    with pytest.raises(ValueError, match="regime_model='big' is not one of dense, moe"):
+        regimes_lab(tmp_path, regime_model="big")
+    cfg = regimes_lab(tmp_path, regimes={"off_policy": {"mb7": {"num_minibatches": 7}}})
+    spec = next(s for s in expand_grid(cfg) if s.name == "regime-off_policy-mb7-grpo-s0")
+    with pytest.raises(ValueError, match="lab run regime-off_policy-mb7-grpo-s0: .*not divisible by num_minibatches=7"):
+        train_config(cfg, spec)
+
+
+@pytest.mark.slow
+def test_micro_regimes_lab_end_to_end(tmp_path):
+    cfg = regimes_lab(
+        tmp_path, regime_model="dense", seeds=[0], num_layers=1, max_steps=2, eval_steps=1, per_device_batch_size=2,
+        num_generations=4, num_minibatches=2, max_completion_length=8, eval_num_prompts=4, eval_k=2, sft_max_steps=3,
+        learning_rate=1e-3, workers=1, warmup_steps=4,
+        regimes={"mismatch": {"bf16": {"sampler_dtype": "bfloat16"}}, "off_policy": {"mb4": {"num_minibatches": 4}},
+                 "length": {"long": {"task": "add4", "max_completion_length": 12}}},
+        regime_methods={"grpo": {"objective": "grpo"}, "grpo_tis": {"objective": "grpo",
+                                                                     "rollout_correction": "token_tis"}})
+    summary = run_lab(cfg, log=lambda _: None)
+    assert (summary["runs"], summary["ran"]) == (5, 5)
+    runs = tmp_path / "lab" / "runs"
+    base, bf16 = read_metrics(runs / "regime-baseline-grpo-s0"), read_metrics(runs / "regime-mismatch-bf16-grpo_tis-s0")
+    # config -> metrics: the bf16 sampler's mismatch is measured (fp32 logs none), the correction acts
+    assert "mismatch/kl" not in base[1] and bf16[1]["mismatch/kl"] > 1e-9 and "mismatch/clipped_frac" in bf16[1]
+    # 4 minibatches: 4 optimizer steps per rollout, so the warmup (4 steps) is done after step 1; 2: half done
+    assert base[1]["lr"] == pytest.approx(1e-3 * 3 / 4) and read_metrics(runs / "regime-off_policy-mb4-grpo-s0")[1][
+        "lr"] == pytest.approx(1e-3)
+    long = json.loads((runs / "regime-length-long-grpo-s0" / "done.json").read_text())["config"]
+    assert (long["task"], long["max_completion_length"]) == ("add4", 12)
+    assert max(r["completion/max_len"] for r in read_metrics(runs / "regime-length-long-grpo-s0")[1:]) <= 12
+    assert (tmp_path / "lab" / "coldstart" / "dense-L1-add4" / "done.json").is_file()
+    smap = stability_map(load_lab(tmp_path / "lab"), method_of=lambda r: r["spec"]["method"],
+                         regime_of=lambda r: r["spec"]["label"])
+    assert set(smap["cells"]) == {("grpo", "baseline"), ("grpo", "mismatch-bf16"), ("grpo_tis", "mismatch-bf16"),
+                                  ("grpo", "off_policy-mb4"), ("grpo", "length-long")}
+    report = Path(summary["report"]).read_text()
+    assert "## Regimes: the stability map" in report and "(plots/stability_map.png)" in report
+    assert "- grpo_tis in baseline: no sampler mismatch (mu = pi_old): the correction is the identity" in report
+    assert (tmp_path / "lab" / "plots" / "stability_map.png").stat().st_size > 5000
