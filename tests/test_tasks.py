@@ -154,6 +154,17 @@ def test_add3_solution_length_range():
     assert min(lengths) == 26 and max(lengths) == 34
 
 
+def test_add27_answers_are_long(tok):
+    # The regimes lab's length axis. By construction: shortest 27 x "a+b=s;" (6) + "#### " + 27 digits = 194
+    # characters; longest "a+b=ss;" (7) + 26 x "a+b+1=ss;" (9) + "#### " + 28 digits = 274. Sampled: >= 200
+    # tokens (one per character, + EOS) for all but the rare problem with almost no carries.
+    rng = random.Random(0)
+    rows = [get_task("add27").sample(rng) for _ in range(2000)]
+    lengths = [len(tok(r["solution"], add_special_tokens=False)["input_ids"]) + 1 for r in rows]  # + EOS
+    assert 195 <= min(lengths) and max(lengths) <= 275
+    assert sum(n >= 200 for n in lengths) / len(lengths) > 0.99 and 230 < sorted(lengths)[1000] < 245
+
+
 @pytest.mark.parametrize("task", ALL_TASKS, ids=lambda t: t.name)
 def test_all_text_is_in_vocab(task, tok):
     rng = random.Random(1)
@@ -236,7 +247,7 @@ def test_extract_answer(text, expected):
 
 
 def test_registry():
-    assert {"add2", "add3", "add4", "arithmetic"} <= set(TASKS)
+    assert {"add2", "add3", "add4", "add27", "arithmetic"} <= set(TASKS)
     assert (get_task("add3").digits, get_task("add3").op) == (3, "+")
     assert (get_task("add4").digits, get_task("add2").digits) == (4, 2)
     task = get_task("arithmetic", digits=5, op="-")

@@ -14,6 +14,7 @@ _REGISTRY: dict[str, dict] = {
     "add2": {"digits": 2, "op": "+"},
     "add3": {"digits": 3, "op": "+"},
     "add4": {"digits": 4, "op": "+"},
+    "add27": {"digits": 27, "op": "+"},  # long worked answers, 204-266 tokens: the regimes lab's length axis
     "sub3": {"digits": 3, "op": "-"},
     "mul3": {"digits": 3, "op": "*"},
     "arithmetic": {},
