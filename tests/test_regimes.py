@@ -79,6 +79,22 @@ def test_every_regime_knob_reaches_its_runs_config(tmp_path):
     assert sft_config(cfg, *specs["regime-length-long-grpo-s3"].cold_key).task == "add4"
 
 
+def test_the_shipped_regimes_lab_builds_every_run_and_names_what_it_leaves_out(tmp_path):
+    from gspo.lab.regimes import regime_runs
+    from gspo.lab.runs import load_lab_config
+
+    cfg = load_lab_config(False, Path(__file__).resolve().parents[1] / "configs" / "lab_regimes.yaml",
+                          [f"output_dir={tmp_path / 'lab'}"])
+    specs = expand_grid(cfg)
+    for spec in specs:
+        train_config(cfg, spec)  # every run's TrainConfig is valid
+    left_out = regime_runs(cfg.regimes, cfg.regime_methods, cfg.regime_model)[1]
+    # 10 levels (baseline + 9) x 8 methods: corrections only on bf16, vllm, lag1, lag4; vllm only where installed
+    vllm = 8 - 1 if HAS_VLLM else 0  # R3 is left out under vllm
+    assert len(specs) == 3 * (9 * 6 + 3 * 2 + vllm) and len(left_out) == 10 * 8 - len(specs) // 3
+    assert all(x["reason"] for x in left_out) and {s.seed for s in specs} == {0, 1, 2}
+
+
 def test_bad_regime_settings_are_named(tmp_path):
     with pytest.raises(ValueError, match="regimes are set but regime_methods is empty"):
         regimes_lab(tmp_path, regime_methods={})

@@ -41,8 +41,11 @@ def not_applicable(method: dict, settings: dict, model: str) -> str | None:
         return "routing replay needs an MoE model"
     if method.get("rollout_correction", "none") != "none" and not has_mismatch(settings):
         return "no sampler mismatch (mu = pi_old): the correction is the identity"
-    if settings.get("generation_backend") == "vllm" and importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed here (make test-vllm builds a venv with it)"
+    if settings.get("generation_backend") == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            return "vllm is not installed here (make test-vllm builds a venv with it)"
+        if method.get("routing_replay") == "rollout":
+            return "R3 from vLLM is not wired up (vLLM 0.32 records experts only in its CUDA model runner)"
     return None
 
 
