@@ -140,4 +140,6 @@ def test_micro_regimes_lab_end_to_end(tmp_path):
     report = Path(summary["report"]).read_text()
     assert "## Regimes: the stability map" in report and "(plots/stability_map.png)" in report
     assert "- grpo_tis in baseline: no sampler mismatch (mu = pi_old): the correction is the identity" in report
+    row = next(line for line in report.splitlines() if line.startswith("| mismatch-bf16 | grpo_tis |"))
+    assert row.split(" | ")[4] != "–" and "| baseline | grpo |" in report  # the bf16 sampler's mismatch/kl
     assert (tmp_path / "lab" / "plots" / "stability_map.png").stat().st_size > 5000

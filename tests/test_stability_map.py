@@ -2,7 +2,8 @@
 
 import pytest
 
-from gspo.lab.stability_map import draw_map, map_table, stability_map
+from gspo.lab.report import precursor
+from gspo.lab.stability_map import details_table, draw_map, map_table, stability_map
 
 
 def run(method, regime, start, final, collapse_step=None):
@@ -64,3 +65,22 @@ def test_table_and_figure(tmp_path):
         in table
     path = draw_map(build(), tmp_path / "map.png")
     assert path.stat().st_size > 5000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_precursor_by_hand():
+    metrics = {"grad/norm": ([1, 2, 3, 4], [1.0, 2.0, 8.0, 50.0]), "entropy": ([1, 2, 3, 4], [1.0, 0.8, 0.3, 0.01])}
+    assert precursor(metrics, 4) == {"grad/norm": (1.0, 8.0), "entropy": (1.0, 0.3)}  # no mismatch/kl logged
+    assert precursor(metrics, 1) == {} and precursor(metrics, None) == {}
+
+
+def test_details_table():
+    runs = [dict(r, mismatch_kl=float("nan") if r["spec"]["regime"] != "bf16" else 1e-4 * (i % 3 + 1),
+                 mismatch_ess=float("nan"), drift=0.1, clip=0.02) for i, r in enumerate(RUNS)]
+    for r in runs:
+        r["spec"] = {"method": r["spec"]["method"], "label": r["spec"]["regime"]}
+    smap = stability_map(runs, method_of=lambda r: r["spec"]["method"], regime_of=lambda r: r["spec"]["label"])
+    lines = details_table(runs, smap).splitlines()
+    assert lines[0] == "| regime | method | outcome | final | mismatch/kl | ess | expert change/update | clipped |"
+    assert len(lines) == 2 + 6
+    # bf16 grpo: finals (.05, .04, .5) mean 19.7%; kl 1e-4 * (i % 3 + 1) for i = 6, 7, 8: (1, 2, 3)e-4
+    assert lines[4] == "| bf16 | grpo | collapsed | 19.7 ± 26.3% | 0.0002 ± 0.0001 | – | 10.0 ± 0.0% | 2.0 ± 0.0% |"

@@ -68,6 +68,23 @@ def detect_collapse(evals: list[tuple[int, float]], entropy: list[tuple[int, flo
     return None, ""
 
 
+PRECURSORS = ("grad/norm", "entropy", "mismatch/kl")
+
+
+def precursor(metrics: dict, step: int | None) -> dict:
+    """What led up to a collapse at `step`: {metric: (its first value, its last value before `step`)}
+    for the gradient norm, the entropy and the sampler mismatch (those the run logged); {} without one."""
+    if step is None:
+        return {}
+    out = {}
+    for name in PRECURSORS:
+        steps, values = metrics.get(name, ([], []))
+        before = [v for s, v in zip(steps, values) if s < step]
+        if before:
+            out[name] = (values[0], before[-1])
+    return out
+
+
 def _mean(metrics: dict, name: str) -> float:
     values = metrics.get(name, ([], []))[1]
     return float(np.mean(values)) if values else float("nan")
@@ -114,6 +131,9 @@ def summarize_run(run_dir: str | os.PathLike) -> dict:
         "entropy_final": metrics["entropy"][1][-1] if "entropy" in metrics else float("nan"),
         "collapse_step": collapse_step,
         "collapse_reason": reason,
+        "precursor": precursor(metrics, collapse_step),
+        "mismatch_kl": _mean(metrics, "mismatch/kl"),  # NaN where the sampler is pi_old (not logged)
+        "mismatch_ess": _mean(metrics, "mismatch/ess"),
     }
 
 

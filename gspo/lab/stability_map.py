@@ -114,6 +114,25 @@ def draw_map(smap: dict, path: Path, title: str = "stability map") -> Path:
     return path
 
 
+def details_table(runs: list[dict], smap: dict) -> str:
+    """One row per cell of the map: final accuracy, mismatch KL and ESS, routing drift, clipping, collapses."""
+    def cell_stat(method, regime, key, pct=True, digits=2):
+        rs = [r for r in runs if (r["spec"]["method"], r["spec"]["label"]) == (method, regime)]
+        s = stat(r[key] for r in rs)
+        if not s["n"]:
+            return "–"
+        return f"{100 * s['mean']:.1f} ± {100 * s['std']:.1f}%" if pct else f"{s['mean']:.{digits}g} ± {s['std']:.{digits}g}"
+
+    header = ["regime", "method", "outcome", "final", "mismatch/kl", "ess", "expert change/update", "clipped"]
+    rows = [[regime, method, c["outcome"], cell_stat(method, regime, "acc_final"),
+             cell_stat(method, regime, "mismatch_kl", False), cell_stat(method, regime, "mismatch_ess", False, 3),
+             cell_stat(method, regime, "drift"), cell_stat(method, regime, "clip")]
+            for regime in smap["regimes"] for method in smap["methods"]
+            if (c := smap["cells"].get((method, regime)))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def regimes_section(runs: list[dict], cfg: dict, plots_dir: Path) -> list[str]:
     """report.md's lines for the lab's regime runs: the map as a table and a figure, and every
     method x regime combination the grid left out, with its reason. `cfg`: the lab's config (lab.json)."""
@@ -129,6 +148,14 @@ def regimes_section(runs: list[dict], cfg: dict, plots_dir: Path) -> list[str]:
            "collapsed; learned: at least half the best gain of the regime; slowed: less. A regime marked "
            "'nothing separates' has no two cells apart by more than 2 standard errors.", "",
            map_table(smap), "", f"![stability map](plots/{figure.name})", ""]
+    out += ["Per cell (mean ± std over seeds): final held-out accuracy, the sampler mismatch (mismatch/kl: "
+            "KL(mu || pi_old) per token; ess: effective sample size of pi_old/mu), experts changed per update, "
+            "clipped fraction; '–' where not logged.", "", details_table(runs, smap), ""]
+    collapsed = [r for r in runs if r["collapse_step"] is not None]
+    if collapsed:
+        out += ["Collapses and what came before (first value -> last value before the collapse step):", ""]
+        out += [f"- {r['name']}: step {r['collapse_step']}, {r['collapse_reason']}; " + ", ".join(
+            f"{k} {a:.3g} -> {b:.3g}" for k, (a, b) in r["precursor"].items()) for r in collapsed] + [""]
     if left_out:
         out += ["Not run (the rule that left each out):", ""]
         out += [f"- {x['method']} in {x['regime']}: {x['reason']}" for x in left_out] + [""]
