@@ -3,7 +3,7 @@
 import pytest
 
 from gspo.lab.report import precursor
-from gspo.lab.stability_map import details_table, draw_map, map_table, stability_map
+from gspo.lab.stability_map import details_table, draw_drift_per_layer, draw_map, map_table, stability_map
 
 
 def run(method, regime, start, final, collapse_step=None):
@@ -84,3 +84,12 @@ def test_details_table():
     assert len(lines) == 2 + 6
     # bf16 grpo: finals (.05, .04, .5) mean 19.7%; kl 1e-4 * (i % 3 + 1) for i = 6, 7, 8: (1, 2, 3)e-4
     assert lines[4] == "| bf16 | grpo | collapsed | 19.7 ± 26.3% | 0.0002 ± 0.0001 | – | 10.0 ± 0.0% | 2.0 ± 0.0% |"
+
+
+def test_drift_per_layer_figure(tmp_path):
+    runs = [{"spec": {"method": m, "label": label}, "drift_layers": dict(enumerate(d))}
+            for m, label, d in (("grpo", "baseline", [0.01, 0.02]), ("grpo", "deep", [0.01, 0.02, 0.03, 0.05]),
+                                ("gspo", "deep", [0.0] * 4))]
+    path = draw_drift_per_layer(runs, tmp_path / "drift.png")
+    assert path.stat().st_size > 5000
+    assert draw_drift_per_layer([dict(r, drift_layers={}) for r in runs], tmp_path / "none.png") is None

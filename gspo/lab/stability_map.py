@@ -133,6 +133,35 @@ def details_table(runs: list[dict], smap: dict) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+def draw_drift_per_layer(runs: list[dict], path: Path, method: str = "grpo") -> Path | None:
+    """Experts changed per update at each layer (mean over seeds and steps), one line per regime, for
+    `method`'s runs (GRPO: no replay, so the drift acts on it unchecked); None when none logged it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_regime = {}
+    for r in runs:
+        if r["spec"]["method"] == method and r["drift_layers"]:
+            by_regime.setdefault(r["spec"]["label"], []).append(r["drift_layers"])
+    if not by_regime:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for regime, seeds in by_regime.items():
+        layers = sorted(seeds[0])
+        ax.plot(layers, [100 * statistics.fmean(d[i] for d in seeds) for i in layers], marker=".", label=regime)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("experts changed per update (%)")
+    ax.set_title(f"routing drift per layer, {method}", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def regimes_section(runs: list[dict], cfg: dict, plots_dir: Path) -> list[str]:
     """report.md's lines for the lab's regime runs: the map as a table and a figure, and every
     method x regime combination the grid left out, with its reason. `cfg`: the lab's config (lab.json)."""
@@ -148,6 +177,10 @@ def regimes_section(runs: list[dict], cfg: dict, plots_dir: Path) -> list[str]:
            "collapsed; learned: at least half the best gain of the regime; slowed: less. A regime marked "
            "'nothing separates' has no two cells apart by more than 2 standard errors.", "",
            map_table(smap), "", f"![stability map](plots/{figure.name})", ""]
+    drift = draw_drift_per_layer(runs, Path(plots_dir) / "drift_per_layer.png")
+    if drift is not None:
+        out += ["Routing drift per layer (GRPO, every regime that logged it: depth and width of the MoE):", "",
+                f"![drift per layer](plots/{drift.name})", ""]
     out += ["Per cell (mean ± std over seeds): final held-out accuracy, the sampler mismatch (mismatch/kl: "
             "KL(mu || pi_old) per token; ess: effective sample size of pi_old/mu), experts changed per update, "
             "clipped fraction; '–' where not logged.", "", details_table(runs, smap), ""]
