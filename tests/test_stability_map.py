@@ -52,6 +52,18 @@ def test_the_learned_share_moves_the_line_between_learned_and_slowed():
         build(learned_share=0.0)
 
 
+def test_a_gain_below_the_floor_is_not_learning_even_alone_and_the_order_is_kept():
+    # one method, gains (.02, .03, .04): the best of its regime, but under the 5-point floor: slowed
+    runs = [run("grpo", "deep", 0.01, 0.01 + g) for g in (0.02, 0.03, 0.04)] + [run("gspo", "base", 0.2, 0.5)]
+    smap = build(runs)
+    assert smap["cells"][("grpo", "deep")]["outcome"] == "slowed" and smap["cells"][("gspo", "base")]["outcome"] == \
+        "learned"
+    assert build(runs, min_gain=0.02)["cells"][("grpo", "deep")]["outcome"] == "learned"
+    ordered = build(runs, order=(["gspo", "grpo", "ppo"], ["base", "deep", "wide"]))
+    assert ordered["methods"] == ["gspo", "grpo"] and ordered["regimes"] == ["base", "deep"]  # unrun ones left out
+    assert build(runs)["regimes"] == ["deep", "base"]  # first seen
+
+
 def test_a_regime_where_nothing_learns_has_no_learned_cell():
     runs = [run(m, "hard", 0.2, 0.2 - d) for m in ("grpo", "gspo") for d in (0.0, 0.01, 0.02)]
     smap = build(runs)

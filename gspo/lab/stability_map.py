@@ -8,7 +8,7 @@ acc_final, collapse_step). Its outcome, by rule:
              median step of those collapses
   learned    otherwise, if its mean gain in held-out accuracy (final - start) is at least
              `learned_share` of the best mean gain among the regime's cells that did not collapse,
-             and above 0
+             and at least `min_gain` (5 points: a cell that hardly moved did not learn, alone or not)
   slowed     otherwise (it kept learning, but clearly less than the best method of the regime)
 A regime's column also says whether anything in it separates: some two cells that did not collapse
 differ in gain by more than 2 standard errors (`gspo.lab.report.compare`), or some cells collapsed
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from itertools import combinations
 from pathlib import Path
 
-from gspo.lab.regimes import regime_runs
+from gspo.lab.regimes import levels, regime_runs
 from gspo.lab.stats import compare, stat
 
 OUTCOMES = ("learned", "slowed", "collapsed")
@@ -41,17 +41,17 @@ def cell(runs: list[dict]) -> dict:
 
 
 def stability_map(runs: list[dict], *, method_of: Callable[[dict], str], regime_of: Callable[[dict], str],
-                  learned_share: float = 0.5) -> dict:
+                  learned_share: float = 0.5, min_gain: float = 0.05, order: tuple[list, list] = ((), ())) -> dict:
     """{"methods": [...], "regimes": [...], "cells": {(method, regime): cell + "outcome" + "text"},
-    "separated": {regime: bool}} from run summaries; rows and columns in first-seen order."""
+    "separated": {regime: bool}} from run summaries. Rows and columns: `order` (methods, regimes) first,
+    then any other in first-seen order."""
     if not 0 < learned_share <= 1:
         raise ValueError(f"learned_share={learned_share!r} must be in (0, 1]")
-    methods, regimes, groups = [], [], {}
+    groups = {}
     for r in runs:
-        key = (method_of(r), regime_of(r))
-        methods += [key[0]] if key[0] not in methods else []
-        regimes += [key[1]] if key[1] not in regimes else []
-        groups.setdefault(key, []).append(r)
+        groups.setdefault((method_of(r), regime_of(r)), []).append(r)
+    methods = [m for m in dict.fromkeys([*order[0], *(m for m, _ in groups)]) if any(k[0] == m for k in groups)]
+    regimes = [g for g in dict.fromkeys([*order[1], *(g for _, g in groups)]) if any(k[1] == g for k in groups)]
     cells = {key: cell(group) for key, group in groups.items()}
     separated = {}
     for regime in regimes:
@@ -64,7 +64,7 @@ def stability_map(runs: list[dict], *, method_of: Callable[[dict], str], regime_
                 c["text"] = f"collapsed at step {c['collapse_step']:g} ({c['collapsed']}/{c['n']} seeds)"
                 continue
             gain = c["gain"]["mean"]
-            c["outcome"] = "learned" if gain > 0 and gain >= learned_share * best else "slowed"
+            c["outcome"] = "learned" if gain >= max(min_gain, learned_share * best) else "slowed"
             c["text"] = f"{100 * gain:+.1f} ± {100 * c['gain']['std']:.1f} pp"
         mixed = 0 < len(standing) < len(column)  # some collapsed, some did not
         differ = any(compare(a["gain"], b["gain"])[2] != "same" for a, b in combinations(standing.values(), 2))
@@ -168,7 +168,9 @@ def regimes_section(runs: list[dict], cfg: dict, plots_dir: Path) -> list[str]:
     runs = [r for r in runs if r["spec"]["group"] == "regime"]
     if not runs:
         return []
-    smap = stability_map(runs, method_of=lambda r: r["spec"]["method"], regime_of=lambda r: r["spec"]["label"])
+    order = (list(cfg.get("regime_methods", {})), [label for label, _ in levels(cfg.get("regimes", {}))])
+    smap = stability_map(runs, method_of=lambda r: r["spec"]["method"], regime_of=lambda r: r["spec"]["label"],
+                         order=order)
     figure = draw_map(smap, Path(plots_dir) / "stability_map.png")
     left_out = regime_runs(cfg.get("regimes", {}), cfg.get("regime_methods", {}), cfg.get("regime_model", "moe"))[1]
     out = ["## Regimes: the stability map", "",
