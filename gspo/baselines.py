@@ -26,7 +26,7 @@ from gspo.critic import completion_values, load_value_model, save_value_model, t
 from gspo.parallel import Part, Topology
 from gspo.rollout import Rollout
 from gspo.run import NonFiniteGuard
-from gspo.step import grad_norm
+from gspo.step import grad_norm, step_or_skip
 from gspo.values import explained_variance_of, token_moments, value_loss
 
 
@@ -36,11 +36,11 @@ def build_baseline(cfg, policy, topology: Topology, make_optimizer, checkpoint=N
     wrapped like the policy, and gets `make_optimizer(module, lr) -> (optimizer, scheduler)`."""
     if cfg.advantage_estimator != "gae":
         return GroupBaseline(cfg.advantage_estimator, cfg.num_generations)
-    device = next(policy.parameters()).device
     if cfg.critic_model is None:
         critic = value_model_from(policy)
     else:
-        critic = load_value_model(cfg.critic_model, dtype=next(policy.parameters()).dtype, device=device,
+        first = next(policy.parameters())  # the policy's dtype and device
+        critic = load_value_model(cfg.critic_model, dtype=first.dtype, device=first.device,
                                   trust_remote_code=cfg.trust_remote_code)
     state = None
     if checkpoint is not None:
@@ -146,13 +146,8 @@ class CriticBaseline:
         tokens = part.weight * float(keep.sum())
         shared = self.topology.reduce(stats, dict.fromkeys(stats, tokens))
         norm = grad_norm(self.critic, self.max_grad_norm)
-        if torch.isfinite(torch.as_tensor(shared["loss/value"])) and torch.isfinite(norm):
-            self.optimizer.step()
-            self.scheduler.step()
-            self.guard.ok()
-        else:  # the critic's own non-finite guard: its weights never take a NaN step
-            self.optimizer.zero_grad(set_to_none=True)
-            self.guard.skip(step, torch.as_tensor(shared["loss/value"]), norm)
+        # the critic's own non-finite guard: its weights never take a NaN step
+        step_or_skip(self.optimizer, self.scheduler, self.guard, step, torch.as_tensor(shared["loss/value"]), norm)
         return {**shared, "value/grad_norm": norm, "value/skipped_steps": self.guard.skipped}
 
     def checkpoint_states(self) -> dict:

@@ -152,13 +152,7 @@ class Learner:
         shared = self.topology.reduce(local, {k: counts[self.units.get(k, "tokens")] for k in local})
         loss, mean_entropy = shared.pop("loss") + term, shared.pop("entropy")
         stats = {**shared, **aux_stats, "grad/norm": grad_norm(model, self.max_grad_norm)}
-        if torch.isfinite(loss) and torch.isfinite(stats["grad/norm"]):
-            self.optimizer.step()
-            self.scheduler.step()
-            self.guard.ok()
-        else:  # non-finite guard: weights are never updated with NaN/inf (nor the schedule advanced)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.guard.skip(step, loss, stats["grad/norm"])
+        step_or_skip(self.optimizer, self.scheduler, self.guard, step, loss, stats["grad/norm"])
         stats["entropy"] = mean_entropy
         stats.update(self.topology.reduce(*watch.after_step()))
         stats.update(self.baseline.update(mb, part, step))  # the critic learns from the same minibatch
@@ -225,6 +219,18 @@ def reduce_stats(step_stats: list[dict]) -> dict[str, float]:
         if key == "grad/norm":
             out["grad/norm_std"] = values.std().item() if len(values) > 1 else 0.0
     return out
+
+
+def step_or_skip(optimizer, scheduler, guard, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
+    """The optimizer and schedule step when loss and gradient norm are finite; otherwise the non-finite
+    guard skips it (gradients dropped): weights never take a NaN/inf step, nor does the schedule advance."""
+    if torch.isfinite(loss) and torch.isfinite(norm):
+        optimizer.step()
+        scheduler.step()
+        guard.ok()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        guard.skip(step, loss, norm)
 
 
 def grad_norm(model, max_norm: float) -> torch.Tensor:
