@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from gspo.lab.stability_map import regimes_section
-from gspo.lab.stats import compare, stat
+from gspo.lab.stats import compare, fmt, markdown_table, stat
 from gspo.report import load_metrics
 
 # What the paper (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071) reports.
@@ -146,14 +146,6 @@ def load_lab(lab_dir: str | os.PathLike) -> list[dict]:
 # ------------------------------------------------------------------------------- over seeds
 def select(runs: list[dict], **spec) -> list[dict]:
     return [r for r in runs if all(r["spec"][k] == v for k, v in spec.items())]
-
-
-def fmt(s: dict, pct: bool = True, digits: int = 1) -> str:
-    if not s["n"]:
-        return "–"
-    if pct:
-        return f"{100 * s['mean']:.{digits}f} ± {100 * s['std']:.{digits}f}%"
-    return f"{s['mean']:.{digits}g} ± {s['std']:.{digits}g}"
 
 
 # ------------------------------------------------------------------------------- claims
@@ -285,11 +277,6 @@ def config_rows(runs: list[dict], group: str) -> list[dict]:
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def write_report(lab_dir: str | os.PathLike) -> Path:
     """Write `lab_dir/report.md` and its plots (`lab_dir/plots/*.png`); returns the report's path."""
     lab_dir = Path(lab_dir)
@@ -310,7 +297,7 @@ def write_report(lab_dir: str | os.PathLike) -> Path:
                         f"mean@{cfg['eval_k']} (T=1) on {cfg['eval_num_prompts']} problems never trained on."
                         if cfg else "") +
             " Verdicts count a difference only beyond 2 standard errors over seeds.", ""]
-    out += ["## Claims", "", _table(["claim", "paper", "measured here", "verdict"],
+    out += ["## Claims", "", markdown_table(["claim", "paper", "measured here", "verdict"],
                                     [[c["claim"], c["paper"], c["measured"], f"**{c['verdict']}**" +
                                       (f" ({c['rule']})" if c["rule"] else "")] for c in claims(runs)]), ""]
     cols = ["objective", "model", "replay", "seeds", "start", "final", "mean over run", "greedy final", "clipped",
@@ -324,12 +311,12 @@ def write_report(lab_dir: str | os.PathLike) -> Path:
 
     main = config_rows(runs, "main")
     if main:
-        out += ["## Main grid", "", _table(cols, [cells(r, [r["objective"], f"{r['model']}-L{r['layers']}", r["replay"]])
+        out += ["## Main grid", "", markdown_table(cols, [cells(r, [r["objective"], f"{r['model']}-L{r['layers']}", r["replay"]])
                                                  for r in main]), ""]
     depth = config_rows(runs, "depth")
     if depth:
         out += ["## Routing drift vs depth (GRPO, no replay)", "",
-                _table(["layers", "seeds", "expert change/update", "final mean@k"],
+                markdown_table(["layers", "seeds", "expert change/update", "final mean@k"],
                        [[str(r["layers"]), str(r["n"]), fmt(r["drift"], digits=2), fmt(r["acc_final"])]
                         for r in depth]), ""]
     search = config_rows(runs, "search")
@@ -347,14 +334,14 @@ def write_report(lab_dir: str | os.PathLike) -> Path:
                     delta = f"{100 * diff:+.1f} ± {100 * se:.1f} pts ({how})"
                 srows.append([label, r["objective"], str(r["n"]), fmt(r["acc_final"]), fmt(r["acc_mean"]),
                               fmt(r["clip"], digits=2), f"{r['collapsed']}/{r['n']}", delta])
-        out += [_table(["setting", "objective", "seeds", "final", "mean over run", "clipped", "collapsed",
+        out += [markdown_table(["setting", "objective", "seeds", "final", "mean over run", "clipped", "collapsed",
                         "Δ mean over run"], srows), ""]
     out += regimes_section(runs, cfg, lab_dir / "plots")
     collapsed = [r for r in runs if r["collapse_step"] is not None]
     out += ["## Collapse detection", "",
             "A run is flagged when its held-out accuracy falls below its best by max(10 pts, half the best) and "
             "does not climb back, or its entropy drops below 10% of its start for good.", ""]
-    out += [_table(["run", "step", "what"], [[r["name"], str(r["collapse_step"]), r["collapse_reason"]]
+    out += [markdown_table(["run", "step", "what"], [[r["name"], str(r["collapse_step"]), r["collapse_reason"]]
                                              for r in collapsed]) if collapsed else "No run collapsed.", ""]
     out += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
     path = lab_dir / "report.md"

@@ -23,7 +23,7 @@ from itertools import combinations
 from pathlib import Path
 
 from gspo.lab.regimes import levels, regime_runs
-from gspo.lab.stats import compare, stat
+from gspo.lab.stats import compare, fmt, markdown_table, stat
 
 OUTCOMES = ("learned", "slowed", "collapsed")
 COLORS = {"learned": "#4caf50", "slowed": "#ffc107", "collapsed": "#e53935"}
@@ -77,8 +77,7 @@ def map_table(smap: dict) -> str:
     header = ["method"] + [r + ("" if smap["separated"][r] else " (nothing separates)") for r in smap["regimes"]]
     rows = [[m] + [f"{c['outcome']}: {c['text']}" if (c := smap["cells"].get((m, r))) else "–"
                    for r in smap["regimes"]] for m in smap["methods"]]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    return markdown_table(header, rows)
 
 
 def draw_map(smap: dict, path: Path, title: str = "stability map") -> Path:
@@ -118,10 +117,7 @@ def details_table(runs: list[dict], smap: dict) -> str:
     """One row per cell of the map: final accuracy, mismatch KL and ESS, routing drift, clipping, collapses."""
     def cell_stat(method, regime, key, pct=True, digits=2):
         rs = [r for r in runs if (r["spec"]["method"], r["spec"]["label"]) == (method, regime)]
-        s = stat(r[key] for r in rs)
-        if not s["n"]:
-            return "–"
-        return f"{100 * s['mean']:.1f} ± {100 * s['std']:.1f}%" if pct else f"{s['mean']:.{digits}g} ± {s['std']:.{digits}g}"
+        return fmt(stat(r[key] for r in rs), pct, 1 if pct else digits)
 
     header = ["regime", "method", "outcome", "final", "mismatch/kl", "ess", "expert change/update", "clipped"]
     rows = [[regime, method, c["outcome"], cell_stat(method, regime, "acc_final"),
@@ -129,8 +125,7 @@ def details_table(runs: list[dict], smap: dict) -> str:
              cell_stat(method, regime, "drift"), cell_stat(method, regime, "clip")]
             for regime in smap["regimes"] for method in smap["methods"]
             if (c := smap["cells"].get((method, regime)))]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    return markdown_table(header, rows)
 
 
 def draw_drift_per_layer(runs: list[dict], path: Path, method: str = "grpo") -> Path | None:

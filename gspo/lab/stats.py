@@ -1,4 +1,5 @@
-"""Statistics over seeds for the lab's report and its stability map: mean and std, and when two differ."""
+"""Statistics over seeds for the lab's report and its stability map: mean and std, when two differ,
+how one is written, and the markdown table both reports are made of."""
 
 from __future__ import annotations
 
@@ -26,3 +27,18 @@ def compare(a: dict, b: dict) -> tuple[float, float, str]:
     if abs(diff) > 2 * se and abs(diff) > 1e-12:
         return diff, se, "higher" if diff > 0 else "lower"
     return diff, se, "same"
+
+
+def fmt(s: dict, pct: bool = True, digits: int = 1) -> str:
+    """A `stat` result as "mean ± std" (in % with pct), "–" when it holds no value."""
+    if not s["n"]:
+        return "–"
+    if pct:
+        return f"{100 * s['mean']:.{digits}f} ± {100 * s['std']:.{digits}f}%"
+    return f"{s['mean']:.{digits}g} ± {s['std']:.{digits}g}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: the header row, the separator, one line per row."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
