@@ -31,6 +31,7 @@ def save_model(model, tokenizer, path: Path, state_dict: dict | None = None) -> 
 
 
 LOCK_FILE = ".gspo.lock"
+CRITIC_DIR = "critic"  # a PPO run's trained critic, beside its model (gspo.critic.save_value_model)
 
 
 @contextmanager
@@ -81,7 +82,7 @@ def prepare_output_dir(cfg, resuming: bool = False) -> Path:
     """
     out = Path(cfg.output_dir)
     clean_stale(out) if out.is_dir() else None  # half-written checkpoints of a killed run
-    old = [out / METRICS_FILE, out / SAMPLES_FILE, out / "critic", *sorted(out.glob("checkpoint-*"))]  # critic: PPO
+    old = [out / METRICS_FILE, out / SAMPLES_FILE, out / CRITIC_DIR, *sorted(out.glob("checkpoint-*"))]
     old = [p for p in old if p.exists()]
     if old and not resuming:
         if not cfg.overwrite_output_dir:

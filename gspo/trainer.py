@@ -40,8 +40,8 @@ from gspo.parallel import Topology
 from gspo.data.source import prompt_source
 from gspo.rollout import Generator, eos_ids
 from gspo.routing import build_routing
-from gspo.run import (NonFiniteGuard, Progress, StepAbandoned, StopSignals, TrainingInterrupted, prepare_output_dir,
-                      run_lock, save_model)
+from gspo.run import (CRITIC_DIR, NonFiniteGuard, Progress, StepAbandoned, StopSignals, TrainingInterrupted,
+                      prepare_output_dir, run_lock, save_model)
 from gspo.schedules import lr_schedule
 from gspo.step import Learner, gather_scores, mismatch_stats, prepare, sample_records, step_metrics
 from gspo.tracking import MetricsLogger
@@ -187,7 +187,7 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     full = topology.full_weights(model)  # fsdp: every rank takes part in gathering the shards
     if topology.is_main:
         save_model(model, tokenizer, out_dir / "model", state_dict=full)
-    baseline.save(out_dir / "critic")  # PPO: the trained critic (critic_model can start from it)
+    baseline.save(out_dir / CRITIC_DIR)  # PPO: the trained critic (critic_model can start from it)
     topology.barrier()
     return {"evals": evals, "seconds": time.perf_counter() - started, "output_dir": str(out_dir)}
 
