@@ -88,14 +88,57 @@ def test_the_shipped_regimes_lab_builds_every_run_and_names_what_it_leaves_out(t
     specs = expand_grid(cfg)
     for spec in specs:
         train_config(cfg, spec)  # every run's TrainConfig is valid
-    left_out = regime_runs(cfg.regimes, cfg.regime_methods, cfg.regime_model)[1]
-    # 10 levels (baseline + 9) x 8 methods: corrections only on bf16, vllm, lag1, lag4; vllm only where installed
-    vllm = 8 - 1 if HAS_VLLM else 0  # R3 is left out under vllm
-    assert len(specs) == 3 * (9 * 6 + 3 * 2 + vllm) and len(left_out) == 10 * 8 - len(specs) // 3
+    left_out = regime_runs(cfg.regimes, cfg.regime_methods, cfg.regime_model, cfg.axis_methods)[1]
+    # 10 levels (baseline + 9) x 8 methods, each axis running the methods axis_methods picks: baseline 6, bf16 6,
+    # lag1 and lag4 4 each, mb8 and mb16 3 each, long 2, deep16 and wide32 4 each; vllm 5 where installed (R3 is
+    # left out under vllm)
+    vllm = 5 if HAS_VLLM else 0
+    assert len(specs) == 3 * (36 + vllm) and len(left_out) == 10 * 8 - len(specs) // 3
+    reasons = [x["reason"].split(" ")[0] for x in left_out]
+    # not chosen: 8 minus the picks of each level (2 2 2 4 4 5 5 6 4 4); the vllm level's 6 picks are left out
+    # where vllm is missing, only R3 where it is installed
+    assert reasons.count("not") == 38 and reasons.count("vllm") == (0 if HAS_VLLM else 6)
+    assert reasons.count("R3") == (1 if HAS_VLLM else 0) and len(reasons) == 38 + (1 if HAS_VLLM else 6)
     assert all(x["reason"] for x in left_out) and {s.seed for s in specs} == {0, 1, 2}
 
 
+def test_axis_methods_pick_each_axis_methods_and_the_baseline_runs_their_union(tmp_path):
+    picks = {"mismatch": ["grpo", "grpo_tis"], "off_policy": ["gspo"], "length": ["gspo"], "moe_shape": ["grpo_r2"]}
+    specs = expand_grid(regimes_lab(tmp_path, seeds=[0], axis_methods=picks))
+    by_regime = {}
+    for s in specs:
+        by_regime.setdefault(s.label, []).append(s.method)
+    # staleness is not listed: it runs every method that applies; so the baseline runs all four (grpo_tis is
+    # still left out there: no mismatch)
+    assert by_regime == {"baseline": ["grpo", "gspo", "grpo_r2"], "mismatch-bf16": ["grpo", "grpo_tis"],
+                         **({"mismatch-vllm": ["grpo", "grpo_tis"]} if HAS_VLLM else {}),
+                         "staleness-lag1": ["grpo", "gspo", "grpo_r2", "grpo_tis"], "off_policy-mb8": ["gspo"],
+                         "length-long": ["gspo"], "moe_shape-deep": ["grpo_r2"], "moe_shape-wide": ["grpo_r2"]}
+    from gspo.lab.regimes import regime_runs
+
+    left_out = regime_runs(REGIMES, METHODS, "moe", picks)[1]
+    assert {"regime": "off_policy-mb8", "method": "grpo",
+            "reason": "not chosen for this axis (axis_methods): the grid's budget"} in left_out
+    assert len(left_out) == 8 * 4 - len(specs)
+    # with every axis listed, the baseline runs only what some axis runs
+    only = {"mismatch": ["grpo"], "staleness": ["grpo"], "off_policy": ["gspo"], "length": ["gspo"], "moe_shape": ["gspo"]}
+    base = [s.method for s in expand_grid(regimes_lab(tmp_path, seeds=[0], axis_methods=only)) if s.label == "baseline"]
+    assert base == ["grpo", "gspo"]
+    # or what axis_methods.baseline names
+    own = [s.method for s in expand_grid(regimes_lab(tmp_path, seeds=[0], axis_methods={**only, "baseline": ["grpo_r2"]}))
+           if s.label == "baseline"]
+    assert own == ["grpo_r2"]
+
+
 def test_bad_regime_settings_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"axis_methods\['speed'\]: no such axis in regimes \(mismatch, staleness"):
+        regimes_lab(tmp_path, axis_methods={"speed": ["grpo"]})
+    with pytest.raises(ValueError, match=r"axis_methods\['mismatch'\] names \['ppo'\], not in regime_methods"):
+        regimes_lab(tmp_path, axis_methods={"mismatch": ["grpo", "ppo"]})
+    with pytest.raises(ValueError, match=r"axis_methods\['mismatch'\] must be a non-empty list"):
+        regimes_lab(tmp_path, axis_methods={"mismatch": []})
+    with pytest.raises(ValueError, match="axis name 'off-policy' must not be 'baseline' nor contain '-'"):
+        regimes_lab(tmp_path, regimes={"off-policy": {"mb8": {"num_minibatches": 8}}})
     with pytest.raises(ValueError, match="regimes are set but regime_methods is empty"):
         regimes_lab(tmp_path, regime_methods={})
     with pytest.raises(ValueError, match=r"regimes\['mismatch'\]\['bf16'\] must be a mapping"):
@@ -139,7 +182,7 @@ def test_micro_regimes_lab_end_to_end(tmp_path):
                                   ("grpo", "off_policy-mb4"), ("grpo", "length-long")}
     report = Path(summary["report"]).read_text()
     assert "## Regimes: the stability map" in report and "(plots/stability_map.png)" in report
-    assert "- grpo_tis in baseline: no sampler mismatch (mu = pi_old): the correction is the identity" in report
+    assert "- baseline: grpo_tis: no sampler mismatch (mu = pi_old): the correction is the identity" in report
     row = next(line for line in report.splitlines() if line.startswith("| mismatch-bf16 | grpo_tis |"))
     assert row.split(" | ")[4] != "–" and "| baseline | grpo |" in report  # the bf16 sampler's mismatch/kl
     assert (tmp_path / "lab" / "plots" / "stability_map.png").stat().st_size > 5000

@@ -105,3 +105,37 @@ def test_drift_per_layer_figure(tmp_path):
     path = draw_drift_per_layer(runs, tmp_path / "drift.png")
     assert path.stat().st_size > 5000
     assert draw_drift_per_layer([dict(r, drift_layers={}) for r in runs], tmp_path / "none.png") is None
+
+
+def summary(label, method, objective, replay, acc, clip, drift, ratio_std, grad_spread):
+    return {"spec": {"group": "regime", "label": label, "method": method, "objective": objective, "model": "moe",
+                     "replay": replay, "layers": 4}, "acc_mean": acc, "acc_final": acc, "clip": clip, "drift": drift,
+            "ratio_std": ratio_std, "grad_norm_rel_std": grad_spread, "collapse_step": None}
+
+
+def test_claims_per_regime_read_only_the_plain_methods():
+    from gspo.lab.report import plain_methods, regime_claims
+
+    methods = {"grpo": {"objective": "grpo"}, "gspo": {"objective": "gspo"},
+               "grpo_r2": {"objective": "grpo", "routing_replay": "old_policy"},
+               "grpo_tis": {"objective": "grpo", "rollout_correction": "token_tis"}}
+    assert plain_methods(methods) == {"grpo", "gspo", "grpo_r2"}
+    runs = []
+    for i, d in enumerate((-0.02, 0.0, 0.02)):  # three seeds: means below, std .02 (SE of a difference .0163)
+        runs += [summary("mismatch-bf16", "grpo", "grpo", "none", 0.32 + d, 0.001 + d / 100, 0.04, 0.30 + d, 0.5 + d),
+                 summary("mismatch-bf16", "gspo", "gspo", "none", 0.52 + d, 0.15 + d, 0.04, 0.02 + d / 10, 0.5 + d),
+                 summary("mismatch-bf16", "grpo_r2", "grpo", "old_policy", 0.52 + d, 0.001, 0.0, 0.30, 0.5),
+                 # a corrected GRPO far above plain GRPO: were it read as GRPO, C1 and C4 would not reproduce
+                 summary("mismatch-bf16", "grpo_tis", "grpo", "none", 0.90, 0.001, 0.04, 0.30, 0.5),
+                 summary("baseline", "grpo", "grpo", "none", 0.40 + d, 0.001, 0.04, 0.30 + d, 0.5 + d),
+                 summary("baseline", "gspo", "gspo", "none", 0.40 - d, 0.15, 0.04, 0.30 - d, 0.5 - d)]
+    cfg = {"regimes": {"mismatch": {"bf16": {"sampler_dtype": "bfloat16"}}}, "regime_methods": methods}
+    verdicts = {label: {c["claim"]: c["verdict"] for c in rows} for label, rows in regime_claims(runs, cfg).items()}
+    # bf16: GSPO .52 vs GRPO .32 (diff .20 > 2 x .0163): C1 reproduced; clipping .15 vs .001: 150x, C2; drift 4%
+    # with no depth sweep: C3 partly; GRPO + replay and GSPO both above GRPO: C4; ratio std .02 vs .30 lower and
+    # grad spread equal: C5
+    assert verdicts["mismatch-bf16"] == {"C1": "reproduced", "C2": "reproduced", "C3": "partly", "C4": "reproduced",
+                                "C5": "reproduced"}
+    # baseline: equal means (.40 both): C1 not reproduced; no replay run: C4 n/a; ratio std equal: C5 not
+    assert verdicts["baseline"]["C1"] == "not reproduced" and verdicts["baseline"]["C4"] == "n/a"
+    assert verdicts["baseline"]["C5"] == "not reproduced" and list(verdicts) == ["baseline", "mismatch-bf16"]

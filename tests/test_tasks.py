@@ -12,7 +12,7 @@ from gspo.tasks import TASKS, ArithmeticTask, build_char_tokenizer, extract_answ
 from gspo.tasks.arithmetic import split_of
 from gspo.tasks.tokenizer import CHARACTERS
 
-ALL_TASKS = [get_task(n) for n in TASKS if n != "arithmetic"] + [
+ALL_TASKS = [get_task(n) for n in TASKS if n != "arithmetic" and get_task(n).times == 1] + [
     get_task("arithmetic", digits=1, op="+"),
     get_task("arithmetic", digits=1, op="-"),
     get_task("arithmetic", digits=5, op="*"),
@@ -154,15 +154,43 @@ def test_add3_solution_length_range():
     assert min(lengths) == 26 and max(lengths) == 34
 
 
-def test_add27_answers_are_long(tok):
-    # The regimes lab's length axis. By construction: shortest 27 x "a+b=s;" (6) + "#### " + 27 digits = 194
-    # characters; longest "a+b=ss;" (7) + 26 x "a+b+1=ss;" (9) + "#### " + 28 digits = 274. Sampled: >= 200
-    # tokens (one per character, + EOS) for all but the rare problem with almost no carries.
+def test_repeated_addition_hand_written():
+    # 347+2*585: 347+585 = 932, then 932+585 = 1517 (the last column's carry is the sum's leading 1, as in add3).
+    assert ArithmeticTask(3, "+", times=2).solve(347, 585) == (
+        "347+585:7+5=12;4+8+1=13;3+5+1=9;=932\n932+585:2+5=7;3+8=11;9+5+1=15;=1517\n#### 1517")
+    # A 4-digit running sum gets a column for its extra digit: 1517+585 = 2102.
+    assert ArithmeticTask(3, "+", times=3).solve(347, 585).split("\n")[2] == "1517+585:7+5=12;1+8+1=10;5+5+1=11;1+0+1=2;=2102"
+    task = get_task("add3x6")
+    assert (task.name, task.times) == ("add3x6", 6)
+    row = task.sample(random.Random(3))
+    a, b = map(int, re.fullmatch(r"(\d+)\+6\*(\d+)=", row["prompt"]).groups())
+    assert row["answer"] == str(a + 6 * b) and extract_answer(row["solution"]) == row["answer"]
+    lines = row["solution"].split("\n")
+    assert len(lines) == 7  # six additions, then the answer
+    for i, line in enumerate(lines[:6]):  # every line restates its sum and checks out on its own
+        head, _, tail = line.partition(":")
+        assert head == f"{a + i * b}+{b}" and tail.endswith(f"={a + (i + 1) * b}")
+        assert ArithmeticTask(3, "+").solve(a + i * b, b).rpartition("####")[0] == tail.rpartition("=")[0]
+
+
+def test_add3x6_answers_are_long(tok):
+    # The regimes lab's long answers. By construction, 6 lines "<sum>+<b>:<columns>=<new sum>" + newline, then
+    # "#### " and the answer. Shortest: 100+6*100, 3-digit sums, no carries, ~31 characters a line (195 tokens
+    # in all); longest: 999+6*999, 4-digit sums with carries, ~48 a line. Sampled: 2000 problems, one token per
+    # character + EOS: all but the rare carry-free problem have >= 200 tokens.
     rng = random.Random(0)
-    rows = [get_task("add27").sample(rng) for _ in range(2000)]
+    rows = [get_task("add3x6").sample(rng) for _ in range(2000)]
     lengths = [len(tok(r["solution"], add_special_tokens=False)["input_ids"]) + 1 for r in rows]  # + EOS
-    assert 195 <= min(lengths) and max(lengths) <= 275
-    assert sum(n >= 200 for n in lengths) / len(lengths) > 0.99 and 230 < sorted(lengths)[1000] < 245
+    assert 190 <= min(lengths) and max(lengths) <= 295
+    assert sum(n >= 200 for n in lengths) / len(lengths) > 0.99 and 240 < sorted(lengths)[1000] < 270
+
+
+def test_repeated_addition_errors():
+    with pytest.raises(ValueError, match="times must be an int >= 1"):
+        ArithmeticTask(times=0)
+    with pytest.raises(ValueError, match=r"needs op '\+'"):
+        ArithmeticTask(op="*", times=2)
+    assert get_task("arithmetic", digits=2, op="+", times=3).name == "add2x3"
 
 
 @pytest.mark.parametrize("task", ALL_TASKS, ids=lambda t: t.name)
@@ -247,7 +275,7 @@ def test_extract_answer(text, expected):
 
 
 def test_registry():
-    assert {"add2", "add3", "add4", "add27", "arithmetic"} <= set(TASKS)
+    assert {"add2", "add3", "add4", "add3x6", "arithmetic"} <= set(TASKS)
     assert (get_task("add3").digits, get_task("add3").op) == (3, "+")
     assert (get_task("add4").digits, get_task("add2").digits) == (4, 2)
     task = get_task("arithmetic", digits=5, op="-")

@@ -4,8 +4,10 @@ A regime is one level of one axis of `LabConfig.regimes` (axis -> level -> setti
 overrides (a low-precision or stale sampler, more minibatches per rollout, a task with long
 answers) and `arch`, config overrides of the cold-start model (a deeper or wider MoE). The
 `baseline` level is the lab's own settings, shared by every axis and run once. Each level runs
-every method of `LabConfig.regime_methods` that applies to it (`not_applicable`); the combinations
-left out are listed with their reason, in the report as in the grid, so no setting tried is hidden.
+every method of `LabConfig.regime_methods` that applies to it (`not_applicable`), or only those that
+`LabConfig.axis_methods` names for its axis (the baseline runs every method some axis runs, so each
+has its reference); the combinations left out are listed with their reason, in the report as in the
+grid, so no setting tried is hidden.
 Pure: names and rules; gspo.lab.runs runs the runs, gspo.lab.stability_map draws the map.
 """
 
@@ -49,12 +51,24 @@ def not_applicable(method: dict, settings: dict, model: str) -> str | None:
     return None
 
 
-def regime_runs(regimes: dict, methods: dict, model: str) -> tuple[list[tuple], list[dict]]:
+def chosen(axis: str, axes: list[str], methods: dict, axis_methods: dict | None) -> list[str]:
+    """The methods run on `axis`'s levels: `axis_methods[axis]`, else all; for the baseline,
+    `axis_methods["baseline"]` if given, else every method that some axis of `axes` runs."""
+    axis_methods = axis_methods or {}
+    if axis != BASELINE or BASELINE in axis_methods:
+        return list(axis_methods.get(axis, methods))
+    return [m for m in methods if any(m in axis_methods.get(a, methods) for a in axes)]
+
+
+def regime_runs(regimes: dict, methods: dict, model: str,
+                axis_methods: dict | None = None) -> tuple[list[tuple], list[dict]]:
     """([(label, settings, method name, method overrides)], [{"regime", "method", "reason"} left out])."""
     run, left_out = [], []
     for label, settings in levels(regimes) if regimes else []:
+        picked = chosen(label.split("-", 1)[0], list(regimes), methods, axis_methods)
         for name, overrides in methods.items():
-            reason = not_applicable(overrides, settings, model)
+            reason = (not_applicable(overrides, settings, model) if name in picked else
+                      "not chosen for this axis (axis_methods): the grid's budget")
             if reason is None:
                 run.append((label, settings, name, dict(overrides)))
             else:
@@ -62,11 +76,22 @@ def regime_runs(regimes: dict, methods: dict, model: str) -> tuple[list[tuple], 
     return run, left_out
 
 
-def check_regimes(regimes: dict, methods: dict) -> None:
+def check_regimes(regimes: dict, methods: dict, axis_methods: dict | None = None) -> None:
     """The shapes `LabConfig.validate` needs (each run's TrainConfig is checked when it is built)."""
     if regimes and not methods:
         raise ValueError("config: regimes are set but regime_methods is empty")
+    for axis, names in (axis_methods or {}).items():
+        if axis not in regimes and axis != BASELINE:
+            raise ValueError(f"config: axis_methods[{axis!r}]: no such axis in regimes ({', '.join(regimes) or 'none'})")
+        if not isinstance(names, list) or not names:
+            raise ValueError(f"config: axis_methods[{axis!r}] must be a non-empty list of method names, got {names!r}")
+        unknown = [n for n in names if n not in methods]
+        if unknown:
+            raise ValueError(f"config: axis_methods[{axis!r}] names {unknown}, not in regime_methods "
+                             f"({', '.join(methods)})")
     for axis, by_level in regimes.items():
+        if "-" in axis or axis == BASELINE:
+            raise ValueError(f"config: regimes axis name {axis!r} must not be {BASELINE!r} nor contain '-'")
         if not isinstance(by_level, dict) or not by_level:
             raise ValueError(f"config: regimes[{axis!r}] must map level names to settings, got {by_level!r}")
         for level, settings in by_level.items():

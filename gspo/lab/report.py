@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gspo.lab.regimes import levels
 from gspo.lab.stability_map import regimes_section
 from gspo.lab.stats import compare, fmt, markdown_table, stat
 from gspo.report import load_metrics
@@ -253,6 +254,41 @@ def claims(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def plain_methods(methods: dict) -> set[str]:
+    """The regime methods that set only the objective and the routing replay: the runs the claims compare."""
+    return {name for name, overrides in methods.items() if set(overrides) <= {"objective", "routing_replay"}}
+
+
+def regime_claims(runs: list[dict], cfg: dict) -> dict[str, list[dict]]:
+    """regime -> `claims` of its runs: its plain methods (GRPO, GSPO, GRPO + replay) read as a main grid."""
+    plain = plain_methods(cfg.get("regime_methods", {}))
+    out = {}
+    for label, _ in levels(cfg.get("regimes", {})):
+        picked = [{**r, "spec": {**r["spec"], "group": "main"}} for r in select(runs, group="regime", label=label)
+                  if r["spec"]["method"] in plain]
+        if picked:
+            out[label] = claims(picked)
+    return out
+
+
+def regime_claims_section(runs: list[dict], cfg: dict) -> list[str]:
+    """report.md's lines: a verdict per claim and regime, then what was measured."""
+    by_regime = regime_claims(runs, cfg)
+    if not by_regime:
+        return []
+    names = list(PAPER)
+    out = ["## Claims per regime", "",
+           "The claims above, measured in each regime on its GRPO, GSPO and GRPO + routing replay runs (mean ± std "
+           "over seeds; a difference counts beyond 2 standard errors; n/a: the regime lacks the runs the claim "
+           "compares).", "",
+           markdown_table(["regime", *names], [[label, *(c["verdict"] for c in rows)] for label, rows in
+                                              by_regime.items()]), ""]
+    for label, rows in by_regime.items():
+        out += [f"- **{label}**: " + " ".join(f"{c['claim']}: {c['measured']}." for c in rows
+                                              if c["verdict"] != "n/a")]
+    return out + [""]
+
+
 def _row(claim: str, parts: list[str], verdict: str, rule: str = "") -> dict:
     return {"claim": claim, "paper": PAPER[claim], "measured": "; ".join(parts) or "not measured in this lab",
             "verdict": verdict, "rule": rule}
@@ -300,6 +336,8 @@ def write_report(lab_dir: str | os.PathLike) -> Path:
     out += ["## Claims", "", markdown_table(["claim", "paper", "measured here", "verdict"],
                                     [[c["claim"], c["paper"], c["measured"], f"**{c['verdict']}**" +
                                       (f" ({c['rule']})" if c["rule"] else "")] for c in claims(runs)]), ""]
+    if not select(runs, group="main"):
+        out[-2:] = ["(No main grid in this lab: the claims are measured per regime below.)", ""]
     cols = ["objective", "model", "replay", "seeds", "start", "final", "mean over run", "greedy final", "clipped",
             "ratio std", "grad-norm std/mean", "expert change/update", "collapsed", "s/run"]
 
@@ -337,6 +375,7 @@ def write_report(lab_dir: str | os.PathLike) -> Path:
         out += [markdown_table(["setting", "objective", "seeds", "final", "mean over run", "clipped", "collapsed",
                         "Δ mean over run"], srows), ""]
     out += regimes_section(runs, cfg, lab_dir / "plots")
+    out += regime_claims_section(runs, cfg)
     collapsed = [r for r in runs if r["collapse_step"] is not None]
     out += ["## Collapse detection", "",
             "A run is flagged when its held-out accuracy falls below its best by max(10 pts, half the best) and "

@@ -94,6 +94,8 @@ class LabConfig:
     """Regimes: axis -> level -> settings, {TrainConfig field: value} plus `arch` (config overrides of the cold-start model, e.g. {num_hidden_layers: 16}); every level runs each method of `regime_methods` that applies to it, beside a shared `baseline` level (the lab's own settings). Empty: no regimes (gspo/lab/regimes.py)."""
     regime_methods: dict = field(default_factory=dict)
     """Regimes: method name -> TrainConfig overrides, e.g. {grpo_tis: {objective: grpo, rollout_correction: token_tis}}."""
+    axis_methods: dict = field(default_factory=dict)
+    """Regimes: axis -> the names of `regime_methods` run on its levels (an axis not listed runs them all); the baseline runs `axis_methods.baseline` if given, else every method some axis runs. What is left out is listed in the report with the reason."""
     regime_model: str = "moe"
     """Architecture of the regime runs (dense or moe; routing replay methods run on moe only)."""
     regime_seeds: list | None = None
@@ -141,7 +143,7 @@ class LabConfig:
             if not isinstance(overrides, dict):
                 raise ValueError(f"config: search[{label!r}] must be a mapping of TrainConfig fields, got {overrides!r}")
         check_choice(self, "regime_model", PRESETS)
-        check_regimes(self.regimes, self.regime_methods)
+        check_regimes(self.regimes, self.regime_methods, self.axis_methods)
         # Every run's TrainConfig is built (and so checked) by `train_config` before anything runs.
 
 
@@ -201,7 +203,8 @@ def expand_grid(cfg: LabConfig) -> list[RunSpec]:
             runs += [RunSpec("search", objective, cfg.search_model, cfg.num_layers, "none", s, label, dict(overrides))
                      for s in seeds]
     seeds = cfg.regime_seeds if cfg.regime_seeds is not None else cfg.seeds
-    for label, settings, method, overrides in regime_runs(cfg.regimes, cfg.regime_methods, cfg.regime_model)[0]:
+    for label, settings, method, overrides in regime_runs(cfg.regimes, cfg.regime_methods, cfg.regime_model,
+                                                                  cfg.axis_methods)[0]:
         train, arch = {**train_settings(settings), **overrides}, dict(settings.get("arch", {}))
         layers = arch.pop("num_hidden_layers", cfg.num_layers)
         runs += [RunSpec("regime", train.get("objective", "grpo"), cfg.regime_model, layers,
@@ -311,15 +314,13 @@ def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
     workers = cfg.workers or os.cpu_count() or 1
 
     with _pool(workers) as pool:
-        # Cold starts, one per architecture the runs use; the costliest first.
-        colds = sorted({s.cold_key for s in specs}, key=lambda key: -key[1] * (2 if key[0] == "moe" else 1))
+        # Cold starts, one per architecture and task the runs use; long-answer tasks and deep models first.
+        # A run is queued as soon as its cold start exists, so the other workers do not wait for the slowest.
+        colds = sorted({s.cold_key for s in specs}, key=lambda key: (key[3] is not None, key[1]), reverse=True)
         colds = [key for key in colds if not is_done(coldstart_dir(lab_dir, *key))]
         for key in colds:
             log(f"cold start {coldstart_dir(lab_dir, *key).name}: SFT until greedy accuracy "
                 f"{cfg.sft_target_accuracy:.0%}")
-        for future in [pool.submit(_cold_start, sft_config(cfg, *key)) for key in colds]:
-            future.result()
-
         clock = _Clock()
         todo = [s for s in specs if not is_done(run_dir(lab_dir, s))]
         skipped = len(specs) - len(todo)
@@ -329,14 +330,28 @@ def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
             if run_dir(lab_dir, spec).exists():
                 log(f"  {spec.name}: interrupted earlier, restarting it")
         units_left = sum(clock.cost(s, configs[s.name]) for s in todo)
-        futures = {pool.submit(_run_one, configs[s.name], asdict(s)): s for s in todo}
-        for i, future in enumerate(_as_completed(futures), 1):
-            spec, done = futures[future], future.result()
-            units = clock.cost(spec, configs[spec.name])
-            clock.add(units, done["seconds"] / min(workers, len(todo)))  # wall time per unit, with runs in parallel
-            units_left -= units
-            log(f"[{skipped + i}/{len(specs)}] {spec.name}: {done['seconds']:.0f} s, held-out mean@{cfg.eval_k} "
-                f"{done['first']:.1%} -> {done['last']:.1%}   ETA {clock.eta(units_left)}")
+        cold_futures, futures = {}, {}
+
+        def queue(ready):
+            futures.update({pool.submit(_run_one, configs[s.name], asdict(s)): s for s in todo if ready(s.cold_key)})
+
+        try:
+            cold_futures = {pool.submit(_cold_start, sft_config(cfg, *key)): key for key in colds}
+            queue(lambda key: key not in colds)
+            for future in _as_completed(cold_futures):
+                future.result()
+                queue(lambda key, done=cold_futures[future]: key == done)
+            for i, future in enumerate(_as_completed(futures), 1):
+                spec, done = futures[future], future.result()
+                units = clock.cost(spec, configs[spec.name])
+                clock.add(units, done["seconds"] / min(workers, len(todo)))  # wall time per unit, runs in parallel
+                units_left -= units
+                log(f"[{skipped + i}/{len(specs)}] {spec.name}: {done['seconds']:.0f} s, held-out mean@{cfg.eval_k} "
+                    f"{done['first']:.1%} -> {done['last']:.1%}   ETA {clock.eta(units_left)}")
+        except BaseException:
+            for future in [*cold_futures, *futures]:  # a failure stops the lab: nothing queued runs after it
+                future.cancel()
+            raise
     report = write_report(lab_dir)
     seconds = time.perf_counter() - started
     log(f"report: {report}  ({len(todo)} runs in {seconds / 60:.1f} min, {workers} at a time)")

@@ -167,7 +167,8 @@ def regimes_section(runs: list[dict], cfg: dict, plots_dir: Path) -> list[str]:
     smap = stability_map(runs, method_of=lambda r: r["spec"]["method"], regime_of=lambda r: r["spec"]["label"],
                          order=order)
     figure = draw_map(smap, Path(plots_dir) / "stability_map.png")
-    left_out = regime_runs(cfg.get("regimes", {}), cfg.get("regime_methods", {}), cfg.get("regime_model", "moe"))[1]
+    left_out = regime_runs(cfg.get("regimes", {}), cfg.get("regime_methods", {}), cfg.get("regime_model", "moe"),
+                           cfg.get("axis_methods", {}))[1]
     out = ["## Regimes: the stability map", "",
            "Each cell: one method in one regime over its seeds; the number is the mean gain in held-out "
            "accuracy (final - start, ± std over seeds) or the step of collapse. collapsed: half the seeds or more "
@@ -187,6 +188,9 @@ def regimes_section(runs: list[dict], cfg: dict, plots_dir: Path) -> list[str]:
         out += [f"- {r['name']}: step {r['collapse_step']}, {r['collapse_reason']}; " + ", ".join(
             f"{k} {a:.3g} -> {b:.3g}" for k, (a, b) in r["precursor"].items()) for r in collapsed] + [""]
     if left_out:
+        by_reason = {}
+        for x in left_out:
+            by_reason.setdefault((x["regime"], x["reason"]), []).append(x["method"])
         out += ["Not run (the rule that left each out):", ""]
-        out += [f"- {x['method']} in {x['regime']}: {x['reason']}" for x in left_out] + [""]
+        out += [f"- {regime}: {', '.join(names)}: {reason}" for (regime, reason), names in by_reason.items()] + [""]
     return out

@@ -14,7 +14,7 @@ _REGISTRY: dict[str, dict] = {
     "add2": {"digits": 2, "op": "+"},
     "add3": {"digits": 3, "op": "+"},
     "add4": {"digits": 4, "op": "+"},
-    "add27": {"digits": 27, "op": "+"},  # long worked answers, 204-266 tokens: the regimes lab's length axis
+    "add3x6": {"digits": 3, "op": "+", "times": 6},  # a+6*b, 222-270-token answers: the regimes lab's long answers
     "sub3": {"digits": 3, "op": "-"},
     "mul3": {"digits": 3, "op": "*"},
     "arithmetic": {},
@@ -23,16 +23,16 @@ TASKS: list[str] = list(_REGISTRY)
 
 
 def get_task(name: str, **kwargs) -> ArithmeticTask:
-    """Build a task by registry name; "arithmetic" takes `digits` and `op` as kwargs."""
+    """Build a task by registry name; "arithmetic" takes `digits`, `op` and `times` as kwargs."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
     fixed = _REGISTRY[name]
     clash = sorted(set(fixed) & set(kwargs))
     if clash:
         raise ValueError(f"task {name!r} fixes {clash}; set them via get_task('arithmetic', ...)")
-    unknown = sorted(set(kwargs) - {"digits", "op"})
+    unknown = sorted(set(kwargs) - {"digits", "op", "times"})
     if unknown:
-        raise ValueError(f"unknown argument(s) {unknown} for task {name!r}; allowed: digits, op")
+        raise ValueError(f"unknown argument(s) {unknown} for task {name!r}; allowed: digits, op, times")
     return ArithmeticTask(**fixed, **kwargs)
 
 

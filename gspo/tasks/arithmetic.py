@@ -8,6 +8,13 @@ right, then states the answer after a "####" marker (the GSM8K convention):
                                                                  is a borrow, "-1" repays it)
     *   347*5=     ->  "7*5=35;4*5+3=23;3*5+2=17;#### 1735"    (multiplier is one digit)
 
+With `times` = t > 1 (addition only) the prompt is "a+t*b=" and the answer adds b t times, one
+line per addition, each restating its sum so every line's digits are near it:
+
+    +   347+2*585= ->  "347+585:7+5=12;4+8+1=13;3+5+1=9;=932\n932+585:2+5=7;3+8=11;9+5+1=15;=1517\n#### 1517"
+
+(add3x6: 222-270 tokens, the regimes lab's long answers; one wrong line makes every later sum wrong.)
+
 Completions are tens of tokens for 3 digits, so the answer is only right when every step is.
 Train and test problems are disjoint by construction: a problem is a test problem iff the
 CRC-32 of its prompt is 0 mod 10.
@@ -61,6 +68,16 @@ def _solve_add(a: int, b: int) -> str:
     return "".join(steps) + f"{ANSWER_MARKER} {a + b}"
 
 
+def _solve_repeated_add(a: int, b: int, times: int) -> str:
+    """a + times*b worked as `times` additions, one line each: "<sum>+<b>:<columns>=<new sum>"."""
+    lines, total = [], a
+    for _ in range(times):
+        columns = _solve_add(total, b).rpartition(ANSWER_MARKER)[0]
+        lines.append(f"{total}+{b}:{columns}={total + b}\n")
+        total += b
+    return "".join(lines) + f"{ANSWER_MARKER} {total}"
+
+
 def _solve_sub(a: int, b: int) -> str:
     """Column subtraction for a >= b; a borrowed column writes its top digit as 1x."""
     da, db = _digits_of(a), _digits_of(b)
@@ -95,6 +112,8 @@ class ArithmeticTask:
 
     digits: int = 3
     op: str = "+"
+    times: int = 1
+    """How many times the second operand is added (op "+" only): the prompt is "a+t*b=" for t > 1."""
 
     def __post_init__(self):
         if isinstance(self.digits, bool) or not isinstance(self.digits, int):
@@ -103,11 +122,15 @@ class ArithmeticTask:
             raise ValueError(f"digits must be in [1, {MAX_DIGITS}], got {self.digits}")
         if self.op not in OPS:
             raise ValueError(f"op must be one of {sorted(OPS)}, got {self.op!r}")
+        if isinstance(self.times, bool) or not isinstance(self.times, int) or self.times < 1:
+            raise ValueError(f"times must be an int >= 1, got {self.times!r}")
+        if self.times > 1 and self.op != "+":
+            raise ValueError(f"times={self.times} needs op '+' (repeated addition), got op {self.op!r}")
 
     @property
     def name(self) -> str:
-        """Registry name that rebuilds this task, e.g. "add3"."""
-        return f"{OPS[self.op]}{self.digits}"
+        """Registry name that rebuilds this task, e.g. "add3", "add3x6"."""
+        return f"{OPS[self.op]}{self.digits}" + (f"x{self.times}" if self.times > 1 else "")
 
     def _operand(self, rng: random.Random) -> int:
         return rng.randint(10 ** (self.digits - 1), 10**self.digits - 1)
@@ -118,7 +141,7 @@ class ArithmeticTask:
         if min(a, b) < 0:
             raise ValueError(f"operands must be non-negative, got a={a}, b={b}")
         if self.op == "+":
-            return _solve_add(a, b)
+            return _solve_repeated_add(a, b, self.times) if self.times > 1 else _solve_add(a, b)
         if self.op == "-":
             if a < b:
                 raise ValueError(f"subtraction needs a >= b, got a={a}, b={b}")
@@ -134,7 +157,7 @@ class ArithmeticTask:
         if self.op == "-":
             a, b = max(a, b), min(a, b)
         solution = self.solve(a, b)
-        prompt = f"{a}{self.op}{b}="
+        prompt = f"{a}+{self.times}*{b}=" if self.times > 1 else f"{a}{self.op}{b}="
         return {"prompt": prompt, "answer": extract_answer(solution), "solution": solution}
 
     def dataset(self, split: str, n: int, seed: int) -> list[dict]:
