@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast test-vllm clean
+.PHONY: setup demo test test-fast test-vllm lab-regimes clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ $(VLLM_VENV)/.installed: pyproject.toml
 # The engine runs in the test process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one thread as in `make test`.
 test-vllm: $(VLLM_VENV)/.installed
 	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest tests/test_vllm.py tests/test_correction.py
+
+# The regimes lab (docs/lab/regimes.md, <= 60 min on 2 cores, resumable); where .venv-vllm exists (make
+# test-vllm builds it) the same folder then gets the vLLM level's runs, and the report is rewritten with them.
+lab-regimes: setup
+	$(VENV)/bin/gspo lab --config configs/lab_regimes.yaml
+	if [ -x $(VLLM_VENV)/bin/gspo ]; then $(VLLM_VENV)/bin/gspo lab --config configs/lab_regimes.yaml; fi
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -70,13 +70,18 @@ def test_every_regime_knob_reaches_its_runs_config(tmp_path):
     assert config("regime-off_policy-mb8-grpo-s3").num_minibatches == 8
     assert config("regime-baseline-grpo_r2-s3").routing_replay == "old_policy"
     long = config("regime-length-long-grpo-s3")
-    assert (long.task, long.max_completion_length, long.model) == ("add4", 64, str(lab / "moe-L4-add4" / "model"))
+    assert (long.task, long.max_completion_length, long.model) == ("add4", 64, str(lab / "moe-L4-add4-len64" / "model"))
     assert config("regime-moe_shape-deep-grpo-s3").model == str(lab / "moe-L6" / "model")
     wide = specs["regime-moe_shape-wide-grpo-s3"]
     assert train_config(cfg, wide).model == str(lab / "moe-L4-num_experts16-num_experts_per_tok4" / "model")
     cold = sft_config(cfg, *wide.cold_key)
     assert cold.model_overrides == {"num_hidden_layers": 4, "num_experts": 16, "num_experts_per_tok": 4}
-    assert sft_config(cfg, *specs["regime-length-long-grpo-s3"].cold_key).task == "add4"
+    long_cold = sft_config(cfg, *specs["regime-length-long-grpo-s3"].cold_key)
+    # the cold start's held-out answers are generated as long as the runs' (at the lab's 48 tokens a long answer is
+    # cut off and its accuracy reads 0: the cold start would never reach its target)
+    assert (long_cold.task, long_cold.max_completion_length, cold.max_completion_length) == ("add4", 64, 48)
+    assert sft_config(regimes_lab(tmp_path, train_overrides={"max_completion_length": 96}),
+                      *specs["regime-baseline-grpo-s3"].cold_key).max_completion_length == 96
 
 
 def test_the_shipped_regimes_lab_builds_every_run_and_names_what_it_leaves_out(tmp_path):
@@ -175,7 +180,7 @@ def test_micro_regimes_lab_end_to_end(tmp_path):
     long = json.loads((runs / "regime-length-long-grpo-s0" / "done.json").read_text())["config"]
     assert (long["task"], long["max_completion_length"]) == ("add4", 12)
     assert max(r["completion/max_len"] for r in read_metrics(runs / "regime-length-long-grpo-s0")[1:]) <= 12
-    assert (tmp_path / "lab" / "coldstart" / "dense-L1-add4" / "done.json").is_file()
+    assert (tmp_path / "lab" / "coldstart" / "dense-L1-add4-len12" / "done.json").is_file()
     smap = stability_map(load_lab(tmp_path / "lab"), method_of=lambda r: r["spec"]["method"],
                          regime_of=lambda r: r["spec"]["label"])
     assert set(smap["cells"]) == {("grpo", "baseline"), ("grpo", "mismatch-bf16"), ("grpo_tis", "mismatch-bf16"),
@@ -186,3 +191,28 @@ def test_micro_regimes_lab_end_to_end(tmp_path):
     row = next(line for line in report.splitlines() if line.startswith("| mismatch-bf16 | grpo_tis |"))
     assert row.split(" | ")[4] != "–" and "| baseline | grpo |" in report  # the bf16 sampler's mismatch/kl
     assert (tmp_path / "lab" / "plots" / "stability_map.png").stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_micro_moe_regimes_lab_staleness_and_shape_reach_their_runs(tmp_path):
+    # The two knobs the dense micro lab cannot show: a stale sampler and an MoE shape, config -> metrics.
+    cfg = regimes_lab(
+        tmp_path, seeds=[0], num_layers=1, max_steps=3, eval_steps=3, per_device_batch_size=2, num_generations=4,
+        num_minibatches=2, max_completion_length=8, eval_num_prompts=4, eval_k=2, sft_max_steps=3, workers=1,
+        learning_rate=1e-3, train_overrides={"reward_funcs": ["conftest:starts_with_digit"]},  # a reward with signal
+        regimes={"staleness": {"lag1": {"sampler_lag": 1}},
+                 "moe_shape": {"wide": {"arch": {"num_experts": 4, "num_experts_per_tok": 1}}}},
+        regime_methods={"grpo": {"objective": "grpo"}, "grpo_r2": {"objective": "grpo", "routing_replay": "old_policy"}},
+        axis_methods={"staleness": ["grpo"], "moe_shape": ["grpo_r2"], "baseline": ["grpo"]})
+    summary = run_lab(cfg, log=lambda _: None)
+    assert (summary["runs"], summary["ran"]) == (3, 3)
+    runs = tmp_path / "lab" / "runs"
+    lag = read_metrics(runs / "regime-staleness-lag1-grpo-s0")
+    # rollout 1 samples from the initial weights, which are pi_old then; rollout 2 still from them, one update behind
+    assert lag[1]["grad/norm"] > 0 and lag[1]["mismatch/kl"] < 1e-9 and lag[2]["mismatch/kl"] > 1e-7
+    assert "mismatch/kl" not in read_metrics(runs / "regime-baseline-grpo-s0")[1]
+    wide = json.loads((tmp_path / "lab" / "coldstart" / "moe-L1-num_experts4-num_experts_per_tok1" / "model" /
+                       "config.json").read_text())
+    assert (wide["num_local_experts"], wide["num_experts_per_tok"], wide["num_hidden_layers"]) == (4, 1, 1)  # saved name
+    shape = read_metrics(runs / "regime-moe_shape-wide-grpo_r2-s0")
+    assert "moe/expert_change_frac/layer_0" in shape[1] and "moe/expert_change_frac/layer_1" not in shape[1]

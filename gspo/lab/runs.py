@@ -182,8 +182,10 @@ class RunSpec:
 
     @property
     def cold_key(self) -> tuple:
-        """The cold start it needs: architecture, depth, other model config, task (None: the lab's)."""
-        return (self.model, self.layers, tuple(sorted(self.arch.items())), self.overrides.get("task"))
+        """The cold start it needs: architecture, depth, other model config, task and completion length (None:
+        the lab's; the cold start's held-out accuracy, which stops it, is scored at the runs' length)."""
+        return (self.model, self.layers, tuple(sorted(self.arch.items())), self.overrides.get("task"),
+                self.overrides.get("max_completion_length"))
 
 
 def expand_grid(cfg: LabConfig) -> list[RunSpec]:
@@ -212,21 +214,27 @@ def expand_grid(cfg: LabConfig) -> list[RunSpec]:
     return runs
 
 
-def coldstart_dir(lab_dir: Path, model: str, layers: int, arch: tuple = (), task: str | None = None) -> Path:
-    """lab/coldstart/<model>-L<layers>[-<field><value>...][-<task>]: one per architecture and task."""
-    name = f"{model}-L{layers}" + "".join(f"-{k}{v}" for k, v in arch) + (f"-{task}" if task else "")
+def coldstart_dir(lab_dir: Path, model: str, layers: int, arch: tuple = (), task: str | None = None,
+                  length: int | None = None) -> Path:
+    """lab/coldstart/<model>-L<layers>[-<field><value>...][-<task>][-len<n>]: one per architecture, task and length."""
+    name = (f"{model}-L{layers}" + "".join(f"-{k}{v}" for k, v in arch) + (f"-{task}" if task else "") +
+            (f"-len{length}" if length else ""))
     return Path(lab_dir) / "coldstart" / name
 
 
-def sft_config(cfg: LabConfig, model: str, layers: int, arch: tuple = (), task: str | None = None) -> SFTConfig:
-    """The cold start: the demo's partial SFT (stops at `sft_target_accuracy`), one per architecture and task."""
+def sft_config(cfg: LabConfig, model: str, layers: int, arch: tuple = (), task: str | None = None,
+               length: int | None = None) -> SFTConfig:
+    """The cold start: the demo's partial SFT (stops at `sft_target_accuracy`), one per architecture, task and
+    completion length (held-out answers are generated up to the runs' length: a shorter one cuts long answers
+    off, so the accuracy that stops the cold start would read 0)."""
+    generate = length or (cfg.train_overrides or {}).get("max_completion_length", cfg.max_completion_length)
     return make_config(SFTConfig, dict(
         model=PRESETS[model], model_overrides={"num_hidden_layers": layers, **dict(arch)}, task=task or cfg.task,
         num_examples=2000,
         max_steps=cfg.sft_max_steps, batch_size=32, learning_rate=2e-3, warmup_steps=20,
         target_accuracy=cfg.sft_target_accuracy, eval_steps=20, eval_num_prompts=100,
-        max_completion_length=cfg.max_completion_length, seed=0, device=cfg.device, progress=False,
-        output_dir=str(coldstart_dir(cfg.output_dir, model, layers, arch, task))))
+        max_completion_length=generate, seed=0, device=cfg.device, progress=False,
+        output_dir=str(coldstart_dir(cfg.output_dir, model, layers, arch, task, length))))
 
 
 def train_config(cfg: LabConfig, spec: RunSpec) -> TrainConfig:
@@ -316,7 +324,7 @@ def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
     with _pool(workers) as pool:
         # Cold starts, one per architecture and task the runs use; long-answer tasks and deep models first.
         # A run is queued as soon as its cold start exists, so the other workers do not wait for the slowest.
-        colds = sorted({s.cold_key for s in specs}, key=lambda key: (key[3] is not None, key[1]), reverse=True)
+        colds = sorted({s.cold_key for s in specs}, key=lambda key: (key[4] or 0, key[1]), reverse=True)
         colds = [key for key in colds if not is_done(coldstart_dir(lab_dir, *key))]
         for key in colds:
             log(f"cold start {coldstart_dir(lab_dir, *key).name}: SFT until greedy accuracy "

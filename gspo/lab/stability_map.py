@@ -167,8 +167,9 @@ def regimes_section(runs: list[dict], cfg: dict, plots_dir: Path) -> list[str]:
     smap = stability_map(runs, method_of=lambda r: r["spec"]["method"], regime_of=lambda r: r["spec"]["label"],
                          order=order)
     figure = draw_map(smap, Path(plots_dir) / "stability_map.png")
-    left_out = regime_runs(cfg.get("regimes", {}), cfg.get("regime_methods", {}), cfg.get("regime_model", "moe"),
-                           cfg.get("axis_methods", {}))[1]
+    left_out = [x for x in regime_runs(cfg.get("regimes", {}), cfg.get("regime_methods", {}),
+                                       cfg.get("regime_model", "moe"), cfg.get("axis_methods", {}))[1]
+                if (x["method"], x["regime"]) not in smap["cells"]]  # e.g. vllm runs made in another venv
     out = ["## Regimes: the stability map", "",
            "Each cell: one method in one regime over its seeds; the number is the mean gain in held-out "
            "accuracy (final - start, ± std over seeds) or the step of collapse. collapsed: half the seeds or more "
