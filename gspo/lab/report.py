@@ -209,10 +209,12 @@ def claims(runs: list[dict]) -> list[dict]:
         parts.append(("drift grows with depth" if grows else "no growth with depth beyond the seed spread") +
                      ("" if big or hi["mean"] <= 0 else f"; at {xs[-1]} layers it is {0.10 / hi['mean']:.0f}x "
                                                           "below the paper's 10%"))
-    elif drift_main["n"]:
-        verdict = "partly" if drift_main["mean"] > 0 else "not reproduced"
+    elif drift_main["n"]:  # one shape only (a regime): the size of the drift alone
+        verdict = "reproduced" if drift_main["mean"] >= 0.05 else "partly" if drift_main["mean"] >= 0.01 else \
+            "not reproduced"
     rows.append(_row("C3", [p for p in parts if p], verdict,
-                     "reproduced = drift grows with depth and reaches >= 5%; partly = grows but stays small"))
+                     "reproduced = drift grows with depth and reaches >= 5%; partly = grows but stays small; without "
+                     "a depth sweep: >= 5% reproduced, >= 1% partly"))
 
     # C4: MoE stability: GRPO without replay vs GRPO with replay vs GSPO without replay.
     parts, verdict = [], "n/a"
