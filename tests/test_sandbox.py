@@ -194,7 +194,11 @@ TAMPERING = {
 @pytest.mark.parametrize("name", sorted(TAMPERING))
 def test_tampering_with_the_sandbox_exit_does_not_pass(name):
     r = run(TAMPERING[name], "assert f() == 1" if name == "builtins" else "assert False")
-    assert not r.passed and r.returncode == sandbox._FAIL_RC
+    # The sandbox reports the failure status; or, for "signal", the program's own 0.1 ms timer may outlive its
+    # handler (interpreter shutdown puts the default action back) and kill it by SIGALRM first, which is also
+    # a failure. Which one comes first is timing: under load CI has seen the second.
+    own_timer = name == "signal" and r.killed == "signal SIGALRM" and r.returncode == -signal.SIGALRM
+    assert not r.passed and (r.returncode == sandbox._FAIL_RC or own_timer), r
 
 
 # ---- limits -----------------------------------------------------------------------------------

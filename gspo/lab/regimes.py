@@ -5,8 +5,8 @@ overrides (a low-precision or stale sampler, more minibatches per rollout, a tas
 answers) and `arch`, config overrides of the cold-start model (a deeper or wider MoE). The
 `baseline` level is the lab's own settings, shared by every axis and run once. Each level runs
 every method of `LabConfig.regime_methods` that applies to it (`not_applicable`), or only those that
-`LabConfig.axis_methods` names for its axis (the baseline runs every method some axis runs, so each
-has its reference); the combinations left out are listed with their reason, in the report as in the
+`LabConfig.axis_methods` names for its axis (the baseline runs its own list there, or else every
+method some axis runs, so each has its reference); the combinations left out are listed with their reason, in the report as in the
 grid, so no setting tried is hidden.
 Pure: names and rules; gspo.lab.runs runs the runs, gspo.lab.stability_map draws the map.
 """

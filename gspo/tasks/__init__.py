@@ -14,7 +14,7 @@ _REGISTRY: dict[str, dict] = {
     "add2": {"digits": 2, "op": "+"},
     "add3": {"digits": 3, "op": "+"},
     "add4": {"digits": 4, "op": "+"},
-    "add3x6": {"digits": 3, "op": "+", "times": 6},  # a+6*b, 222-270-token answers: the regimes lab's long answers
+    "add3x6": {"digits": 3, "op": "+", "times": 6},  # a+6*b, 195-289-token answers: the regimes lab's long answers
     "sub3": {"digits": 3, "op": "-"},
     "mul3": {"digits": 3, "op": "*"},
     "arithmetic": {},

@@ -13,7 +13,7 @@ line per addition, each restating its sum so every line's digits are near it:
 
     +   347+2*585= ->  "347+585:7+5=12;4+8+1=13;3+5+1=9;=932\n932+585:2+5=7;3+8=11;9+5+1=15;=1517\n#### 1517"
 
-(add3x6: 222-270 tokens, the regimes lab's long answers; one wrong line makes every later sum wrong.)
+(add3x6: 195-289 tokens, the regimes lab's long answers; one wrong line makes every later sum wrong.)
 
 Completions are tens of tokens for 3 digits, so the answer is only right when every step is.
 Train and test problems are disjoint by construction: a problem is a test problem iff the
