@@ -32,9 +32,9 @@ def test_default_grid_expands_as_configured(tmp_path):
     depth = [s for s in specs if s.group == "depth"]
     assert sorted({s.layers for s in depth}) == [2, 4, 8] and len(depth) == 9
     search = [s for s in specs if s.group == "search"]
-    assert len(search) == 3 * 2 * 2  # 3 settings x (grpo, gspo) x seeds [0, 1]
-    assert "search-minibatches_16-gspo-moe-none-s1" in names and "depth8-grpo-moe-none-s2" in names
-    assert len(specs) == 42
+    assert len(search) == 1 * 2 * 2  # 1 setting (lr 3e-4) x (grpo, gspo) x seeds [0, 1]
+    assert "search-lr_3e-4-gspo-moe-none-s1" in names and "depth8-grpo-moe-none-s2" in names
+    assert len(specs) == 34
 
 
 def test_grid_knobs_reach_every_run_config(tmp_path):

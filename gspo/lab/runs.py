@@ -76,12 +76,8 @@ class LabConfig:
     """MoE depths of the routing-drift sweep (claim C3); empty skips it."""
     depth_steps: int = 10
     """RL steps of each depth-sweep run (GRPO, no replay)."""
-    search: dict = field(default_factory=lambda: {
-        "minibatches_16": {"num_minibatches": 16},
-        "lr_3e-4": {"learning_rate": 3e-4},
-        "sampler_logprobs": {"use_sampler_logprobs": True},
-    })
-    """Search for a regime where the objectives differ: label -> TrainConfig overrides, run for `search_objectives` on `search_model`."""
+    search: dict = field(default_factory=lambda: {"lr_3e-4": {"learning_rate": 3e-4}})
+    """Search for a regime where the objectives differ: label -> TrainConfig overrides, run for `search_objectives` on `search_model`. More minibatches and a mismatched sampler are axes of the regimes lab (configs/lab_regimes.yaml), with 3 seeds."""
     search_objectives: list = field(default_factory=lambda: ["grpo", "gspo"])
     """Objectives run under each search setting."""
     search_model: str = "moe"
