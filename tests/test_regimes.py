@@ -46,6 +46,12 @@ def test_levels_methods_and_what_is_left_out(tmp_path):
     assert not_applicable(METHODS["grpo_tis"], {}, "moe") == ("no sampler mismatch (mu = pi_old): the correction is "
                                                               "the identity")
     assert not_applicable(METHODS["grpo_r2"], {}, "dense") == "routing replay needs an MoE model"
+    # R3 replays the sampler's routes: only a sampler that is not pi_old makes it differ from R2
+    r3 = {"objective": "grpo", "routing_replay": "rollout"}
+    assert not_applicable(r3, {}, "moe").startswith("no sampler mismatch: R3 replays the sampler's routes")
+    assert not_applicable(r3, {"arch": {"num_hidden_layers": 6}}, "moe").startswith("no sampler mismatch")
+    assert not_applicable(r3, REGIMES["mismatch"]["bf16"], "moe") is None
+    assert not_applicable(r3, {"sampler_lag": 1}, "moe") is None
     if not HAS_VLLM:
         assert not_applicable(METHODS["grpo"], REGIMES["mismatch"]["vllm"], "moe").startswith("vllm is not installed")
     dense = expand_grid(regimes_lab(tmp_path, regime_model="dense"))
@@ -95,15 +101,19 @@ def test_the_shipped_regimes_lab_builds_every_run_and_names_what_it_leaves_out(t
         train_config(cfg, spec)  # every run's TrainConfig is valid
     left_out = regime_runs(cfg.regimes, cfg.regime_methods, cfg.regime_model, cfg.axis_methods)[1]
     # 10 levels (baseline + 9) x 8 methods, each axis running the methods axis_methods picks: baseline 6, bf16 6,
-    # lag1 and lag4 4 each, mb8 and mb16 3 each, long 2, deep16 and wide32 4 each; vllm 5 where installed (R3 is
-    # left out under vllm)
+    # lag1 and lag4 4 each, mb8 and mb16 3 each, long 2, deep16 and wide32 4 each, less R3 where the sampler is
+    # pi_old (baseline, deep16, wide32); vllm 5 where installed (R3 is left out under vllm)
     vllm = 5 if HAS_VLLM else 0
-    assert len(specs) == 3 * (36 + vllm) and len(left_out) == 10 * 8 - len(specs) // 3
-    reasons = [x["reason"].split(" ")[0] for x in left_out]
+    assert len(specs) == 3 * (33 + vllm) and len(left_out) == 10 * 8 - len(specs) // 3
+    reasons = [x["reason"].split(":")[0] for x in left_out]
     # not chosen: 8 minus the picks of each level (2 2 2 4 4 5 5 6 4 4); the vllm level's 6 picks are left out
     # where vllm is missing, only R3 where it is installed
-    assert reasons.count("not") == 38 and reasons.count("vllm") == (0 if HAS_VLLM else 6)
-    assert reasons.count("R3") == (1 if HAS_VLLM else 0) and len(reasons) == 38 + (1 if HAS_VLLM else 6)
+    assert reasons.count("not chosen for this axis (axis_methods)") == 38
+    assert [x["regime"] for x in left_out if x["reason"].startswith("no sampler mismatch: R3")] == \
+        ["baseline", "moe_shape-deep16", "moe_shape-wide32"]
+    assert sum(r.startswith("vllm") for r in reasons) == (0 if HAS_VLLM else 6)
+    assert sum(r.startswith("R3") for r in reasons) == (1 if HAS_VLLM else 0)
+    assert len(reasons) == 38 + 3 + (1 if HAS_VLLM else 6)
     assert all(x["reason"] for x in left_out) and {s.seed for s in specs} == {0, 1, 2}
 
 

@@ -43,6 +43,9 @@ def not_applicable(method: dict, settings: dict, model: str) -> str | None:
         return "routing replay needs an MoE model"
     if method.get("rollout_correction", "none") != "none" and not has_mismatch(settings):
         return "no sampler mismatch (mu = pi_old): the correction is the identity"
+    if method.get("routing_replay") == "rollout" and not has_mismatch(settings):
+        return ("no sampler mismatch: R3 replays the sampler's routes, which are pi_old's here, so it is R2 "
+                "(up to routing ties in the last bits)")
     if settings.get("generation_backend") == "vllm":
         if importlib.util.find_spec("vllm") is None:
             return "vllm is not installed here (make test-vllm builds a venv with it)"
