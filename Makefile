@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,math]"
 	touch $@
 
 # code_tests refuses to run without an OS boundary (bubblewrap): install it where we can (root with

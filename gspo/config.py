@@ -87,7 +87,7 @@ class TrainConfig(ModelConfig):
     top_k: int = 0
     """Top-k sampling; 0 disables it (transformers would otherwise apply 50)."""
     reward_funcs: list = field(default_factory=lambda: ["answer_match"])
-    """Reward functions: built-in names (answer_match, format, code_tests: sandboxed Python against a `tests` column) or `module:function` import paths."""
+    """Reward functions: built-in names (answer_match, math: math-verify against an `answer` column, format, code_tests: sandboxed Python against a `tests` column), `rm:<path>` or `module:function` import paths (TRL's reward signature)."""
     reward_weights: list | None = None
     """One weight per reward function; default all 1."""
     tasks: list | None = None

@@ -140,7 +140,8 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
             # 2. Score this rank's completions; every rank then holds every sequence's scalars.
             #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
             rewards, per_fn = source.score(mine, rollout.prompts, rollout.completions, G, drop_bad=cfg.drop_bad_rewards,
-                                           offset=topology.rank * B, timeout_s=cfg.reward_timeout_s)
+                                           offset=topology.rank * B, timeout_s=cfg.reward_timeout_s,
+                                           completion_ids=rollout.completion_token_ids())
             scores = gather_scores(topology, rollout, rewards, per_fn, stop_ids)
             task_metrics = source.observe(scores.rewards, scores.valid, G)  # several tasks: reweigh them
             # 3. Prepare: the minibatch plan, pi_old and pi_ref log-probs, advantages (a critic's values), once.

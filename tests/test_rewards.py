@@ -364,3 +364,89 @@ def test_reward_spec_is_the_import_path_get_reward_fn_reads_back():
     saved = saved_config(cfg)
     assert saved["reward_funcs"] == ["format", "gspo.data.rewards:answer_match"]
     assert saved["tasks"] == saved_tasks(cfg.tasks) == [{"task": "add3", "reward_funcs": ["gspo.data.rewards:answer_match"]}]
+
+
+# ---- TRL's reward signature and conversational format --------------------------------------
+
+def test_trl_style_reward_functions_run_unchanged_on_text_and_chat_prompts():
+    """Written against TRL's documented signature: keywords `prompts`, `completions`, `completion_ids` and
+    every dataset column, `**kwargs` for the rest; with chat prompts, completions are lists of one
+    assistant message."""
+    calls = {}
+
+    def reward_len(completions, **kwargs):  # TRL docs' first example: only completions, the rest in kwargs
+        calls["len"] = sorted(kwargs)
+        return [-abs(3 - len(c)) for c in completions]
+
+    def format_reward_func(completions, **kwargs):  # the conversational form: c[0]["content"]
+        return [float(c[0]["content"].startswith("#")) for c in completions]
+
+    def with_ids(prompts, completions, completion_ids, ground_truth, **kwargs):
+        calls["ids"] = completion_ids
+        return [float(len(ids) == len(str(g))) for ids, g in zip(completion_ids, ground_truth)]
+
+    def only_kwargs(**kwargs):
+        calls["kw"] = sorted(kwargs)
+        return [0.0] * len(kwargs["completions"])
+
+    prompts, completions = ["1+1=", "2+2="], ["#2", "4"]
+    columns, ids = {"ground_truth": ["#2", "44"]}, [[5, 6], [7]]
+    total, raw = score_completions([reward_len, with_ids, only_kwargs], None, prompts, completions, columns,
+                                   completion_ids=ids)
+    assert raw["reward_len"].tolist() == [-1.0, -2.0] and raw["with_ids"].tolist() == [1.0, 0.0]
+    assert calls["len"] == ["completion_ids", "ground_truth", "prompts"]
+    assert calls["kw"] == ["completion_ids", "completions", "ground_truth", "prompts"] and calls["ids"] == ids
+    chat = [[{"role": "user", "content": "1+1="}], [{"role": "user", "content": "2+2="}]]
+    _, raw = score_completions([format_reward_func, only_kwargs, answer_match], None, prompts, completions,
+                               {"answer": ["2", "4"]}, chat=chat)
+    assert raw["format_reward_func"].tolist() == [1.0, 0.0]
+    # the built-ins read text even in a chat batch (answer_match: no '####' here, so 0)
+    assert raw["answer_match"].tolist() == [0.0, 0.0]
+    assert calls["kw"] == ["answer", "completions", "prompts"]  # no completion_ids given: none handed on
+    seen = {}
+    score_completions([lambda p, c, **_: seen.update(p=p, c=c) or [0.0, 0.0]], None, prompts, completions, {},
+                      chat=chat)
+    assert seen == {"p": chat, "c": [[{"role": "assistant", "content": "#2"}], [{"role": "assistant", "content": "4"}]]}
+
+
+def test_reward_call_arguments_that_clash_or_do_not_fit_are_named():
+    with pytest.raises(ValueError, match=r"column\(s\) \['completions'\] clash with the reward call's own"):
+        score_completions([answer_match], None, ["p"], ["c"], {"completions": ["x"]})
+    with pytest.raises(ValueError, match="completion_ids has 1 entries, expected 2"):
+        score_completions([answer_match], None, ["p", "q"], ["c", "d"], {"answer": ["1", "2"]}, completion_ids=[[1]])
+    with pytest.raises(ValueError, match="chat has 1 entries, expected 2"):
+        score_completions([answer_match], None, ["p", "q"], ["c", "d"], {"answer": ["1", "2"]}, chat=[[]])
+
+
+# ---- math (math-verify) --------------------------------------------------------------------
+
+def test_math_reward_reads_latex_boxed_fractions_sets_and_units():
+    pytest.importorskip("math_verify")
+    from gspo.data.rewards import math_reward
+
+    cases = [("The answer is $\\boxed{\\frac{1}{2}}$", "1/2", 1.0),  # LaTeX in a box vs a plain fraction
+             ("so it is 0.5", "1/2", 1.0),  # a decimal equals the fraction
+             ("$\\frac{2}{4}$", "0.5", 1.0),  # unreduced
+             ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}", 1.0),  # a LaTeX gold without $...$
+             ("The length is $12\\text{ cm}$", "12", 1.0),  # units stripped
+             ("The answer is $\\{1,2\\}$", "\\{2,1\\}", 1.0),  # sets, any order
+             ("#### 932", "932", 1.0),
+             ("\\boxed{3}", "4", 0.0), ("no answer here", "7", 0.0), ("it is 1/3", "0.5", 0.0)]
+    got = math_reward(prompts=[""] * len(cases), completions=[c for c, _, _ in cases], answer=[a for _, a, _ in cases])
+    assert got == [want for _, _, want in cases]
+    assert math_reward([""], ["anything"], [None]) == [None]
+    assert get_reward_fn("math") is math_reward and math_reward.__name__ == "math"
+    # in the trainer's reward thread (reward_timeout_s > 0) math-verify's signal timers are off, not an error
+    total, raw = score_completions([math_reward], None, ["q", "q"], ["$\\frac{1}{2}$", "2"], {"answer": ["0.5", "3"]},
+                                   timeout_s=60)
+    assert raw["math"].tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match="cannot read the gold answer"):
+        math_reward([""], ["1"], ["$$"])
+    with pytest.raises(ValueError, match="answer has 1 entries, expected 2"):
+        math_reward(["", ""], ["1", "2"], ["1"])
+
+
+def test_math_reward_without_math_verify_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import math_verify now raises ImportError
+    with pytest.raises(ValueError, match=r"math reward needs math-verify: pip install 'gspo\[math\]'"):
+        get_reward_fn("math")

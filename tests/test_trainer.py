@@ -135,16 +135,25 @@ def test_user_dataset_with_chat_prompts_and_extra_columns(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     seen = {}
 
-    def bonus_reward(prompts, completions, bonus, answer, **_):
-        seen["bonus"], seen["prompts"] = list(bonus), list(prompts)
+    def bonus_reward(prompts, completions, bonus, answer, completion_ids, **_):  # TRL's signature
+        seen.update(bonus=list(bonus), prompts=list(prompts), completions=list(completions), ids=list(completion_ids))
         return [float(b) for b in bonus]
 
     cfg = tiny_cfg(tmp_path, task=None, dataset=str(path), reward_funcs=[bonus_reward, "answer_match"],
                    reward_weights=[0.5, 1.0], max_steps=1)
     train(cfg)
     assert len(seen["bonus"]) == 8 and set(seen["bonus"]) <= {0, 1}
-    assert seen["prompts"][0].endswith("=") and seen["prompts"][0] == seen["prompts"][3]  # rendered chat, G copies
+    # TRL's conversational format: each prompt as its messages (G copies), each completion one assistant message
+    first = seen["prompts"][0]
+    assert first == seen["prompts"][3] and first in [r["prompt"] for r in rows]
+    assert all(len(c) == 1 and c[0]["role"] == "assistant" for c in seen["completions"])
+    # completion_ids: the tokens the text was decoded from (the stop token kept, padding not)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "model")
+    assert [tok.decode(ids, skip_special_tokens=True) for ids in seen["ids"]] == \
+        [c[0]["content"] for c in seen["completions"]]
+    assert all(0 < len(ids) <= cfg.max_completion_length for ids in seen["ids"])
     r = read_metrics(tmp_path / "run")[1]
+    # answer_match (a built-in, reads_text) scored the same completions' text
     assert r["reward/mean"] == pytest.approx(0.5 * r["reward/bonus_reward"] + r["reward/answer_match"], abs=1e-6)
 
 

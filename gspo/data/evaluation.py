@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gspo.data.rewards import answer_match, get_reward_fn, score_completions
-from gspo.data.rows import columns_of
+from gspo.data.rows import chat_prompts, columns_of
 from gspo.rollout import generate, policy_backend
 
 
@@ -42,9 +42,9 @@ def evaluate(model, tokenizer, rows: list[dict], cfg, *, sampled: bool = True) -
     score = dict(timeout_s=cfg.reward_timeout_s)
     weights = getattr(cfg, "reward_weights", None)
     out = {"eval/reward": score_completions(reward_fns, weights, prompts, runs["greedy"].completions, columns,
-                                            **score)[0].mean().item()}
+                                            chat=chat_prompts(rows), **score)[0].mean().item()}
     if sampled:
         r, _ = score_completions(reward_fns, weights, runs["sampled"].prompts, runs["sampled"].completions,
-                                 columns_of(rows, k), **score)
+                                 columns_of(rows, k), chat=chat_prompts(rows, k), **score)
         out["eval/sampled_reward"] = r.mean().item()
     return out

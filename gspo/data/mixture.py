@@ -34,7 +34,7 @@ import torch
 from gspo.advantages import group_stats
 from gspo.data.evaluation import evaluate
 from gspo.data.rewards import get_reward_fn, reward_spec, score_completions
-from gspo.data.rows import PromptSampler, columns_of, load_splits
+from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits
 from gspo.tasks import TASKS
 
 WEIGHTINGS = ("static", "dynamic")
@@ -288,8 +288,8 @@ class TaskMixture:
             start += c
 
     def score(self, rows: list[dict], prompts: list[str], completions: list[str], group_size: int, *,
-              drop_bad: bool = False, offset: int = 0, timeout_s: float | None = None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              drop_bad: bool = False, offset: int = 0, timeout_s: float | None = None,
+              completion_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`score_completions` task by task with each task's reward functions: rewards (N,), raw values (N,).
 
         `rows` are rows offset.. of the latest batch (under torchrun a rank scores its share).
@@ -306,7 +306,8 @@ class TaskMixture:
             spec = self.specs[k]
             r, raw = score_completions(self.reward_fns[k], spec.reward_weights, prompts[span], completions[span],
                                        columns_of(rows[row_span], group_size), drop_bad=drop_bad,
-                                       timeout_s=timeout_s)
+                                       timeout_s=timeout_s, chat=chat_prompts(rows[row_span], group_size),
+                                       completion_ids=None if completion_ids is None else completion_ids[span])
             rewards[span] = r
             for name, values in raw.items():
                 per_fn[name][span] = values

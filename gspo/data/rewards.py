@@ -1,8 +1,14 @@
 """Reward functions: the protocol, built-in verifiers, a reward-model scorer, and batch scoring.
 
-Protocol: `fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]`.
-Extra dataset columns arrive as keyword lists aligned with `prompts`; None means "no opinion"
-and is skipped when rewards are combined. Metrics use the function's `__name__`.
+Protocol (TRL's): `fn(prompts=..., completions=..., **columns) -> list[float | None]`, called
+with keywords (positionally, `fn(prompts, completions, **columns)`, when it names no
+`completions` parameter but takes positional ones, e.g. `lambda p, c, **_`). Extra dataset
+columns arrive as keyword lists aligned with `prompts`, and `completion_ids` (each completion's
+token ids) where the function takes it (by name or **kwargs); None means "no opinion" and is
+skipped when rewards are combined. Where the prompts were chat messages, prompts arrive as those
+messages and each completion as `[{"role": "assistant", "content": text}]` (TRL's conversational
+format), except for functions marked `reads_text` (the built-ins), which always get text.
+Metrics use the function's `__name__`.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import contextlib
 import copy
 import faulthandler
 import importlib
+import inspect
 import math
 import numbers
 import re
@@ -24,6 +31,7 @@ from torch import Tensor
 
 __all__ = [
     "answer_match",
+    "math_reward",
     "format_reward",
     "make_regex_reward",
     "RewardModelReward",
@@ -88,6 +96,56 @@ def answer_match(
     return rewards
 
 
+def reads_text(fn):
+    """Mark a reward function as one that reads text only: with a chat dataset it still gets the
+    rendered prompts and the completions' text, not TRL's conversational message lists."""
+    fn.reads_text = True
+    return fn
+
+
+answer_match = reads_text(answer_match)
+
+
+def math_reward(prompts: list[str], completions: list[str], answer: Sequence, **_) -> list[float | None]:
+    """1.0 where the completion's final answer is mathematically equal to `answer[i]` (HF math-verify:
+    LaTeX, \\boxed{}, fractions, sets, units stripped), else 0.0; None in `answer` gives None.
+
+    The gold answer may be plain ("1/2", "0.5") or LaTeX ("\\frac{1}{2}", "$x^2$"). math-verify's own
+    time limits use signal.alarm, which works only in the main thread: they are on there
+    (reward_timeout_s: 0) and off in the trainer's reward thread, whose reward_timeout_s bounds the call.
+    Needs the `math` extra: pip install 'gspo[math]'.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError as err:
+        raise ImportError("the math reward needs math-verify: pip install 'gspo[math]' "
+                          "(or pip install 'math-verify[antlr4_13_2]')") from err
+    if len(answer) != len(completions):
+        raise ValueError(f"answer has {len(answer)} entries, expected {len(completions)} (one per completion)")
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    gold_cache: dict[str, list] = {}
+    rewards: list[float | None] = []
+    for completion, expected in zip(completions, answer):
+        if expected is None:
+            rewards.append(None)
+            continue
+        expected = str(expected).strip()
+        if expected not in gold_cache:
+            # LaTeX is only read inside math delimiters: a bare "\\frac{1}{2}" gold is wrapped in $...$
+            gold = parse(expected, parsing_timeout=limit)
+            gold_cache[expected] = gold or parse(f"${expected}$", parsing_timeout=limit)
+        gold = gold_cache[expected]
+        if not gold:
+            raise ValueError(f"math reward: math-verify cannot read the gold answer {expected!r}")
+        predicted = parse(completion, parsing_timeout=limit)
+        rewards.append(float(bool(predicted) and verify(gold, predicted, timeout_seconds=limit)))
+    return rewards
+
+
+math_reward.__name__ = "math"  # metrics read reward/math; the import path stays gspo.data.rewards:math_reward
+math_reward = reads_text(math_reward)
+
+
 def make_regex_reward(pattern: str, name: str) -> RewardFn:
     """Reward fn named `name`: 1.0 where the WHOLE completion matches `pattern` (re.fullmatch), else 0.0.
 
@@ -107,7 +165,7 @@ def make_regex_reward(pattern: str, name: str) -> RewardFn:
 
     regex_reward.__name__ = regex_reward.__qualname__ = name
     regex_reward.__doc__ = f"1.0 where the whole completion matches {pattern!r}, else 0.0."
-    return regex_reward
+    return reads_text(regex_reward)
 
 
 # 1.0 iff the completion ends with "#### <number>", optionally followed by whitespace.
@@ -125,6 +183,7 @@ class RewardModelReward:
     """
 
     __name__ = "reward_model"
+    reads_text = True  # it scores prompt + completion as one text (a chat prompt rendered by the template)
 
     def __init__(
         self, model_or_path, *, tokenizer=None, batch_size: int = 16, device="cpu", max_length=None
@@ -190,8 +249,11 @@ def code_tests(prompts: list[str], completions: list[str], **columns) -> list[fl
     return sandboxed(prompts, completions, **columns)
 
 
+code_tests = reads_text(code_tests)
+
 _BUILTINS: dict[str, RewardFn] = {
     "answer_match": answer_match,
+    "math": math_reward,
     "format": format_reward,
     "code_tests": code_tests,
 }
@@ -200,8 +262,8 @@ _BUILTINS: dict[str, RewardFn] = {
 def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
     """A reward function from a spec.
 
-    Specs: a built-in name ("answer_match", "format", "code_tests": sandboxed Python run against
-    the `tests` column, see gspo.data.sandbox); "rm:<path>", a sequence-classification
+    Specs: a built-in name ("answer_match", "math": math-verify against the `answer` column,
+    "format", "code_tests": sandboxed Python run against the `tests` column, see gspo.data.sandbox); "rm:<path>", a sequence-classification
     reward model saved at <path> (scored on the CPU, or pass a RewardModelReward object);
     a user's "package.module:function"; or, from Python, the callable itself.
     `sandbox` ("os" or "weak") is the isolation code_tests gets; with "os" a machine that offers
@@ -215,6 +277,12 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
         from gspo.data.sandbox import code_reward
 
         return code_reward(sandbox)
+    if spec == "math":
+        try:
+            import math_verify  # noqa: F401  (checked here, before any training)
+        except ImportError:
+            raise ValueError("the math reward needs math-verify: pip install 'gspo[math]' "
+                             "(or pip install 'math-verify[antlr4_13_2]')") from None
     if spec in _BUILTINS:
         return _BUILTINS[spec]
     if spec.startswith("rm:"):
@@ -275,7 +343,10 @@ def _call(fn, prompts, completions, columns, timeout_s):
 
     def target():
         try:
-            box["value"] = fn(args[0], args[1], **args[2])
+            if _by_keyword(fn):
+                box["value"] = fn(prompts=args[0], completions=args[1], **args[2])
+            else:  # a function with its own names for the two, e.g. `lambda p, c, **_`
+                box["value"] = fn(args[0], args[1], **args[2])
         except BaseException as exc:  # noqa: B036 - reported to the trainer, which decides
             if getattr(exc, "stops_the_run", False):  # the trainer's own signal handling (gspo.run), not fn's
                 raise
@@ -321,6 +392,8 @@ def score_completions(
     *,
     drop_bad: bool = False,
     timeout_s: float | None = None,
+    chat: list | None = None,
+    completion_ids: list[list[int]] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Run every reward fn; return total rewards (N,) float32 and each fn's raw values (N,).
 
@@ -338,6 +411,10 @@ def score_completions(
     errors: a function that fails on every sample (a bug in it, not bad samples), one that fails on
     the batch but on no single sample, SystemExit / KeyboardInterrupt / other BaseExceptions (a
     reward must return, not end the run), and a wrong number or type of values.
+
+    `chat` (each sample's prompt as chat messages, `gspo.data.rows.chat_prompts`) switches the
+    functions not marked `reads_text` to TRL's conversational format; `completion_ids` (each
+    completion's token ids) reach the functions that take them.
     """
     n = len(completions)
     if len(prompts) != n:
@@ -349,6 +426,12 @@ def score_completions(
             raise ValueError(
                 f"column {name!r} has {len(values)} entries, expected {n} (one per completion)"
             )
+    clash = sorted({"prompts", "completions", "completion_ids"} & set(columns))
+    if clash:
+        raise ValueError(f"dataset column(s) {clash} clash with the reward call's own arguments; rename them")
+    for name, given in (("chat", chat), ("completion_ids", completion_ids)):
+        if given is not None and len(given) != n:
+            raise ValueError(f"{name} has {len(given)} entries, expected {n} (one per completion)")
     if weights is None:
         weights = [1.0] * len(reward_fns)
     if len(weights) != len(reward_fns):
@@ -364,10 +447,11 @@ def score_completions(
         suffix = 2
         while name in raw:
             name, suffix = f"{base}_{suffix}", suffix + 1
-        out, error = _call(fn, prompts, completions, columns, timeout_s)
+        fn_prompts, fn_completions, fn_columns = _inputs(fn, prompts, completions, columns, chat, completion_ids)
+        out, error = _call(fn, fn_prompts, fn_completions, fn_columns, timeout_s)
         if error is not None:
             batch = _Failure(name, error, timeout_s, f"the batch of {n} samples")
-            out = _one_by_one(fn, batch, prompts, completions, columns, drop_bad, timeout_s)
+            out = _one_by_one(fn, batch, fn_prompts, fn_completions, fn_columns, drop_bad, timeout_s)
         if not isinstance(out, (list, tuple)):
             raise ValueError(
                 f"reward function {name!r} must return a list of {n} values, got {type(out).__name__}"
@@ -404,6 +488,37 @@ def score_completions(
     total = torch.nansum(torch.stack(weighted), dim=0).float()  # (N,) all-None samples sum to 0.0
     total[dropped] = math.nan
     return total, raw
+
+
+def _inputs(fn, prompts, completions, columns, chat, completion_ids) -> tuple[list, list, dict]:
+    """What `fn` is called with: text, or TRL's conversational format where the prompts were chats
+    (unless `fn` reads text); `completion_ids` added where its signature takes them."""
+    if chat is not None and not getattr(fn, "reads_text", False):
+        prompts = chat
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    if completion_ids is not None and _takes(fn, "completion_ids"):
+        columns = {**columns, "completion_ids": completion_ids}
+    return prompts, completions, columns
+
+
+def _by_keyword(fn) -> bool:
+    """TRL calls rewards with keywords (`def f(completions, **kwargs)` is the common form): so does
+    gspo where `fn` names a `completions` parameter or takes no positional one; else positionally."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return any(p.name == "completions" and p.kind is not p.POSITIONAL_ONLY for p in params) or not positional
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether `fn` accepts a keyword `name` (a parameter of that name, or **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature: do not guess
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.POSITIONAL_ONLY) for p in params)
 
 
 class _Failure:

@@ -183,8 +183,13 @@ def where(row: dict, index: int) -> str:
     return getattr(row, "where", f"row {index}")
 
 
+MESSAGES = "prompt_messages"
+"""Where `render_prompts` keeps a chat prompt's messages: reward functions get them, as in TRL (`chat_prompts`)."""
+
+
 def render_prompts(rows: list[dict], tokenizer) -> list[dict]:
-    """Turn chat-message prompts into text with the tokenizer's chat template (in place)."""
+    """Turn chat-message prompts into text with the tokenizer's chat template (in place); the
+    messages stay in the row under `MESSAGES`, for rewards written for conversational data."""
     for i, r in enumerate(rows):
         prompt = r["prompt"]
         if isinstance(prompt, list):
@@ -196,6 +201,7 @@ def render_prompts(rows: list[dict], tokenizer) -> list[dict]:
                                  f"{{role, content}} string pairs, got {prompt!r:.80}")
             try:
                 r["prompt"] = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                r[MESSAGES] = prompt
             except Exception as err:  # the template is user data too (jinja errors, missing roles)
                 raise ValueError(f"dataset: {where(r, i)}: the chat template failed on these messages "
                                  f"({type(err).__name__}: {_first_line(err)})") from None
@@ -247,9 +253,17 @@ def load_splits(cfg, tokenizer, num_train: int) -> tuple[list[dict], list[dict]]
 
 
 def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
-    """Columns other than `prompt`, each repeated `repeat` times per row (one per completion)."""
-    keys = list(dict.fromkeys(k for r in rows for k in r if k != "prompt"))  # a row may lack a key: None
+    """Columns other than the prompt's, each repeated `repeat` times per row (one per completion)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("prompt", MESSAGES)))  # a row may lack a key: None
     return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
+
+
+def chat_prompts(rows: list[dict], repeat: int = 1) -> list | None:
+    """Each completion's prompt as chat messages (a row without them: its text), or None when no row
+    was a chat: the `chat` that `score_completions` hands to conversational reward functions."""
+    if not any(MESSAGES in r for r in rows):
+        return None
+    return [r.get(MESSAGES, r["prompt"]) for r in rows for _ in range(repeat)]
 
 
 class PromptSampler:

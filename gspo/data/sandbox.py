@@ -404,6 +404,8 @@ class CodeReward:
     Example row: {"prompt": "Write add(a, b).", "tests": "assert add(2, 3) == 5"}.
     """
 
+    reads_text = True  # a program is text: a chat dataset's completions arrive as their text
+
     __name__ = "code_tests"
 
     def __init__(

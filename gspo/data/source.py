@@ -13,7 +13,7 @@ import torch
 from gspo.data.evaluation import evaluate
 from gspo.data.mixture import TaskMixture
 from gspo.data.rewards import get_reward_fn, score_completions
-from gspo.data.rows import PromptSampler, check_prompt_lengths, columns_of, load_splits
+from gspo.data.rows import PromptSampler, chat_prompts, check_prompt_lengths, columns_of, load_splits
 
 
 def prompt_source(cfg, tokenizer, num_train: int):
@@ -53,11 +53,12 @@ class SingleTask:
         return self.sampler.next(n)
 
     def score(self, rows: list[dict], prompts: list[str], completions: list[str], group_size: int, *,
-              drop_bad: bool = False, offset: int = 0, timeout_s: float | None = None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              drop_bad: bool = False, offset: int = 0, timeout_s: float | None = None,
+              completion_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Rewards (N,) and each function's raw values (N,) of `rows`' completions (G per row, in order)."""
         return score_completions(self.reward_fns, self.reward_weights, prompts, completions,
-                                 columns_of(rows, group_size), drop_bad=drop_bad, timeout_s=timeout_s)
+                                 columns_of(rows, group_size), drop_bad=drop_bad, timeout_s=timeout_s,
+                                 chat=chat_prompts(rows, group_size), completion_ids=completion_ids)
 
     def observe(self, rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:
         return {}  # one task: nothing per task to report or reweigh

@@ -37,6 +37,11 @@ class Rollout:
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
 
+    def completion_token_ids(self) -> list[list[int]]:
+        """Each completion's token ids without padding (the stop token kept): TRL's `completion_ids`."""
+        ids = self.input_ids[:, -self.completion_len:]  # (N, T)
+        return [row[keep].tolist() for row, keep in zip(ids, self.completion_mask)]
+
     def trim(self, rows: Tensor) -> tuple[int, int, int]:
         """(left, cut, keep_t): `select(rows)` keeps input columns left:cut and completion columns :keep_t."""
         T = self.completion_len
