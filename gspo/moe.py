@@ -48,6 +48,7 @@ __all__ = [
     "record_routing",
     "replay_routing",
     "require_replay_support",
+    "unsupported_moe",
 ]
 
 REPLAY_MODES = ("none", "old_policy", "rollout")
@@ -109,21 +110,29 @@ def find_routers(model: nn.Module) -> list[Router]:
     return routers
 
 
+def unsupported_moe(model: nn.Module) -> str | None:
+    """Why an MoE `model`'s routers cannot be found (an architecture gspo has no adapter for), or
+    None when it has supported routers or no experts at all."""
+    if find_routers(model):
+        return None
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    arch = getattr(config, "model_type", None)
+    if any(bool(getattr(config, key, None)) for key in _EXPERT_COUNT_KEYS) and arch not in SUPPORTED_ARCHITECTURES:
+        return (f"the {arch!r} architecture ({type(model).__name__}) is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return None
+
+
 def require_replay_support(model: nn.Module) -> list[Router]:
     """`find_routers(model)`, or a ValueError saying why routing replay cannot run on `model`."""
     routers = find_routers(model)
     if routers:
         return routers
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    arch = getattr(config, "model_type", None)
-    has_experts = any(bool(getattr(config, key, None)) for key in _EXPERT_COUNT_KEYS)
-    if has_experts and arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"routing replay does not support the {arch!r} architecture ({type(model).__name__}); "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    reason = unsupported_moe(model)
+    if reason is not None:
+        raise ValueError(f"routing replay: {reason}")
     raise ValueError(
         f"routing replay needs a Mixture-of-Experts model; {type(model).__name__} has no MoE router"
     )

@@ -10,13 +10,14 @@ is nothing to replay or measure, so the trainer never asks which case it is in.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
 
 from gspo.logprobs import completion_logprobs, is_fsdp2, position_ids_from_mask
 from gspo.moe import (REPLAY_MODES, RoutingRecord, expert_change_counts, find_routers, record_routing,
-                      replay_routing, require_replay_support)
+                      replay_routing, require_replay_support, unsupported_moe)
 from gspo.rollout import Rollout
 
 
@@ -26,6 +27,8 @@ def build_routing(model, replay: str, drift: bool):
         raise ValueError(f"routing_replay={replay!r} is not one of {', '.join(REPLAY_MODES)}")
     if replay != "none":
         require_replay_support(model)  # dense or unsupported MoE: a clear ValueError before any rollout
+    if drift and unsupported_moe(model) is not None:
+        warnings.warn(f"log_routing_drift: no moe/* drift metrics for this model: {unsupported_moe(model)}", stacklevel=2)
     drift = drift and bool(find_routers(model))
     return NoRouting() if replay == "none" and not drift else MoERouting(model, replay, drift)
 

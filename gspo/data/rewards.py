@@ -106,6 +106,9 @@ def reads_text(fn):
 answer_match = reads_text(answer_match)
 
 
+_NEEDS_MATH_VERIFY = "the math reward needs math-verify: pip install 'gspo[math]' (or 'math-verify[antlr4_13_2]')"
+
+
 def math_reward(prompts: list[str], completions: list[str], answer: Sequence, **_) -> list[float | None]:
     """1.0 where the completion's final answer is mathematically equal to `answer[i]` (HF math-verify:
     LaTeX, \\boxed{}, fractions, sets, units stripped), else 0.0; None in `answer` gives None.
@@ -118,8 +121,7 @@ def math_reward(prompts: list[str], completions: list[str], answer: Sequence, **
     try:
         from math_verify import parse, verify
     except ImportError as err:
-        raise ImportError("the math reward needs math-verify: pip install 'gspo[math]' "
-                          "(or pip install 'math-verify[antlr4_13_2]')") from err
+        raise ImportError(_NEEDS_MATH_VERIFY) from err
     if len(answer) != len(completions):
         raise ValueError(f"answer has {len(answer)} entries, expected {len(completions)} (one per completion)")
     limit = 5 if threading.current_thread() is threading.main_thread() else None
@@ -263,7 +265,8 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
     """A reward function from a spec.
 
     Specs: a built-in name ("answer_match", "math": math-verify against the `answer` column,
-    "format", "code_tests": sandboxed Python run against the `tests` column, see gspo.data.sandbox); "rm:<path>", a sequence-classification
+    "format", "code_tests": sandboxed Python run against the `tests` column, see
+    gspo.data.sandbox); "rm:<path>", a sequence-classification
     reward model saved at <path> (scored on the CPU, or pass a RewardModelReward object);
     a user's "package.module:function"; or, from Python, the callable itself.
     `sandbox` ("os" or "weak") is the isolation code_tests gets; with "os" a machine that offers
@@ -281,8 +284,7 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
         try:
             import math_verify  # noqa: F401  (checked here, before any training)
         except ImportError:
-            raise ValueError("the math reward needs math-verify: pip install 'gspo[math]' "
-                             "(or pip install 'math-verify[antlr4_13_2]')") from None
+            raise ValueError(_NEEDS_MATH_VERIFY) from None
     if spec in _BUILTINS:
         return _BUILTINS[spec]
     if spec.startswith("rm:"):
