@@ -112,9 +112,7 @@ def find_routers(model: nn.Module) -> list[Router]:
 
 def unsupported_moe(model: nn.Module) -> str | None:
     """Why an MoE `model`'s routers cannot be found (an architecture gspo has no adapter for), or
-    None when it has supported routers or no experts at all."""
-    if find_routers(model):
-        return None
+    None for a supported architecture or a model without experts. From the config alone."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()

@@ -27,8 +27,9 @@ def build_routing(model, replay: str, drift: bool):
         raise ValueError(f"routing_replay={replay!r} is not one of {', '.join(REPLAY_MODES)}")
     if replay != "none":
         require_replay_support(model)  # dense or unsupported MoE: a clear ValueError before any rollout
-    if drift and unsupported_moe(model) is not None:
-        warnings.warn(f"log_routing_drift: no moe/* drift metrics for this model: {unsupported_moe(model)}", stacklevel=2)
+    reason = unsupported_moe(model) if drift else None
+    if reason is not None:
+        warnings.warn(f"log_routing_drift: no moe/* drift metrics for this model: {reason}", stacklevel=2)
     drift = drift and bool(find_routers(model))
     return NoRouting() if replay == "none" and not drift else MoERouting(model, replay, drift)
 
