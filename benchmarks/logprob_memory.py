@@ -21,22 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, table, write_result  # noqa: E402
+from common import machine, median, status_kib, table, worker_result, write_result  # noqa: E402
 from gspo.logprobs import default_chunk_rows  # noqa: E402
 
-
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
 
 
 def mem_available_gib() -> float:
@@ -150,12 +143,7 @@ def main() -> None:
         for rep in range(args.reps):
             spec = {**base, "path": path, "chunk_size": chunk,
                     "values": str(tmp / f"{path}_{chunk}.pt") if rep == 0 else None}
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
-                                  text=True)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                sys.exit(f"{path} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            r = json.loads(lines[-1][7:])
+            r = worker_result([sys.executable, __file__, "--worker", json.dumps(spec)], path)
             peaks.append(r["peak_growth_mib"])
             seconds.append(r["seconds"])
             print(f"  {path:8s} chunk {chunk:5d} rep {rep}: peak +{r['peak_growth_mib']:.0f} MiB, {r['seconds']:.2f} s",

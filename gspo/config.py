@@ -160,6 +160,22 @@ class TrainConfig(ModelConfig):
     """Schedule after warmup: constant, linear (to 0) or cosine (to 0)."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables it."""
+    lora_r: int = 0
+    """LoRA rank (PEFT, pip install 'gspo[peft]'): > 0 trains low-rank adapters on the frozen base instead of every weight; only the adapters are optimised and checkpointed, and the reference policy (kl_coef > 0) is the base with its adapters off (no second model). 0: full fine-tuning."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_r."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training. Above 0, pi_old (computed in train mode) and each training forward draw their own dropout masks, so the ratios of minibatches 2..M carry dropout noise (the first minibatch's pi_old is its own forward: ratio 1)."""
+    lora_target_modules: str | list = "all-linear"
+    """Layers that get adapters: PEFT's "all-linear" (every linear layer but the output head; MoE experts too where PEFT adapts them), or a list of module names such as [q_proj, v_proj]. MoE routers never get one."""
+    peft: dict | None = None
+    """A full peft.LoraConfig as a mapping, e.g. {r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj], use_rslora: true}, instead of the lora_* fields (not both)."""
+    lora_save_merged: bool = False
+    """With LoRA, also write the base with the adapters merged into it to output_dir/merged (a plain transformers model); output_dir/model holds the adapter (PEFT's save_pretrained) either way."""
+    bf16: bool = False
+    """bf16 mixed precision: every policy forward (sampling, pi_old, pi_ref, training, evaluation) runs under torch.autocast(bfloat16), while weights, gradients and optimizer state stay float32 (dtype must be float32). CPU and bf16-capable GPUs; elsewhere an error."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (HF gradient_checkpointing_enable, non-reentrant): less memory for the training forwards, about one more forward of time. Sampling is unaffected (it runs in eval mode, with its KV cache)."""
     logprob_chunk_size: int | None = None
     """Rows of the output head computed at once when taking log-probs (memory vs speed); None: rows that keep a chunk's fp32 logits at 2**26 elements (441 at V=151,936)."""
     generation_backend: str = "auto"
@@ -427,6 +443,7 @@ def _validate_train(cfg: TrainConfig) -> None:
         check_clip,
     )
     from gspo.correction import CORRECTIONS, thresholds
+    from gspo.lora import check_lora
     from gspo.models import DTYPES
     from gspo.parallel import MODES
     from gspo.rollout import generator_choices
@@ -490,6 +507,14 @@ def _validate_train(cfg: TrainConfig) -> None:
     if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"config: vllm_gpu_memory_utilization={cfg.vllm_gpu_memory_utilization!r} must be in (0, 1]")
     check_positive(cfg, "vllm_kv_cache_bytes")
+    check_positive(cfg, "lora_r", allow_zero=True)
+    check_positive(cfg, "lora_alpha")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ValueError(f"config: lora_dropout={cfg.lora_dropout!r} must be in [0, 1)")
+    check_lora(cfg)
+    if cfg.bf16 and cfg.dtype != "float32":
+        raise ValueError(f"config: bf16 mixed precision keeps float32 master weights, but dtype={cfg.dtype!r}; "
+                         "set dtype=float32 (or bf16=false to train in the dtype itself)")
     check_choice(cfg, "sft_schedule", SCHEDULES)
     check_positive(cfg, "task_weight_floor", "task_progress_coef", "sft_coef", allow_zero=True)
     if not 0 <= cfg.task_weight_smoothing < 1:

@@ -186,6 +186,11 @@ def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool):
         raise ValueError(
             f"name_or_path {name_or_path!r}: no such directory (and not a preset: {list(PRESETS)})"
         )
+    adapter_only = not os.path.isfile(os.path.join(path, "config.json"))
+    if adapter_only and os.path.isfile(os.path.join(path, "adapter_config.json")):
+        from gspo.lora import load_adapter  # a LoRA run's output_dir/model: base + adapter, merged
+
+        return load_adapter(path, lambda base: _load_pretrained(base, torch_dtype, trust_remote_code))
     if os.path.exists(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"name_or_path {name_or_path!r}: no config.json there, not a saved model")
     try:

@@ -31,6 +31,7 @@ def save_model(model, tokenizer, path: Path, state_dict: dict | None = None) -> 
 
 
 LOCK_FILE = ".gspo.lock"
+MERGED_DIR = "merged"  # a LoRA run's base with the adapters merged in (lora_save_merged)
 CRITIC_DIR = "critic"  # a PPO run's trained critic, beside its model (gspo.critic.save_value_model)
 
 

@@ -9,6 +9,7 @@ needs from other ranks; in one process each of those calls is the identity.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,6 @@ from gspo.logprobs import completion_logprobs
 from gspo.objectives import policy_loss, stat_units
 from gspo.parallel import Part, Topology
 from gspo.rollout import Rollout
-from gspo.routing import minibatch_logprobs
 
 
 @dataclass
@@ -66,7 +66,7 @@ class Batch:
                 yield i, part, self.first_on_policy and epoch == 0 and i == 0
 
 
-def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routing, model, ref_model, baseline,
+def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routing, model, reference, baseline,
             shuffle: torch.Generator) -> Batch:
     """The minibatch plan of every epoch, pi_old and pi_ref log-probs, advantages: the step's Batch.
 
@@ -94,9 +94,8 @@ def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routin
             parts = epochs[0][1:] if first_on_policy else epochs[0]
             rollout.old_logprobs = routing.logprobs(model, rollout, [p.index for p in parts], logp_kwargs,
                                                     writes=[p.weight > 0 for p in parts])  # (n, T)
-        if ref_model is not None:
-            rollout.ref_logprobs = minibatch_logprobs(ref_model, rollout, [p.index for p in epochs[0]], logp_kwargs,
-                                                      writes=[p.weight > 0 for p in epochs[0]])  # (n, T)
+        rollout.ref_logprobs = reference.logprobs(rollout, [p.index for p in epochs[0]], logp_kwargs,
+                                                  writes=[p.weight > 0 for p in epochs[0]])  # (n, T) or None
         stats = baseline.estimate(rollout, scores, epochs[0], topology)  # rollout.advantages (n,) or (n, T)
     return Batch(rollout, epochs, first_on_policy, stats)
 
@@ -110,8 +109,9 @@ class Learner:
     """
 
     def __init__(self, cfg, model, optimizer, scheduler, guard, *, topology: Topology, routing, aux, baseline,
-                 loss_fn=policy_loss):
+                 loss_fn=policy_loss, autocast=nullcontext):
         self.model, self.optimizer, self.scheduler, self.guard = model, optimizer, scheduler, guard
+        self.autocast = autocast  # the forwards' precision (gspo/precision.py); backwards run outside it
         self.topology, self.routing, self.aux, self.baseline, self.loss_fn = topology, routing, aux, baseline, loss_fn
         self.max_grad_norm = cfg.max_grad_norm
         kl_coef = 0.0 if cfg.kl_in_reward else cfg.kl_coef  # folded into the rewards instead (gae)
@@ -130,7 +130,7 @@ class Learner:
         mb = rollout.select(part.index)
         watch = self.routing.watch(mb, part.weight)
         with watch.replaying():
-            with watch.recording():
+            with self.autocast(), watch.recording():
                 logp, entropy = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
                                                     with_entropy=True, **self.logp_kwargs)  # (n, t), (n, t)
             if on_policy:  # prepare left this minibatch's pi_old to this forward
@@ -144,7 +144,8 @@ class Learner:
             stats.update(correction_stats)
             self.optimizer.zero_grad(set_to_none=True)
             self.topology.backward(loss, part)  # this rank's share of the minibatch's loss
-        term, aux_stats = self.aux.backward(i, model, self.topology.replicated_scale())
+        with self.autocast():  # the SFT term's forward (its backward's ops take their dtypes from that forward)
+            term, aux_stats = self.aux.backward(i, model, self.topology.replicated_scale())
         self.topology.average_gradients(model)
         mask = mb.completion_mask
         local = {**stats, "loss": loss.detach(), "entropy": (entropy.detach() * mask).sum() / mask.sum()}
@@ -155,7 +156,8 @@ class Learner:
         step_or_skip(self.optimizer, self.scheduler, self.guard, step, loss, stats["grad/norm"])
         stats["entropy"] = mean_entropy
         stats.update(self.topology.reduce(*watch.after_step()))
-        stats.update(self.baseline.update(mb, part, step))  # the critic learns from the same minibatch
+        with self.autocast():
+            stats.update(self.baseline.update(mb, part, step))  # the critic learns from the same minibatch
         return stats
 
 

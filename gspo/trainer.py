@@ -11,8 +11,10 @@ One RL step (DESIGN.md, "The shape of the trainer"):
 Everything optional is a plug built once before the loop, with a do-nothing twin, so the loop
 never asks which case it is in: the Topology (one process, DDP, FSDP2: gspo/parallel.py), the
 Generator (gspo/rollout/), Routing (MoE replay and drift: gspo/routing.py), the prompt source
-(one task or a mixture: gspo/data/source.py), the auxiliary term (SFT: gspo/auxiliary.py) and the
-baseline (gspo/baselines.py: the group's rewards, or PPO's critic, trained on the same minibatches).
+(one task or a mixture: gspo/data/source.py), the auxiliary term (SFT: gspo/auxiliary.py), the
+baseline (gspo/baselines.py: the group's rewards, or PPO's critic, trained on the same minibatches),
+the reference policy of the KL term (gspo/reference.py: none, a frozen copy, or LoRA's base with the
+adapters off: gspo/lora.py) and the forwards' precision (gspo/precision.py: bf16 autocast or none).
 The sampler is the policy itself (gspo/rollout/decode.py or HF `generate`), a copy of it (low
 precision, stale: sampler_dtype, sampler_lag) or an inference engine colocated in this process
 (vllm); where its distribution mu is not pi_old, `mismatch/*` measure by how much and a rollout
@@ -35,13 +37,16 @@ from gspo.checkpoint import (OPTIMIZER_FILE, capture_rng, check_finite_state, ch
                              discard_newer_checkpoints, load_checkpoint, load_model_weights, load_state_file,
                              resolve_resume, save_checkpoint, saved_config, set_aside_damaged)
 from gspo.config import TrainConfig, to_dict
+from gspo.lora import attach_adapters, merged_model
 from gspo.models import resolve_device, seeded_model
 from gspo.parallel import Topology
+from gspo.precision import enable_gradient_checkpointing, forward_precision
+from gspo.reference import reference_policy
 from gspo.data.source import prompt_source
 from gspo.rollout import Generator, eos_ids
 from gspo.routing import build_routing
-from gspo.run import (CRITIC_DIR, NonFiniteGuard, Progress, StepAbandoned, StopSignals, TrainingInterrupted,
-                      prepare_output_dir, run_lock, save_model)
+from gspo.run import (CRITIC_DIR, MERGED_DIR, NonFiniteGuard, Progress, StepAbandoned, StopSignals,
+                      TrainingInterrupted, prepare_output_dir, run_lock, save_model)
 from gspo.schedules import lr_schedule
 from gspo.step import Learner, gather_scores, mismatch_stats, prepare, sample_records, step_metrics
 from gspo.tracking import MetricsLogger
@@ -67,19 +72,23 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     topology.barrier()
     checkpoint = resolve_resume(cfg.resume_from_checkpoint, out_dir) if resuming else None  # hashed in full
     device, model, tokenizer = seeded_model(cfg)
+    enable_gradient_checkpointing(model, cfg.gradient_checkpointing)
+    autocast = forward_precision(cfg.bf16, device)  # bf16: every policy forward under autocast, weights fp32
     routing = build_routing(model, cfg.routing_replay, cfg.log_routing_drift)
-    ref_model = topology.wrap(frozen_copy(model)) if cfg.kl_coef > 0 else None
-    if topology.sharded and checkpoint is not None:  # fsdp shards what it wraps: the checkpoint's weights go in first
-        load_model_weights(model, checkpoint)  # checked finite before they are copied in
 
     def make_optimizer(module, lr: float):  # the policy's and a critic's: AdamW on the run's schedule
-        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                      weight_decay=cfg.weight_decay, **fused_adamw(module))
+        trained = [p for p in module.parameters() if p.requires_grad]  # LoRA: the adapters only
+        optimizer = torch.optim.AdamW(trained, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                      weight_decay=cfg.weight_decay, **fused_adamw(trained))
         total_updates = cfg.max_steps * cfg.num_minibatches * cfg.num_epochs
         return optimizer, torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_schedule(cfg.lr_scheduler, cfg.warmup_steps, total_updates))
 
     baseline = build_baseline(cfg, model, topology, make_optimizer, checkpoint)  # a critic copies the policy first
+    model = attach_adapters(model, cfg)  # LoRA: adapters on the frozen base (the critic copied the full model)
+    reference = reference_policy(cfg, model, topology)  # pi_ref, the starting policy: none, a copy, the adapters off
+    if topology.sharded and checkpoint is not None:  # fsdp shards what it wraps: the checkpoint's weights go in first
+        load_model_weights(model, checkpoint)  # checked finite before they are copied in
     model = topology.wrap(model)
     B, G, W = cfg.per_device_batch_size, cfg.num_generations, topology.world_size
     source = prompt_source(cfg, tokenizer, max(1000, cfg.max_steps * B * W))
@@ -87,7 +96,7 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     optimizer, scheduler = make_optimizer(model, cfg.learning_rate)
     guard = NonFiniteGuard(cfg.max_consecutive_skips)
     learner = Learner(cfg, model, optimizer, scheduler, guard, topology=topology, routing=routing, aux=aux,
-                      baseline=baseline)
+                      baseline=baseline, autocast=autocast)
     shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch plans
     stop_ids = eos_ids(tokenizer, model)
 
@@ -120,7 +129,8 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
                            config=to_dict(cfg), truncate_after_step=None if checkpoint is None else first - 1,
                            enabled=topology.is_main)
     if checkpoint is None:
-        evals[0] = source.evaluate(model, tokenizer, cfg)
+        with autocast():
+            evals[0] = source.evaluate(model, tokenizer, cfg)
         logger.log(0, evals[0])
     progress = Progress(cfg.max_steps, enabled=cfg.progress and topology.is_main)
     progress.update(first - 1, {})
@@ -136,7 +146,8 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
             # 1. Sample: every rank draws the global batch and keeps its B prompts (whole groups).
             examples = source.next(B * W)
             mine = examples[topology.batch_share(B)]
-            rollout = generator.sample([e["prompt"] for e in mine], step, first_row=topology.rank * B * G)
+            with autocast():
+                rollout = generator.sample([e["prompt"] for e in mine], step, first_row=topology.rank * B * G)
             # 2. Score this rank's completions; every rank then holds every sequence's scalars.
             #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
             rewards, per_fn = source.score(mine, rollout.prompts, rollout.completions, G, drop_bad=cfg.drop_bad_rewards,
@@ -145,8 +156,9 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
             scores = gather_scores(topology, rollout, rewards, per_fn, stop_ids)
             task_metrics = source.observe(scores.rewards, scores.valid, G)  # several tasks: reweigh them
             # 3. Prepare: the minibatch plan, pi_old and pi_ref log-probs, advantages (a critic's values), once.
-            batch = prepare(rollout, scores, cfg=cfg, topology=topology, routing=routing, model=model,
-                            ref_model=ref_model, baseline=baseline, shuffle=shuffle)
+            with autocast():
+                batch = prepare(rollout, scores, cfg=cfg, topology=topology, routing=routing, model=model,
+                                reference=reference, baseline=baseline, shuffle=shuffle)
             t_rollout = time.perf_counter() - t0
             stop.abandonable = False  # from here on the step changes the weights: it is finished first
 
@@ -164,7 +176,8 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
                                    t_rollout=t_rollout, t_train=t_train)
             # 6. Evaluate, log, checkpoint.
             if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
-                evals[step] = source.evaluate(model, tokenizer, cfg)
+                with autocast():
+                    evals[step] = source.evaluate(model, tokenizer, cfg)
                 metrics.update(evals[step])
             logger.log(step, metrics)
             if cfg.log_samples_steps and (step % cfg.log_samples_steps == 0 or step == 1):
@@ -187,7 +200,9 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
 
     full = topology.full_weights(model)  # fsdp: every rank takes part in gathering the shards
     if topology.is_main:
-        save_model(model, tokenizer, out_dir / "model", state_dict=full)
+        save_model(model, tokenizer, out_dir / "model", state_dict=full)  # LoRA: the adapter (PEFT's layout)
+        if cfg.lora_save_merged:
+            save_model(merged_model(model), tokenizer, out_dir / MERGED_DIR)  # the policy spent: nothing runs after
     baseline.save(out_dir / CRITIC_DIR)  # PPO: the trained critic (critic_model can start from it)
     topology.barrier()
     return {"evals": evals, "seconds": time.perf_counter() - started, "output_dir": str(out_dir)}
@@ -221,16 +236,8 @@ def restore(checkpoint: Path, cfg, topology: Topology, out_dir: Path, model, opt
     return state["step"] + 1, {int(k): v for k, v in state["trainer_state"]["evals"].items()}
 
 
-def fused_adamw(model) -> dict:
+def fused_adamw(params: list) -> dict:
     """{"fused": True} where torch has a fused AdamW kernel for every parameter (CPU and CUDA, float
     dtypes; FSDP2's DTensors too): one kernel per step instead of a loop over parameters (BENCHMARKS.md, item 5)."""
-    params = list(model.parameters())
     ok = params and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return {"fused": True} if ok else {}
-
-
-def frozen_copy(model):
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref

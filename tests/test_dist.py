@@ -310,3 +310,27 @@ def test_a_rank_holding_no_row_of_a_minibatch_trains_a_stand_in_of_weight_zero(t
         assert_same_run(tmp_path / "one", tmp_path / mode)
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "one")[1:]]
     assert any(r > 0 for r in rewards)  # a learning signal: the weights moved
+
+
+@pytest.mark.slow
+def test_lora_under_ddp_matches_one_process(tmp_path):
+    """LoRA adapters (gspo/lora.py) on 2 DDP ranks: the same run as one process, adapters only saved."""
+    pytest.importorskip("peft")
+    (tmp_path / "rewards_mod.py").write_text(REWARD)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({**RUN, "lora_r": 4, "lora_alpha": 8.0, "learning_rate": 1e-2}))
+    for name, nproc, batch in (("one", 1, 4), ("ddp", 2, 2)):
+        proc = run(tmp_path, nproc, f"per_device_batch_size={batch}", f"output_dir={name}")
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    ma, mb = comparable(tmp_path / "one"), comparable(tmp_path / "ddp")
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == [0, 1, 2, 3]
+    for ra, rb in zip(ma, mb):
+        for key in EXACT:
+            assert ra.get(key) == rb.get(key), (ra["step"], key)
+        assert ra.get("loss/kl", 0) == pytest.approx(rb.get("loss/kl", 0), rel=1e-3, abs=1e-9)
+    a = load_file(tmp_path / "one" / "model" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "ddp" / "model" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and not (tmp_path / "ddp" / "model" / "model.safetensors").exists()
+    lora_b = [k for k in a if ".lora_B." in k]
+    assert any(a[k].abs().max() > 0 for k in lora_b)  # trained (B starts at 0)
+    for key, tensor in a.items():
+        assert (tensor - b[key]).abs().max() <= 5e-5 * max(float(tensor.abs().max()), 1e-3), key

@@ -15,6 +15,7 @@ from gspo.objectives import registered_objective
 from gspo.rollout import generate
 from gspo.tasks import get_task
 from gspo.tracking import read_jsonl
+from gspo.reference import NoReference
 from gspo.routing import minibatch_logprobs
 from gspo.trainer import train
 
@@ -187,7 +188,7 @@ def test_pi_old_forward_skips_the_first_minibatch(tmp_path):
         rollout = generate(model, tok, prompts, 4, max_new_tokens=6)
         scores = gather_scores(Topology(), rollout, torch.arange(8, dtype=torch.float32), {}, [tok.eos_token_id])
         routing = Counting(records)
-        batch = prepare(rollout, scores, cfg=cfg, topology=Topology(), routing=routing, model=model, ref_model=None,
+        batch = prepare(rollout, scores, cfg=cfg, topology=Topology(), routing=routing, model=model, reference=NoReference(),
                         baseline=GroupBaseline("group", 4), shuffle=torch.Generator().manual_seed(0))
         assert routing.calls == expected and batch.first_on_policy is not records
         assert [len(parts) for parts in batch.epochs] == [4, 4]  # both epochs planned up front

@@ -227,3 +227,42 @@ def test_gspo_training_with_vllm_moves_a_forced_reward(tmp_path):
     assert 0 < records[0]["time/sampler_start_s"] < 60 and "time/sampler_start_s" not in records[1]
     kl = max(r["mismatch/kl"] for r in records)
     assert math.isfinite(kl) and kl < 1e-4, kl  # fp32 engine against the trainer: measured < 1e-12
+
+
+def test_a_lora_policy_is_served_with_its_adapters_merged(tmp_path):
+    """LoRA (gspo/lora.py): the engine loads the base with the adapters' delta added, at start and each push;
+    the policy's adapters stay as they were (merged out of place)."""
+    pytest.importorskip("peft")
+    from gspo.lora import attach_adapters
+
+    cfg = tiny_cfg(tmp_path, generation_backend="vllm", lora_r=4, lora_alpha=8.0, num_generations=G,
+                   max_prompt_length=16, max_completion_length=40, temperature=0.7)
+    _, model, tokenizer = seeded_model(cfg)
+    policy = attach_adapters(model, cfg)
+
+    def nudge_adapters(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.3)  # B leaves 0: the adapters matter
+        return {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
+
+    nudge_adapters(1)
+    generator = Generator(policy, tokenizer, cfg, seeded=False)
+    try:
+        assert generator.sampler.probe_diff["max"] < 1e-5, generator.sampler.probe_diff  # merged at start-up
+        rollout = generator.sample(PROMPTS, 1, 0)
+        assert max_diff(policy, rollout, cfg.temperature) < 1e-4
+        with policy.disable_adapter():
+            base = trainer_logprobs(policy, rollout, cfg.temperature)  # (N, T) the same tokens under the bare base
+        mask = rollout.completion_mask
+        assert float((base - rollout.sampler_logprobs)[mask].abs().max()) > 1e-2  # not the bare base
+        adapters = nudge_adapters(2)
+        with pytest.raises(RuntimeError, match="do not match the policy's"):
+            generator.sampler.check(policy, "before the push")
+        generator.sync(policy)
+        assert generator.sampler.probe_diff["max"] < 1e-5, generator.sampler.probe_diff
+        assert all(torch.equal(p, adapters[n]) for n, p in policy.named_parameters() if "lora_" in n)
+    finally:
+        generator.sampler.close()

@@ -8,6 +8,7 @@
 
 A checkpoint is a folder `run_dir/checkpoint-<step>`:
   config.json, generation_config.json, model.safetensors   model.save_pretrained (safetensors)
+    (a LoRA run: adapter_config.json, adapter_model.safetensors: PEFT's save_pretrained, adapters only)
   tokenizer files                                           tokenizer.save_pretrained
   optimizer.pt, scheduler.pt                                state dicts: tensors and plain values only
   rng.json       Python, NumPy, torch CPU (+ CUDA) RNG states and named torch.Generator states

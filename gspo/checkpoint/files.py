@@ -22,6 +22,7 @@ SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 CRITIC_FILE = "critic.pt"  # PPO's critic: weights, optimizer, schedule, guard (gspo/baselines.py)
+ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA run's weights (PEFT save_pretrained)
 CONFIG_FILE = "train_config.json"  # config.json is the model's (save_pretrained)
 TMP_PREFIX = ".tmp-"
 FORMAT = "gspo-checkpoint"

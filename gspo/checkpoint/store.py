@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from gspo.checkpoint.files import (
+    ADAPTER_FILE,
     CONFIG_FILE,
     FORMAT,
     MANIFEST_FILE,
@@ -188,6 +189,9 @@ def load_model_weights(model, path) -> None:
     from safetensors.torch import load_file
 
     path = Path(path)
+    if hasattr(model, "peft_config"):  # a LoRA policy (gspo/lora.py): its checkpoint holds the adapters only
+        _load_adapter_weights(model, path)
+        return
     saved = {}
     for file in weight_files(path):
         tensors = load_file(str(file))
@@ -207,6 +211,25 @@ def load_model_weights(model, path) -> None:
         raise ValueError(f"checkpoint {path} lacks weights the model has: {missing[:5]}")
     with torch.no_grad():
         model.load_state_dict(saved, strict=False)
+
+
+def _load_adapter_weights(model, path: Path) -> None:
+    """Copy PEFT's `save_pretrained` adapter weights (adapter_model.safetensors) into the PeftModel `model`."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = path / ADAPTER_FILE
+    if not file.is_file():
+        raise ValueError(f"checkpoint {path}: no {ADAPTER_FILE}, but the model has LoRA adapters (was it saved by a "
+                         "run with the same lora_* / peft settings?)")
+    saved = load_file(str(file))
+    check_finite_state(saved, str(file))
+    own = {k for k in model.state_dict() if "lora_" in k}
+    result = set_peft_model_state_dict(model, saved)
+    missing = sorted(k for k in result.missing_keys if k in own)
+    if result.unexpected_keys or missing:
+        raise ValueError(f"checkpoint {path} does not fit the model's adapters: unexpected "
+                         f"{sorted(result.unexpected_keys)[:3]}, missing {missing[:3]}")
 
 
 def _first_nonfinite(obj, keys: tuple) -> tuple | None:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from gspo.logprobs import completion_logprobs, is_fsdp2
+from gspo.lora import merged_state_dict, plain_model
 from gspo.parallel import launched
 from gspo.rollout.sampling import GeneratorBackend, register_generator
 
@@ -101,7 +102,7 @@ def unsupported_reason(model) -> str | None:
     from vllm import ModelRegistry
     from vllm.platforms import current_platform
 
-    arch = type(model).__name__
+    arch = type(plain_model(model)).__name__  # LoRA: the engine loads the plain model, adapters merged
     if arch not in ModelRegistry.get_supported_archs():
         return f"vLLM has no implementation of {arch}"
     device = next(model.parameters()).device.type
@@ -130,7 +131,7 @@ def checkpoint_weights(policy, dtype: torch.dtype) -> dict[str, Tensor]:
     transformers 5 fuses MoE experts in memory and `save_pretrained` splits them again."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    state = revert_weight_conversion(policy, dict(policy.state_dict()))
+    state = revert_weight_conversion(plain_model(policy), dict(merged_state_dict(policy)))  # LoRA: adapters merged
     return {name: t.detach().to(dtype) for name, t in state.items()}
 
 
@@ -198,7 +199,8 @@ class VLLMEngine:
         with (tempfile.TemporaryDirectory(prefix="gspo-vllm-") as folder, _process_state_kept(),
               _hidden("vllm.renderers.base", "Chat template warmup failed"),  # it needs the tokenizer we skip
               _hidden("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow")):  # vLLM's own calls; restored
-            policy.save_pretrained(folder)  # safetensors; loaded once, the folder goes at the end of the block
+            plain = plain_model(policy)  # safetensors; loaded once, the folder goes at the end of the block
+            plain.save_pretrained(folder, **({} if plain is policy else {"state_dict": merged_state_dict(policy)}))
             try:
                 self.llm = vllm.LLM(
                     model=folder, dtype=str(self.dtype).removeprefix("torch."), seed=cfg.seed, enforce_eager=True,

@@ -1,0 +1,54 @@
+"""Mixed precision and gradient checkpointing for the policy's forwards.
+
+    autocast = forward_precision(cfg.bf16, device)  # a context factory: bf16 autocast, or nothing
+    with autocast():
+        logp, _ = completion_logprobs(model, ...)   # matmuls in bf16, log-softmax in fp32, weights fp32
+
+bf16 autocast keeps the float32 weights as masters: the optimizer, its state and the gradients stay
+float32 and only the forward's matmuls run in bfloat16. The trainer opens the same context around
+every policy forward (sampling, pi_old, pi_ref, training, evaluation), so pi_old and pi_theta share
+their numerics and the on-policy ratio stays exactly 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+
+
+def forward_precision(bf16: bool, device: torch.device):
+    """A zero-argument context factory: torch.autocast(bfloat16) on `device`, or a null context.
+
+    A ValueError names the device where bf16 autocast is not available (a GPU without bf16, a
+    device type torch cannot autocast).
+    """
+    if not bf16:
+        return contextlib.nullcontext
+    kind = torch.device(device).type
+    if not torch.amp.is_autocast_available(kind):
+        raise ValueError(f"bf16: torch cannot autocast on device type {kind!r}; set bf16=false")
+    if kind == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ValueError(f"bf16: this GPU ({torch.cuda.get_device_name(device)}) has no bfloat16 support; "
+                         "set bf16=false")
+    return partial(torch.autocast, kind, dtype=torch.bfloat16)
+
+
+def enable_gradient_checkpointing(model, enabled: bool) -> None:
+    """Recompute each decoder layer in the backward (HF's non-reentrant checkpointing) when `enabled`.
+
+    HF checkpoints only in train mode, so sampling (eval mode) keeps its KV cache. A ValueError
+    names a model that does not support it.
+    """
+    if not enabled:
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} does not support it; "
+                         "set gradient_checkpointing=false")
+    kwargs = {"use_reentrant": False}  # non-reentrant: frozen inputs (LoRA's base) and hooks (replay) work
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
