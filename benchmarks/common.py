@@ -108,6 +108,15 @@ def status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
 
 
+def served_as_worker(spec: str | None, worker) -> bool:
+    """In a worker process (`--worker SPEC`, SPEC a JSON dict): print `RESULT {worker(spec)}` for
+    `worker_result` and return True; in the parent (no spec) return False."""
+    if spec is None:
+        return False
+    print("RESULT " + json.dumps(worker(json.loads(spec))))
+    return True
+
+
 def worker_result(argv: list[str], what: str, env: dict | None = None) -> dict:
     """Run a worker process (`argv`) and return the dict it printed last as `RESULT {json}`; a failed
     worker stops the benchmark with its output, named `what`."""

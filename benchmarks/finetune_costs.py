@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODEL_50M, machine, median, status_kib, table, worker_result, write_result
+from common import (MODEL_50M, machine, median, served_as_worker, status_kib, table, worker_result,
+                    write_result)
 
 VARIANTS = {
     "full fp32": {},
@@ -86,8 +87,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))))
+    if served_as_worker(args.worker, worker):
         return
 
     runs = {name: [] for name in args.variants}

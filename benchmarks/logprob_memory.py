@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, status_kib, table, worker_result, write_result  # noqa: E402
+from common import machine, median, served_as_worker, status_kib, table, worker_result, write_result  # noqa: E402
 from gspo.logprobs import default_chunk_rows  # noqa: E402
 
 
@@ -120,9 +120,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))))
+    if served_as_worker(args.worker, worker):
         return
 
     base = dict(N=args.N, L=args.L, P=args.P, vocab=args.vocab, hidden=args.hidden, layers=args.layers)
