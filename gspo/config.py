@@ -167,15 +167,15 @@ class TrainConfig(ModelConfig):
     lora_dropout: float = 0.0
     """Dropout on the adapters' input while training. Above 0, pi_old (computed in train mode) and each training forward draw their own dropout masks, so the ratios of minibatches 2..M carry dropout noise (the first minibatch's pi_old is its own forward: ratio 1)."""
     lora_target_modules: str | list = "all-linear"
-    """Layers that get adapters: PEFT's "all-linear" (every linear layer but the output head; MoE experts too where PEFT adapts them), or a list of module names such as [q_proj, v_proj]. MoE routers never get one."""
+    """Layers that get adapters: "all-linear" (every nn.Linear, GPT-2's Conv1D too, but the output head), or a list of module names such as [q_proj, v_proj]. MoE routers never get one; the fused experts of transformers-5 MoEs are parameters, not layers: name them in a `peft:` block's target_parameters."""
     peft: dict | None = None
     """A full peft.LoraConfig as a mapping, e.g. {r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj], use_rslora: true}, instead of the lora_* fields (not both)."""
     lora_save_merged: bool = False
     """With LoRA, also write the base with the adapters merged into it to output_dir/merged (a plain transformers model); output_dir/model holds the adapter (PEFT's save_pretrained) either way."""
     bf16: bool = False
-    """bf16 mixed precision: every policy forward (sampling, pi_old, pi_ref, training, evaluation) runs under torch.autocast(bfloat16), while weights, gradients and optimizer state stay float32 (dtype must be float32). CPU and bf16-capable GPUs; elsewhere an error."""
+    """bf16 mixed precision: every policy forward (sampling, pi_old, pi_ref, training, evaluation) runs under torch.autocast(bfloat16), while weights, gradients and optimizer state stay float32 (dtype must be float32). CPU and bf16-capable GPUs; elsewhere an error. With LoRA prefer dtype=bfloat16 instead (a bfloat16 base, float32 adapters): autocast re-casts a frozen float32 base at every decode step."""
     gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass instead of keeping them (HF gradient_checkpointing_enable, non-reentrant): less memory for the training forwards, about one more forward of time. Sampling is unaffected (it runs in eval mode, with its KV cache)."""
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (HF activation checkpointing, non-reentrant): less memory for the training forwards, about one more forward of time. Sampling is unaffected (it runs in eval mode, with its KV cache)."""
     logprob_chunk_size: int | None = None
     """Rows of the output head computed at once when taking log-probs (memory vs speed); None: rows that keep a chunk's fp32 logits at 2**26 elements (441 at V=151,936)."""
     generation_backend: str = "auto"

@@ -191,7 +191,7 @@ def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool):
         from gspo.lora import load_adapter  # a LoRA run's output_dir/model: base + adapter, merged
 
         return load_adapter(path, lambda base: _load_pretrained(base, torch_dtype, trust_remote_code))
-    if os.path.exists(path) and not os.path.isfile(os.path.join(path, "config.json")):
+    if os.path.exists(path) and adapter_only:
         raise ValueError(f"name_or_path {name_or_path!r}: no config.json there, not a saved model")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
