@@ -158,6 +158,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N, T) fp32 of the completion tokens, and their entropy (N, T) fp32 or None.
 
@@ -172,9 +173,20 @@ def completion_logprobs(
     `get_decoder`/`get_output_embeddings` (e.g. wrapped in DDP) or sharded by FSDP2 at the root
     take the naive path instead. Note: the chunked path calls the backbone module directly,
     bypassing the top-level module's forward and its hooks.
+
+    `packed` (padding-free): the rows' real tokens go through the backbone packed several to a row
+    (`pack_rows`) with per-sequence position ids, which transformers turns into a block-causal mask
+    (sdpa, eager, flash attention), and the head runs on the real completion tokens only; padded
+    slots are 0.
+    Same values as the padded path to float tolerance (tests/test_packing.py). Rows must be a
+    rollout's layout (left-padded prompt, right-padded completion: real tokens contiguous);
+    otherwise, or without the chunked path's parts, the padded path runs.
     """
     _validate(input_ids, attention_mask, completion_len, temperature, chunk_size)
     parts = _chunked_path_parts(model)
+    if packed and parts is not None and _contiguous(attention_mask):
+        return _packed_logprobs(*parts, input_ids, attention_mask, completion_len, temperature, chunk_size,
+                                with_entropy)
     if parts is None:
         return naive_completion_logprobs(
             model, input_ids, attention_mask, completion_len,
@@ -195,23 +207,82 @@ def completion_logprobs(
     hidden = out.last_hidden_state[:, P - 1 : seq_len - 1]  # (N, T, H)
     hidden = hidden.reshape(N * T, hidden.shape[-1])  # (N*T, H)
     targets = input_ids[:, P:].reshape(N * T)  # (N*T,)
+    logp, entropy = _head_logprobs(head, hidden, targets, temperature, chunk_size, with_entropy)  # (N*T,)
+    return logp.view(N, T), entropy.view(N, T) if with_entropy else None  # (N, T)
+
+
+def _head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, chunk_size: int | None,
+                   with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (M,) of `targets` (M,) and entropy (M,) from hidden states (M, H), `chunk_size` rows of
+    the head at a time; under autograd each chunk is checkpointed (its (rows, V) logits rebuilt in backward)."""
     if chunk_size is None:
         chunk_size = default_chunk_rows(head.weight.shape[0])
 
     def chunk_fn(h: Tensor, tgt: Tensor):
-        return _token_logprobs(head(h), tgt, temperature, with_entropy)  # (M,), (M,) | None
+        return _token_logprobs(head(h), tgt, temperature, with_entropy)  # (rows,), (rows,) | None
 
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
     logps, ents = [], []
-    for start in range(0, N * T, chunk_size):
+    for start in range(0, hidden.shape[0], chunk_size):
         h, tgt = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if use_ckpt:
-            # Saves only h (M, H); the (M, V) logits are rebuilt during backward.
+            # Saves only h (rows, H); the (rows, V) logits are rebuilt during backward.
             logp, ent = checkpoint(chunk_fn, h, tgt, use_reentrant=False)
         else:
             logp, ent = chunk_fn(h, tgt)
         logps.append(logp)
         ents.append(ent)
-    logp = torch.cat(logps).view(N, T)  # (N, T)
-    entropy = torch.cat(ents).view(N, T) if with_entropy else None  # (N, T)
+    return torch.cat(logps), torch.cat(ents) if with_entropy else None  # (M,), (M,) | None
+
+
+def _contiguous(attention_mask: Tensor) -> bool:
+    """Each row's real tokens form one run (left padding, then tokens, then right padding)."""
+    mask = attention_mask.bool()  # (N, L)
+    runs = mask[:, 0].long() + (mask[:, 1:] & ~mask[:, :-1]).sum(-1)  # (N,) runs of real tokens per row
+    return bool((runs == 1).all())
+
+
+def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
+    """First-fit decreasing: (row, offset) of each sequence in rows of capacity max(lengths), and the
+    number of rows. Rows as long as the longest sequence keep attention's cost per row what the
+    padded layout pays, while the rows' count falls with the padding."""
+    width = max(lengths)
+    free: list[int] = []  # room left in each row
+    row, offset = [0] * len(lengths), [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, room in enumerate(free) if room >= lengths[i]), len(free))
+        if r == len(free):
+            free.append(width)
+        row[i], offset[i] = r, width - free[r]
+        free[r] -= lengths[i]
+    return row, offset, len(free)
+
+
+def _packed_logprobs(backbone, head, input_ids: Tensor, attention_mask: Tensor, completion_len: int,
+                     temperature: float, chunk_size: int | None, with_entropy: bool):
+    """The padding-free path of `completion_logprobs`: the rows' real tokens packed into rows of the longest
+    sequence's length (`pack_rows`), the head on real completion tokens only, scattered back into the
+    (N, T) layout (0 in padded slots)."""
+    N, width = input_ids.shape
+    T, device = completion_len, input_ids.device
+    mask = attention_mask.bool()  # (N, P+T)
+    lengths = mask.sum(-1)  # (N,) real tokens per row
+    row, offset, rows = pack_rows(lengths.tolist())
+    capacity = int(lengths.max())
+    starts = torch.tensor(row, device=device) * capacity + torch.tensor(offset, device=device)  # (N,) flat
+    within = mask.long().cumsum(-1) - 1  # (N, P+T) each real token's index within its sequence
+    flat = (starts[:, None] + within)[mask]  # (S,) where each real token goes
+    packed_ids = input_ids.new_zeros(rows * capacity).index_copy_(0, flat, input_ids[mask])  # (R*C,)
+    # free slots at a row's end get position 0 each: every one is a sequence of its own to the mask
+    positions = input_ids.new_zeros(rows * capacity).index_copy_(0, flat, within[mask])  # (R*C,)
+    # attention_mask=None with restarting position ids: transformers builds the block-causal mask
+    out = backbone(input_ids=packed_ids.view(rows, capacity), position_ids=positions.view(rows, capacity),
+                   use_cache=False)
+    hidden = out.last_hidden_state.reshape(rows * capacity, -1)  # (R*C, H)
+    scored = mask[:, width - T :]  # (N, T) real completion tokens
+    index = (starts[:, None] + within[:, width - T :])[scored]  # (M,) flat positions of the scored tokens
+    logp_m, ent_m = _head_logprobs(head, hidden[index - 1], packed_ids[index], temperature, chunk_size,
+                                   with_entropy)  # (M,): token k is predicted at position k - 1
+    logp = logp_m.new_zeros(N, T).masked_scatter(scored, logp_m)  # (N, T)
+    entropy = ent_m.new_zeros(N, T).masked_scatter(scored, ent_m) if with_entropy else None  # (N, T)
     return logp, entropy

@@ -39,6 +39,7 @@ class NoRouting:
 
     records_pi_old = False
     records_sampling = False
+    packs = True  # no hooks: the forwards may run padding-free (cfg.padding_free)
 
     def sampling_recorder(self, sampler=None):
         return None
@@ -66,6 +67,7 @@ class MoERouting:
 
     def __init__(self, model, replay: str, drift: bool):
         self.model, self.replay, self.drift = model, replay, drift
+        self.packs = False  # the record/replay hooks read (N, L) batches: the forwards stay padded
         self.records_pi_old = replay == "old_policy"  # pi_old forwards record the experts for every minibatch
         self.records_sampling = replay == "rollout"  # the sampler records them (the generator must be able to)
 

@@ -70,6 +70,24 @@ def test_chunked_logprobs_equal_the_naive_path(model_type, tmp_path):
     torch.testing.assert_close(ent, ent_naive, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", list(DENSE) + list(SPARSE))
+def test_padding_free_logprobs_equal_the_padded_path(model_type, tmp_path):
+    """Packed rows (padding_free) with each architecture's own attention and position handling."""
+    model, _ = build(model_type, tmp_path)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, model.config.vocab_size, (4, 14), generator=g)  # (N, P+T)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[1, 10:] = 0  # a short completion
+    mask[2, 12:] = 0
+    scored = mask[:, -6:].bool()
+    with torch.no_grad():
+        packed, ent = completion_logprobs(model, ids, mask, 6, with_entropy=True, packed=True)
+        padded, ent_padded = completion_logprobs(model, ids, mask, 6, with_entropy=True)
+    torch.testing.assert_close(packed[scored], padded[scored], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[scored], ent_padded[scored], rtol=1e-5, atol=1e-5)
+
+
 def length_reward(completions, **kwargs):
     """A reward a random-init model's answers spread on (add3's answer_match is 0 for all: no gradient)."""
     return [len(c) / 10 for c in completions]
