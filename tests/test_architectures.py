@@ -57,35 +57,24 @@ def build(model_type: str, tmp_path):
 
 
 @pytest.mark.parametrize("model_type", list(DENSE) + list(SPARSE))
-def test_chunked_logprobs_equal_the_naive_path(model_type, tmp_path):
+def test_chunked_and_padding_free_logprobs_equal_the_naive_path(model_type, tmp_path):
+    """The chunked head and the packed rows of padding_free, with each architecture's own attention."""
     model, _ = build(model_type, tmp_path)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=g)  # (N, P+T)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # a left-padded row
-    with torch.no_grad():
-        chunked, ent = completion_logprobs(model, ids, mask, 5, chunk_size=4, with_entropy=True)
-        naive, ent_naive = naive_completion_logprobs(model, ids, mask, 5, with_entropy=True)
-    torch.testing.assert_close(chunked, naive, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, ent_naive, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("model_type", list(DENSE) + list(SPARSE))
-def test_padding_free_logprobs_equal_the_padded_path(model_type, tmp_path):
-    """Packed rows (padding_free) with each architecture's own attention and position handling."""
-    model, _ = build(model_type, tmp_path)
-    g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, model.config.vocab_size, (4, 14), generator=g)  # (N, P+T)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    mask[1, 10:] = 0  # a short completion
+    mask[0, :3] = 0  # a left-padded row
+    mask[1, 10:] = 0  # short completions (right padding)
     mask[2, 12:] = 0
-    scored = mask[:, -6:].bool()
+    scored = mask[:, -6:].bool()  # (N, T) real completion tokens
     with torch.no_grad():
-        packed, ent = completion_logprobs(model, ids, mask, 6, with_entropy=True, packed=True)
-        padded, ent_padded = completion_logprobs(model, ids, mask, 6, with_entropy=True)
-    torch.testing.assert_close(packed[scored], padded[scored], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent[scored], ent_padded[scored], rtol=1e-5, atol=1e-5)
+        naive, ent_naive = naive_completion_logprobs(model, ids, mask, 6, with_entropy=True)
+        chunked, ent = completion_logprobs(model, ids, mask, 6, chunk_size=4, with_entropy=True)
+        packed, ent_packed = completion_logprobs(model, ids, mask, 6, with_entropy=True, packed=True)
+    torch.testing.assert_close(chunked, naive, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ent_naive, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[scored], naive[scored], rtol=1e-5, atol=1e-5)  # padded slots: 0 there
+    torch.testing.assert_close(ent_packed[scored], ent_naive[scored], rtol=1e-5, atol=1e-5)
 
 
 def length_reward(completions, **kwargs):
