@@ -176,15 +176,15 @@ def completion_logprobs(
 
     `packed` (padding-free): the rows' real tokens go through the backbone packed several to a row
     (`pack_rows`) with per-sequence position ids, which transformers turns into a block-causal mask
-    (sdpa, eager, flash attention), and the head runs on the real completion tokens only; padded
-    slots are 0.
-    Same values as the padded path to float tolerance (tests/test_packing.py). Rows must be a
-    rollout's layout (left-padded prompt, right-padded completion: real tokens contiguous);
+    (sdpa and eager, tested; flash attention reads the same position ids, untested here), and the
+    head runs on the real completion tokens only; padded slots are 0. Same values as the padded
+    path to float tolerance (tests/test_packing.py). Rows must be a rollout's layout (left-padded
+    prompt, right-padded completion: real tokens contiguous) with at least one completion token;
     otherwise, or without the chunked path's parts, the padded path runs.
     """
     _validate(input_ids, attention_mask, completion_len, temperature, chunk_size)
     parts = _chunked_path_parts(model)
-    if packed and parts is not None and _contiguous(attention_mask):
+    if packed and parts is not None and _contiguous(attention_mask) and bool(attention_mask[:, -completion_len:].any()):
         return _packed_logprobs(*parts, input_ids, attention_mask, completion_len, temperature, chunk_size,
                                 with_entropy)
     if parts is None:
