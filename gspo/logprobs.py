@@ -270,7 +270,7 @@ def _packed_logprobs(backbone, head, input_ids: Tensor, attention_mask: Tensor, 
     row, offset, rows = pack_rows(lengths.tolist())
     capacity = int(lengths.max())
     starts = torch.tensor(row, device=device) * capacity + torch.tensor(offset, device=device)  # (N,) flat
-    within = mask.long().cumsum(-1) - 1  # (N, P+T) each real token's index within its sequence
+    within = position_ids_from_mask(attention_mask)  # (N, P+T) each real token's index within its sequence
     flat = (starts[:, None] + within)[mask]  # (S,) where each real token goes
     packed_ids = input_ids.new_zeros(rows * capacity).index_copy_(0, flat, input_ids[mask])  # (R*C,)
     # free slots at a row's end get position 0 each: every one is a sequence of its own to the mask
