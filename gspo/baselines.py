@@ -100,6 +100,7 @@ class CriticBaseline:
         self.vf_coef, self.max_grad_norm = cfg.vf_coef, cfg.max_grad_norm
         self.kl_reward_coef = cfg.kl_coef if cfg.kl_in_reward else 0.0  # 0: the KL stays in the loss (or is off)
         self.needs_pi_old = cfg.kl_in_reward
+        self.packed = cfg.padding_free  # the critic's forwards padding-free too
 
     def estimate(self, rollout: Rollout, scores, parts: list[Part], topology: Topology) -> dict:
         """Per-token advantages (n, T), old_values and returns of this rank's rows; `advantages/*` and
@@ -129,7 +130,8 @@ class CriticBaseline:
         out = torch.zeros(rollout.completion_mask.shape, dtype=torch.float32, device=rollout.input_ids.device)
         for part in parts:
             mb = rollout.select(part.index)
-            values = completion_values(self.critic, mb.input_ids, mb.attention_mask, mb.completion_len)  # (n, t)
+            values = completion_values(self.critic, mb.input_ids, mb.attention_mask, mb.completion_len,
+                                       self.packed)  # (n, t)
             if part.weight:  # a stand-in row's forward is only there for fsdp's collectives
                 out[part.index, : mb.completion_len] = values
         return out
@@ -138,7 +140,8 @@ class CriticBaseline:
         """One critic step on minibatch `mb` (this rank's `part`): the clipped value loss, a token mean."""
         keep = mb.completion_mask & torch.isfinite(mb.rewards)[:, None]  # (n, t)
         fitted = bool(keep.any())  # every row dropped: the forward runs (fsdp), nothing is fitted
-        values = completion_values(self.critic, mb.input_ids, mb.attention_mask, mb.completion_len)  # (n, t)
+        values = completion_values(self.critic, mb.input_ids, mb.attention_mask, mb.completion_len,
+                                   self.packed)  # (n, t)
         loss, stats = value_loss(values, mb.old_values, mb.returns, keep if fitted else mb.completion_mask, self.clip)
         self.optimizer.zero_grad(set_to_none=True)
         self.topology.backward(self.vf_coef * loss * fitted, part.by_tokens())  # its share of the token mean

@@ -177,7 +177,7 @@ class TrainConfig(ModelConfig):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (HF activation checkpointing, non-reentrant): less memory for the training forwards, about one more forward of time. Sampling is unaffected (it runs in eval mode, with its KV cache)."""
     padding_free: bool = True
-    """Training forwards (pi_old, pi_ref, updates, the SFT term) without padding: each minibatch's sequences packed several to a row (rows as long as the longest) with per-sequence position ids, so attention stays within each sequence (transformers' packed-sequence masks), and the output head only on real completion tokens. Same log-probs and gradients as the padded layout to float tolerance. MoE runs with routing replay or the drift meter stay padded (the routing hooks read (N, L) batches)."""
+    """Training forwards (pi_old, pi_ref, updates, the SFT term) without padding: each minibatch's sequences packed several to a row (rows as long as the longest) with per-sequence position ids, so attention stays within each sequence (transformers' packed-sequence masks), and the output head only on real completion tokens. Same log-probs and gradients as the padded layout to float tolerance; MoE routing replay and the drift meter too (their records are packed into the rows and back). Models without a separable backbone and head (a DDP wrapper, FSDP2 at the root, logit softcapping) run padded."""
     logprob_chunk_size: int | None = None
     """Rows of the output head computed at once when taking log-probs (memory vs speed); None: rows that keep a chunk's fp32 logits at 2**26 elements (441 at V=151,936)."""
     generation_backend: str = "auto"

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from gspo.logprobs import position_ids_from_mask
+from gspo.logprobs import packed_layout, position_ids_from_mask
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -41,11 +41,20 @@ class ValueModel(nn.Module):
         """The decoder (its `.layers` are what fsdp shards one by one)."""
         return self.decoder
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """(N, L) float32 values of every position (from its hidden state; the head computed in float32)."""
-        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-        hidden = out.last_hidden_state  # (N, L, H)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, packed: bool = False) -> Tensor:
+        """(N, L) float32 values of every position (from its hidden state; the head computed in float32).
+
+        `packed`: the decoder runs on the padding-free rows of a rollout's layout (gspo.logprobs.packed_layout;
+        padded where the rows' real tokens are not contiguous); the values at padding are then the head's bias.
+        """
+        layout = packed_layout(attention_mask) if packed else None
+        if layout is not None:
+            rows = self.decoder(**layout.inputs(input_ids, attention_mask)).last_hidden_state  # (R, C, H)
+            hidden = layout.unpack(rows)  # (N, L, H), 0 at padding
+        else:
+            hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids_from_mask(attention_mask),
+                                  use_cache=False).last_hidden_state  # (N, L, H)
         weight, bias = self.head.weight.float(), self.head.bias.float()
         return nn.functional.linear(hidden.float(), weight, bias).squeeze(-1)  # (N, L)
 
@@ -102,11 +111,13 @@ def save_value_model(critic: ValueModel, path, state_dict: dict | None = None) -
     save_file({k: state[f"head.{k}"].detach().cpu().contiguous() for k in ("weight", "bias")}, str(path / HEAD_FILE))
 
 
-def completion_values(critic: ValueModel, input_ids: Tensor, attention_mask: Tensor, completion_len: int) -> Tensor:
-    """(N, T) values of the completion tokens: token t's from position P + t - 1. input_ids (N, P+T)."""
+def completion_values(critic: ValueModel, input_ids: Tensor, attention_mask: Tensor, completion_len: int,
+                      packed: bool = False) -> Tensor:
+    """(N, T) values of the completion tokens: token t's from position P + t - 1. input_ids (N, P+T);
+    `packed`: the critic's forward padding-free (`ValueModel.forward`)."""
     if completion_len < 1 or input_ids.shape[1] <= completion_len:
         raise ValueError(f"completion_len={completion_len} must be in [1, {input_ids.shape[1] - 1}]")
-    values = critic(input_ids, attention_mask)  # (N, P+T)
+    values = critic(input_ids, attention_mask, packed=packed)  # (N, P+T)
     P = input_ids.shape[1] - completion_len
     return values[:, P - 1 : -1]  # (N, T)
 

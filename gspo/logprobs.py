@@ -13,13 +13,15 @@ instead of keeping them alive. `naive_completion_logprobs` is the plain full-log
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["completion_logprobs", "naive_completion_logprobs", "position_ids_from_mask"]
+__all__ = ["PackedLayout", "completion_logprobs", "naive_completion_logprobs", "packed_layout", "padding_free_layout",
+           "position_ids_from_mask"]
 
 # Config fields of HF models whose forward modifies logits after the output head
 # (Gemma2/3 and NanoChat: softcapping; Cohere: logit_scale; Granite divides / HyperCLOVA X
@@ -184,8 +186,9 @@ def completion_logprobs(
     """
     _validate(input_ids, attention_mask, completion_len, temperature, chunk_size)
     parts = _chunked_path_parts(model)
-    if packed and parts is not None and _contiguous(attention_mask) and bool(attention_mask[:, -completion_len:].any()):
-        return _packed_logprobs(*parts, input_ids, attention_mask, completion_len, temperature, chunk_size,
+    layout = padding_free_layout(model, attention_mask, completion_len) if packed else None
+    if layout is not None:
+        return _packed_logprobs(*parts, layout, input_ids, attention_mask, completion_len, temperature, chunk_size,
                                 with_entropy)
     if parts is None:
         return naive_completion_logprobs(
@@ -258,31 +261,73 @@ def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
     return row, offset, len(free)
 
 
-def _packed_logprobs(backbone, head, input_ids: Tensor, attention_mask: Tensor, completion_len: int,
-                     temperature: float, chunk_size: int | None, with_entropy: bool):
-    """The padding-free path of `completion_logprobs`: the rows' real tokens packed into rows of the longest
-    sequence's length (`pack_rows`), the head on real completion tokens only, scattered back into the
-    (N, T) layout (0 in padded slots)."""
-    N, width = input_ids.shape
-    T, device = completion_len, input_ids.device
-    mask = attention_mask.bool()  # (N, P+T)
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each real token of an (N, L) batch sits in the padding-free rows (`pack_rows`): flat slot
+    `row * capacity + offset + its index within its sequence`. Per-token tensors move between the two
+    layouts with `pack` and `unpack` (routing records do: gspo/routing.py)."""
+
+    slots: Tensor  # (N, L) int64: each real token's flat slot in (rows * capacity), -1 at padding
+    rows: int
+    capacity: int
+
+    def pack(self, x: Tensor, fill=0) -> Tensor:
+        """(N, L, *) -> (rows, capacity, *): real tokens' entries at their slots, `fill` in free slots."""
+        real = self.slots >= 0  # (N, L)
+        out = x.new_full((self.rows * self.capacity, *x.shape[2:]), fill)  # (R*C, *)
+        out[self.slots[real]] = x[real]
+        return out.view(self.rows, self.capacity, *x.shape[2:])  # (R, C, *)
+
+    def unpack(self, y: Tensor, fill=0) -> Tensor:
+        """(rows, capacity, *) -> (N, L, *): each real token's entry back in its place, `fill` at padding."""
+        real = self.slots >= 0  # (N, L)
+        out = y.new_full((*self.slots.shape, *y.shape[2:]), fill)  # (N, L, *)
+        out[real] = y.reshape(self.rows * self.capacity, *y.shape[2:])[self.slots[real]]
+        return out
+
+    def inputs(self, input_ids: Tensor, attention_mask: Tensor) -> dict:
+        """Backbone keywords of the packed rows: ids and per-sequence position ids (free slots: position 0
+        each, a sequence of its own to the mask); attention_mask None, so transformers builds the
+        block-causal mask from the restarting positions."""
+        return {"input_ids": self.pack(input_ids), "position_ids": self.pack(position_ids_from_mask(attention_mask)),
+                "use_cache": False}  # (R, C) each
+
+
+def packed_layout(attention_mask: Tensor) -> PackedLayout | None:
+    """The padding-free layout of a batch, or None where some row's real tokens are not contiguous (not a
+    rollout's layout: left padding, tokens, right padding)."""
+    if not _contiguous(attention_mask):
+        return None
+    mask = attention_mask.bool()  # (N, L)
     lengths = mask.sum(-1)  # (N,) real tokens per row
     row, offset, rows = pack_rows(lengths.tolist())
-    capacity = int(lengths.max())
+    capacity, device = int(lengths.max()), attention_mask.device
     starts = torch.tensor(row, device=device) * capacity + torch.tensor(offset, device=device)  # (N,) flat
-    within = position_ids_from_mask(attention_mask)  # (N, P+T) each real token's index within its sequence
-    flat = (starts[:, None] + within)[mask]  # (S,) where each real token goes
-    packed_ids = input_ids.new_zeros(rows * capacity).index_copy_(0, flat, input_ids[mask])  # (R*C,)
-    # free slots at a row's end get position 0 each: every one is a sequence of its own to the mask
-    positions = input_ids.new_zeros(rows * capacity).index_copy_(0, flat, within[mask])  # (R*C,)
-    # attention_mask=None with restarting position ids: transformers builds the block-causal mask
-    out = backbone(input_ids=packed_ids.view(rows, capacity), position_ids=positions.view(rows, capacity),
-                   use_cache=False)
-    hidden = out.last_hidden_state.reshape(rows * capacity, -1)  # (R*C, H)
-    scored = mask[:, width - T :]  # (N, T) real completion tokens
-    index = (starts[:, None] + within[:, width - T :])[scored]  # (M,) flat positions of the scored tokens
-    logp_m, ent_m = _head_logprobs(head, hidden[index - 1], packed_ids[index], temperature, chunk_size,
-                                   with_entropy)  # (M,): token k is predicted at position k - 1
+    slots = (starts[:, None] + position_ids_from_mask(attention_mask)).masked_fill(~mask, -1)  # (N, L)
+    return PackedLayout(slots, rows, capacity)
+
+
+def padding_free_layout(model, attention_mask: Tensor, completion_len: int) -> PackedLayout | None:
+    """The layout `completion_logprobs(model, ..., packed=True)` runs this batch in, or None where it runs
+    padded: a model without the chunked path's parts, rows whose real tokens are not contiguous, or no
+    completion token at all."""
+    if _chunked_path_parts(model) is None or not bool(attention_mask[:, -completion_len:].any()):
+        return None
+    return packed_layout(attention_mask)
+
+
+def _packed_logprobs(backbone, head, layout: PackedLayout, input_ids: Tensor, attention_mask: Tensor,
+                     completion_len: int, temperature: float, chunk_size: int | None, with_entropy: bool):
+    """The padding-free path of `completion_logprobs`: the backbone on `layout`'s rows, the head on real
+    completion tokens only, scattered back into the (N, T) layout (0 in padded slots)."""
+    N, width = input_ids.shape
+    T = completion_len
+    inputs = layout.inputs(input_ids, attention_mask)  # (R, C) ids and positions
+    hidden = backbone(**inputs).last_hidden_state.reshape(layout.rows * layout.capacity, -1)  # (R*C, H)
+    scored = attention_mask[:, width - T :].bool()  # (N, T) real completion tokens
+    index = layout.slots[:, width - T :][scored]  # (M,) flat slots of the scored tokens
+    logp_m, ent_m = _head_logprobs(head, hidden[index - 1], inputs["input_ids"].view(-1)[index], temperature,
+                                   chunk_size, with_entropy)  # (M,): token k is predicted at slot k - 1
     logp = logp_m.new_zeros(N, T).masked_scatter(scored, logp_m)  # (N, T)
     entropy = ent_m.new_zeros(N, T).masked_scatter(scored, ent_m) if with_entropy else None  # (N, T)
     return logp, entropy

@@ -15,14 +15,15 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from gspo.logprobs import completion_logprobs, is_fsdp2, position_ids_from_mask
+from gspo.logprobs import PackedLayout, completion_logprobs, is_fsdp2, padding_free_layout, position_ids_from_mask
 from gspo.moe import (REPLAY_MODES, RoutingRecord, expert_change_counts, find_routers, record_routing,
                       replay_routing, require_replay_support, unsupported_moe)
 from gspo.rollout import Rollout
 
 
-def build_routing(model, replay: str, drift: bool):
-    """The plug for `routing_replay=replay` and `log_routing_drift=drift` (drift is measured on MoE models only)."""
+def build_routing(model, replay: str, drift: bool, packed: bool = False):
+    """The plug for `routing_replay=replay` and `log_routing_drift=drift` (drift is measured on MoE models only);
+    `packed`: the training forwards run padding-free (cfg.padding_free), so records move between the layouts."""
     if replay not in REPLAY_MODES:
         raise ValueError(f"routing_replay={replay!r} is not one of {', '.join(REPLAY_MODES)}")
     if replay != "none":
@@ -31,7 +32,7 @@ def build_routing(model, replay: str, drift: bool):
     if reason is not None:
         warnings.warn(f"log_routing_drift: no moe/* drift metrics for this model: {reason}", stacklevel=2)
     drift = drift and bool(find_routers(model))
-    return NoRouting() if replay == "none" and not drift else MoERouting(model, replay, drift)
+    return NoRouting() if replay == "none" and not drift else MoERouting(model, replay, drift, packed)
 
 
 class NoRouting:
@@ -39,7 +40,6 @@ class NoRouting:
 
     records_pi_old = False
     records_sampling = False
-    packs = True  # no hooks: the forwards may run padding-free (cfg.padding_free)
 
     def sampling_recorder(self, sampler=None):
         return None
@@ -47,7 +47,7 @@ class NoRouting:
     def logprobs(self, model, rollout: Rollout, minibatches, logp_kwargs, writes=None) -> torch.Tensor:
         return minibatch_logprobs(model, rollout, minibatches, logp_kwargs, writes=writes)
 
-    def watch(self, mb: Rollout, weight: float = 1.0) -> "_NoWatch":
+    def watch(self, mb: Rollout, weight: float = 1.0, model=None) -> "_NoWatch":
         return _NoWatch()
 
 
@@ -63,11 +63,14 @@ class _NoWatch:
 
 
 class MoERouting:
-    """Replay (`replay` "old_policy" or "rollout") and/or the drift meter (`drift`)."""
+    """Replay (`replay` "old_policy" or "rollout") and/or the drift meter (`drift`).
 
-    def __init__(self, model, replay: str, drift: bool):
-        self.model, self.replay, self.drift = model, replay, drift
-        self.packs = False  # the record/replay hooks read (N, L) batches: the forwards stay padded
+    Records are kept in the rollout's padded (N, P+T) layout; around a padding-free forward (`packed`)
+    they are packed into its rows for replay and recorded ones unpacked (`to_layout`, `from_layout`).
+    """
+
+    def __init__(self, model, replay: str, drift: bool, packed: bool = False):
+        self.model, self.replay, self.drift, self.packed = model, replay, drift, packed
         self.records_pi_old = replay == "old_policy"  # pi_old forwards record the experts for every minibatch
         self.records_sampling = replay == "rollout"  # the sampler records them (the generator must be able to)
 
@@ -84,22 +87,27 @@ class MoERouting:
             rollout.routing = recorded
         return logp
 
-    def watch(self, mb: Rollout, weight: float = 1.0) -> "_Watch":
-        return _Watch(self, mb, weight)
+    def watch(self, mb: Rollout, weight: float = 1.0, model=None) -> "_Watch":
+        """The routing of minibatch `mb`'s training forward through `model` (the policy as trained: a DDP
+        wrapper runs padded; None: the routers' model)."""
+        forward = self.model if model is None else model
+        layout = padding_free_layout(forward, mb.attention_mask, mb.completion_len) if self.packed else None
+        return _Watch(self, mb, weight, layout)
 
 
 class _Watch:
     """One minibatch's routing: replay around its forward and backward, drift measured around its update.
 
-    `weight` 0 (a stand-in row, gspo.parallel.Part): the statistics count for nothing.
+    `weight` 0 (a stand-in row, gspo.parallel.Part): the statistics count for nothing. `layout`: the
+    training forward's padding-free rows (None: padded); the drift meter's forwards use the same.
     """
 
-    def __init__(self, routing: MoERouting, mb: Rollout, weight: float):
-        self.routing, self.mb, self.weight = routing, mb, weight
+    def __init__(self, routing: MoERouting, mb: Rollout, weight: float, layout: PackedLayout | None = None):
+        self.routing, self.mb, self.weight, self.layout = routing, mb, weight, layout
         self.replayer = None
         replay = routing.replay != "none"
         # Drift is measured with free routing: under replay that needs its own forward.
-        self.before = free_routing(routing.model, mb) if routing.drift and replay else None
+        self.before = free_routing(routing.model, mb, layout) if routing.drift and replay else None
 
     @contextmanager
     def replaying(self):
@@ -107,7 +115,7 @@ class _Watch:
         if self.routing.replay == "none":
             yield
             return
-        with replay_routing(self.routing.model, self.mb.routing) as self.replayer:
+        with replay_routing(self.routing.model, to_layout(self.mb.routing, self.layout)) as self.replayer:
             yield
 
     @contextmanager
@@ -118,17 +126,19 @@ class _Watch:
             return
         with record_routing(self.routing.model) as recorder:
             yield
-        self.before = recorder.record()
+        self.before = from_layout(recorder.record(), self.layout)
 
     def after_step(self) -> tuple[dict, dict]:
         """(stats, weights) after the optimizer step: `moe/expert_change_frac` (and per layer), `moe/replay_mismatch_frac`."""
         stats, weights = {}, {}
         positions = completion_positions(self.mb)
         if self.routing.drift:  # after the step, free routing again: which expert choices did it change?
-            changed, total = expert_change_counts(self.before, free_routing(self.routing.model, self.mb), positions)
+            after = free_routing(self.routing.model, self.mb, self.layout)
+            changed, total = expert_change_counts(self.before, after, positions)
             add_fraction(stats, weights, "moe/expert_change_frac", changed, total, self.before.layers, self.weight)
         if self.replayer is not None:  # how often the replayed experts overrule the routers' own choice
-            changed, total = expert_change_counts(self.mb.routing, self.replayer.free_record(), positions)
+            own = from_layout(self.replayer.free_record(), self.layout)
+            changed, total = expert_change_counts(self.mb.routing, own, positions)
             add_fraction(stats, weights, "moe/replay_mismatch_frac", changed, total, None, self.weight)
         return stats, weights
 
@@ -164,7 +174,9 @@ def minibatch_logprobs_and_routing(model, rollout: Rollout, minibatches, logp_kw
     full = None
     for j, idx in enumerate(minibatches):
         mb = rollout.select(idx)
-        with replay_routing(model, mb.routing) if replay else nullcontext():
+        hooked = (replay or record) and logp_kwargs.get("packed", False)  # records move between the layouts
+        layout = padding_free_layout(model, mb.attention_mask, mb.completion_len) if hooked else None
+        with replay_routing(model, to_layout(mb.routing, layout)) if replay else nullcontext():
             with record_routing(model) if record else nullcontext() as recorder:
                 logp, _ = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
                                               **logp_kwargs)
@@ -172,7 +184,7 @@ def minibatch_logprobs_and_routing(model, rollout: Rollout, minibatches, logp_kw
             continue
         out[idx, : mb.completion_len] = logp
         if record:
-            full = widen_record(rollout, idx, recorder.record(), into=full)  # (R, N, P+T, k)
+            full = widen_record(rollout, idx, from_layout(recorder.record(), layout), into=full)  # (R, N, P+T, k)
     return out, full
 
 
@@ -188,19 +200,40 @@ def widen_record(rollout: Rollout, rows: torch.Tensor, part: RoutingRecord, into
 
 
 @torch.no_grad()
-def free_routing(model, mb: Rollout) -> RoutingRecord:
+def free_routing(model, mb: Rollout, layout: PackedLayout | None = None) -> RoutingRecord:
     """(R, n, l, k) experts the routers pick on their own for `mb`: one no-grad backbone forward.
 
-    Same inputs as `completion_logprobs`, so at equal weights it matches the training forward's
-    free routing exactly; the output head is skipped (the logits do not matter here).
+    Same inputs as `completion_logprobs` (in `layout`'s padding-free rows, if given; -1 then at
+    padding), so at equal weights it matches the training forward's free routing exactly; the
+    output head is skipped (the logits do not matter here).
     """
     sharded = is_fsdp2(model)  # fsdp: the root's forward must run (it gathers the embedding), with one logit row
     backbone = model.get_decoder() if hasattr(model, "get_decoder") and not sharded else model
     with record_routing(model) as recorder:
-        backbone(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                 position_ids=position_ids_from_mask(mb.attention_mask), use_cache=False,
-                 **({"logits_to_keep": 1} if sharded else {}))
-    return recorder.record()
+        if layout is not None:
+            backbone(**layout.inputs(mb.input_ids, mb.attention_mask))
+        else:
+            backbone(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                     position_ids=position_ids_from_mask(mb.attention_mask), use_cache=False,
+                     **({"logits_to_keep": 1} if sharded else {}))
+    return from_layout(recorder.record(), layout)
+
+
+def to_layout(record: RoutingRecord, layout: PackedLayout | None) -> RoutingRecord:
+    """A padded record (R, n, l, k) in `layout`'s rows (R, rows, capacity, k), -1 (route freely) in free
+    slots; itself where `layout` is None."""
+    if layout is None:
+        return record
+    return RoutingRecord(layout.pack(record.indices.movedim(0, 2), fill=-1).movedim(2, 0), record.layers)
+
+
+def from_layout(record: RoutingRecord, layout: PackedLayout | None) -> RoutingRecord:
+    """A record of `layout`'s rows (R, rows, capacity, k) back in the padded (R, n, l, k) layout, -1 at
+    padding; itself where `layout` is None."""
+    if layout is None:
+        return record
+    indices = layout.unpack(record.indices.movedim(0, 2), fill=-1).movedim(2, 0).contiguous()  # (R, n, l, k)
+    return RoutingRecord(indices, record.layers)
 
 
 def completion_positions(mb: Rollout) -> torch.Tensor:

@@ -86,7 +86,7 @@ def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routin
     epochs = [[topology.part(idx, rollout.num_sequences, scores.lengths, token_units)
                for idx in torch.randperm(N, generator=shuffle).chunk(M)] for _ in range(cfg.num_epochs)]
     first_on_policy = not cfg.use_sampler_logprobs and not routing.records_pi_old and not baseline.needs_pi_old
-    logp_kwargs = logprob_options(cfg, routing.packs)
+    logp_kwargs = logprob_options(cfg)
     with torch.no_grad():
         if cfg.use_sampler_logprobs:
             rollout.old_logprobs = rollout.sampler_logprobs  # (n, T)
@@ -118,7 +118,7 @@ class Learner:
         self.loss_kwargs = dict(objective=cfg.objective, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                 aggregation=cfg.aggregation, norm_length=cfg.max_completion_length,
                                 kl_coef=kl_coef, kl_estimator=cfg.kl_estimator)
-        self.logp_kwargs = logprob_options(cfg, routing.packs)
+        self.logp_kwargs = logprob_options(cfg)
         self.correction = (cfg.rollout_correction, cfg.rollout_correction_low, cfg.rollout_correction_high)
         units = stat_units(cfg.objective, cfg.aggregation)  # and the loss and entropy, for recombining across ranks
         self.units = {**units, **correction_units(cfg.rollout_correction), "loss": units["loss/policy"],
@@ -128,7 +128,7 @@ class Learner:
         """Train minibatch `i` (this rank's `part` of it); returns its statistics (single-process values)."""
         rollout, model = batch.rollout, self.model
         mb = rollout.select(part.index)
-        watch = self.routing.watch(mb, part.weight)
+        watch = self.routing.watch(mb, part.weight, model)
         with watch.replaying():
             with self.autocast(), watch.recording():
                 logp, entropy = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
@@ -174,10 +174,9 @@ def mismatch_stats(rollout: Rollout, topology: Topology) -> dict[str, float]:
     return mismatch_metrics(topology.reduce(moments, {k: counts[u] for k, u in units.items()}))
 
 
-def logprob_options(cfg, packs: bool = True) -> dict:
-    """`completion_logprobs` options of a run: every forward (pi_old, pi_ref, training, SFT) uses the same.
-    `packs`: the forwards may run padding-free (cfg.padding_free), False where routing hooks read (N, L) batches."""
-    return dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, packed=cfg.padding_free and packs)
+def logprob_options(cfg) -> dict:
+    """`completion_logprobs` options of a run: every forward (pi_old, pi_ref, training, SFT) uses the same."""
+    return dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, packed=cfg.padding_free)
 
 
 def step_metrics(scores: Scores, step_stats: list[dict], extra: dict, *, group_size: int, drop_bad: bool,

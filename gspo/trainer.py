@@ -74,7 +74,7 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     device, model, tokenizer = seeded_model(cfg)
     enable_gradient_checkpointing(model, cfg.gradient_checkpointing)
     autocast = forward_precision(cfg.bf16, device)  # bf16: every policy forward under autocast, weights fp32
-    routing = build_routing(model, cfg.routing_replay, cfg.log_routing_drift)
+    routing = build_routing(model, cfg.routing_replay, cfg.log_routing_drift, cfg.padding_free)
 
     def make_optimizer(module, lr: float):  # the policy's and a critic's: AdamW on the run's schedule
         trained = [p for p in module.parameters() if p.requires_grad]  # LoRA: the adapters only

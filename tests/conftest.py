@@ -69,6 +69,18 @@ def starts_with_digit(prompts, completions, **_):
     return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
 
 
+def random_record(model, ids, seed: int = 3):
+    """A RoutingRecord of experts drawn at random (not the routers' own choice) for every token of `ids`
+    (N, L), each token's k distinct: a replay that visibly changes the forward."""
+    from gspo.moe import RoutingRecord, find_routers
+
+    routers = find_routers(model)
+    E, k = routers[0].module.num_experts, routers[0].module.top_k
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.rand(len(routers), *ids.shape, E, generator=g).argsort(-1)[..., :k]  # (R, N, L, k)
+    return RoutingRecord(draws, tuple(r.layer for r in routers))
+
+
 def tiny_cfg(tmp_path, **kw) -> TrainConfig:
     """A TrainConfig for a few in-process steps of tiny-dense (SMALL) on add3, written to tmp_path/run."""
     base = dict(model="tiny-dense", model_overrides=SMALL, task="add3", max_steps=3, per_device_batch_size=2,

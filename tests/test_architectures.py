@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import read_metrics, tiny_cfg
-from gspo.logprobs import completion_logprobs, naive_completion_logprobs
-from gspo.moe import SUPPORTED_ARCHITECTURES, find_routers
+from conftest import random_record, read_metrics, tiny_cfg
+from gspo.logprobs import completion_logprobs, naive_completion_logprobs, padding_free_layout
+from gspo.moe import SUPPORTED_ARCHITECTURES, find_routers, replay_routing
+from gspo.routing import to_layout
 from gspo.rollout.sampling import pick_generator
 from gspo.tasks.tokenizer import build_char_tokenizer
 from gspo.trainer import train
@@ -56,17 +57,22 @@ def build(model_type: str, tmp_path):
     return model, path
 
 
-@pytest.mark.parametrize("model_type", list(DENSE) + list(SPARSE))
-def test_chunked_and_padding_free_logprobs_equal_the_naive_path(model_type, tmp_path):
-    """The chunked head and the packed rows of padding_free, with each architecture's own attention."""
-    model, _ = build(model_type, tmp_path)
+def ragged_batch(model):
+    """(ids, mask, scored) of 4 rows of 14 tokens, T = 6: a left-padded row, two short completions."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (4, 14), generator=g)  # (N, P+T)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # a left-padded row
     mask[1, 10:] = 0  # short completions (right padding)
     mask[2, 12:] = 0
-    scored = mask[:, -6:].bool()  # (N, T) real completion tokens
+    return ids, mask, mask[:, -6:].bool()  # scored: (N, T) real completion tokens
+
+
+@pytest.mark.parametrize("model_type", list(DENSE) + list(SPARSE))
+def test_chunked_and_padding_free_logprobs_equal_the_naive_path(model_type, tmp_path):
+    """The chunked head and the packed rows of padding_free, with each architecture's own attention."""
+    model, _ = build(model_type, tmp_path)
+    ids, mask, scored = ragged_batch(model)
     with torch.no_grad():
         naive, ent_naive = naive_completion_logprobs(model, ids, mask, 6, with_entropy=True)
         chunked, ent = completion_logprobs(model, ids, mask, 6, chunk_size=4, with_entropy=True)
@@ -107,6 +113,16 @@ def test_routing_replay_and_drift_on_each_moe_or_a_named_refusal(model_type, tmp
         assert len(find_routers(model)) == 2
         rows = [r for r in _run(tmp_path, path, routing_replay="old_policy") if "loss/policy" in r]
         assert all(0 <= r["moe/expert_change_frac"] <= 1 for r in rows) and "moe/expert_change_frac/layer_1" in rows[0]
+        ids, mask, scored = ragged_batch(model)  # experts replayed in the padding-free rows = in the padded layout
+        record, layout = random_record(model, ids), padding_free_layout(model, mask, 6)
+        with torch.no_grad():
+            with replay_routing(model, record):
+                padded, _ = completion_logprobs(model, ids, mask, 6)
+            with replay_routing(model, to_layout(record, layout)):
+                packed, _ = completion_logprobs(model, ids, mask, 6, packed=True)
+            free, _ = completion_logprobs(model, ids, mask, 6, packed=True)
+        torch.testing.assert_close(packed[scored], padded[scored], rtol=1e-5, atol=1e-5)
+        assert (free - packed)[scored].abs().max() > 1e-3  # the replay changed them
     else:
         assert find_routers(model) == []
         with pytest.raises(ValueError, match=f"routing replay: the '{model_type}' architecture .* is not supported"):

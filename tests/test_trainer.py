@@ -174,8 +174,6 @@ def test_pi_old_forward_skips_the_first_minibatch(tmp_path):
     from gspo.step import gather_scores, prepare
 
     class Counting:
-        packs = True
-
         def __init__(self, records: bool):
             self.records_pi_old, self.calls = records, []
 
