@@ -29,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, table, write_result  # noqa: E402
 
+from gspo.bench import forward_flops, matmul_params, peak_matmul_rates  # noqa: E402
+
 # ~50M parameters: 16 layers of hidden 512 (8 query / 4 kv heads of 64, MLP 1536) on the character vocabulary
 LARGE = dict(hidden_size=512, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
              intermediate_size=1536, max_position_embeddings=1024)
@@ -41,33 +43,8 @@ MODELS = {
 
 def peak_matmul_flops(n: int, seconds: float, windows: int = 5) -> dict:
     """Median FLOP/s of `windows` timing windows of back-to-back (n, n) @ (n, n) fp32 matmuls."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)  # warm-up
-    t0 = time.perf_counter()
-    torch.mm(a, b)
-    reps = max(1, int(seconds / windows / max(time.perf_counter() - t0, 1e-6)))
-    rates = []
-    for _ in range(windows):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, b)
-        rates.append(2 * n**3 * reps / (time.perf_counter() - t0))
-    return {"median": median(rates), "max": max(rates), "windows": rates, "n": n, "reps_per_window": reps}
-
-
-def matmul_params(model) -> int:
-    """Parameters used in matmuls: 2-D weights except the input embedding, plus the output head (once if tied)."""
-    head = model.get_output_embeddings().weight
-    embed = model.get_input_embeddings().weight
-    body = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p is not head and p is not embed)
-    return body + head.numel()
-
-
-def forward_flops(lengths, p_mm: int, layers: int, heads: int, head_dim: int) -> float:
-    """Model FLOPs of one forward over sequences of these real-token lengths (causal attention)."""
-    return sum(2 * p_mm * l + layers * 4 * heads * head_dim * l * (l + 1) / 2 for l in lengths)
+    rates = peak_matmul_rates(n, seconds, windows=windows)
+    return {"median": median(rates), "max": max(rates), "windows": rates, "n": n}
 
 
 def run_model(name: str, steps: int, skip_first: int, work_dir: Path) -> dict:

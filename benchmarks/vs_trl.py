@@ -2,9 +2,11 @@
 
     pip install '.[bench]'            # TRL is a benchmark-only dependency
     python benchmarks/vs_trl.py       # defaults: 3 repetitions per side, 20 RL steps each, CPU
+    python benchmarks/vs_trl.py --model 50m --T 512 --B 2 --G 4 --M 2 --steps 3 --eval-prompts 1 --eval-k 1
 
-Both sides load the same saved model (a cold start made by gspo's SFT, cached under
---work-dir), the same tokenizer, the same prompts in the same order, the same reward function
+Both sides load the same saved model (`--model demo`: a cold start made by gspo's SFT; `50m`:
+the ~50M-parameter Qwen3 of utilisation.py, random init, whose completions stop anywhere from 2 to
+512 tokens: a long-tailed length spread; both cached under --work-dir), the same tokenizer, the same prompts in the same order, the same reward function
 (`gspo.data.rewards.answer_match`) and the same GSPO settings; the mapping of every setting is in
 `trl_args` and in BENCHMARKS.md. Runs alternate gspo, TRL, gspo, TRL, ... each in a fresh
 subprocess; repetition i of both sides uses seed i.
@@ -65,6 +67,29 @@ def ordered_prompts(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     sampler = PromptSampler(train_rows, cfg.seed)
     rows = [r for _ in range(cfg.max_steps) for r in sampler.next(cfg.per_device_batch_size)]
     return rows, eval_rows
+
+
+def random_50m(work_dir: Path) -> tuple[str, dict]:
+    """The ~50M model of utilisation.py (LARGE), random init (seed 0), saved once with its tokenizer.
+
+    Untrained, it stops where its first stop token falls: at T = 512, 16 completions of 4 add3
+    prompts ran 2 to 512 tokens (mean 119), so a padded batch is ~3/4 padding. Its answers are never
+    right (answer_match 0: every advantage is 0), which changes no work either side does per step.
+    """
+    model_dir = work_dir / "random_50m" / "model"
+    if not (model_dir / "config.json").is_file():
+        import torch
+
+        from gspo.models import count_parameters, load_model
+        from utilisation import LARGE
+
+        torch.manual_seed(0)
+        model, tokenizer = load_model("tiny-dense", overrides=LARGE)
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        (model_dir.parent / "info.json").write_text(json.dumps({"params": count_parameters(model),
+                                                                 "overrides": LARGE}, indent=2))
+    return str(model_dir), json.loads((model_dir.parent / "info.json").read_text())
 
 
 def cold_start(work_dir: Path, sft_steps: int) -> tuple[str, dict]:
@@ -270,6 +295,8 @@ def summarise(run: dict, skip_first: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["demo", "50m"], default="demo",
+                        help="demo: the demo model after a cold-start SFT; 50m: a random-init ~50M model (long-tailed lengths)")
     parser.add_argument("--reps", type=int, default=3, help="runs per side, alternating gspo/TRL; run i uses seed i")
     parser.add_argument("--steps", type=int, default=20, help="RL steps per run (each: 1 rollout, M optimizer steps)")
     parser.add_argument("--B", type=int, default=16, help="prompts per rollout")
@@ -321,8 +348,12 @@ def main() -> None:
         sys.exit("vs_trl.py needs TRL: pip install '.[bench]'")
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    model_dir, cold = cold_start(work, args.sft_steps)
-    print(f"cold start: {model_dir} ({cold['sft_steps']} SFT steps, greedy accuracy {cold['greedy_accuracy']:.1%})")
+    if args.model == "demo":
+        model_dir, cold = cold_start(work, args.sft_steps)
+        print(f"cold start: {model_dir} ({cold['sft_steps']} SFT steps, greedy accuracy {cold['greedy_accuracy']:.1%})")
+    else:
+        model_dir, cold = random_50m(work)
+        print(f"model: {model_dir} ({cold['params'] / 1e6:.1f}M parameters, random init)")
     sides, env = ("gspo", "trl"), {side: dict(os.environ) for side in ("gspo", "gspo_base", "trl")}
     if args.baseline:
         sides = ("gspo", "gspo_base", "trl")
@@ -394,12 +425,12 @@ def main() -> None:
     rows = [[side, r["seed"], r["summary"]["reward_first"], r["summary"]["reward_last5"],
              r["summary"]["eval_accuracy"], r["summary"]["eval_mean_at_k"]] for side in by for r in by[side]]
     print()
-    print(table(["side", "seed", "reward step 1", f"reward steps {args.steps - 4}-{args.steps}",
+    print(table(["side", "seed", "reward step 1", f"reward steps {max(1, args.steps - 4)}-{args.steps}",
                  "held-out greedy acc.", f"held-out mean@{args.eval_k}"], rows))
     import transformers
 
     path = write_result("vs_trl", {
-        "settings": {k: getattr(args, k) for k in ("reps", "steps", "B", "G", "M", "T", "lr", "eval_prompts",
+        "settings": {k: getattr(args, k) for k in ("model", "reps", "steps", "B", "G", "M", "T", "lr", "eval_prompts",
                                                     "eval_k", "skip_first", "threads", "baseline")},
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
         "cold_start": cold, "median": med, "ratio": ratio,

@@ -1,10 +1,11 @@
-"""`gspo <command>`: train, sft, eval, plot, demo, lab."""
+"""`gspo <command>`: train, sft, bench, eval, plot, demo, lab."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from gspo.config import SFTConfig, TrainConfig, config_help
 from gspo.lab.runs import LabConfig
@@ -36,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "it is damaged), or the newest that verifies (latest_valid: damaged newer ones are set aside); "
                         "same as resume_from_checkpoint=...")
     _config_parser(sub, "sft", SFTConfig, "cold-start supervised fine-tuning on prompt/answer pairs")
+    p = _config_parser(sub, "bench", TrainConfig, "a few RL steps of a training config: tokens/s, seconds per step "
+                       "by phase, utilisation of the measured matmul peak (nothing kept)")
+    p.add_argument("--steps", type=int, default=4, help="RL steps to run (default 4)")
+    p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the figures (default 1)")
+    p.add_argument("--peak-seconds", type=float, default=5.0, help="seconds of matmuls before and after the run")
+    p.add_argument("--out", help="also write the figures as JSON to this file")
     p = sub.add_parser("eval", parents=[_COMMON], help="held-out accuracy of a saved model on a built-in task or dataset")
     p.add_argument("--model", required=True, help="saved model directory or preset")
     p.add_argument("--task", default="add3", help="built-in task (default add3)")
@@ -116,6 +123,14 @@ def _run(args, argv=None) -> int:
         plots = plot_run(cfg.output_dir)
         print(json.dumps({"evals": summary["evals"], "seconds": round(summary["seconds"], 1),
                           "model": f"{cfg.output_dir}/model", "plots": [str(p) for p in plots]}, indent=2))
+    elif args.command == "bench":
+        from gspo.bench import bench, format_bench
+
+        result = bench(load_config(TrainConfig, args.config, args.overrides), steps=args.steps,
+                       skip_first=args.skip_first, peak_seconds=args.peak_seconds)
+        print(format_bench(result))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
     elif args.command == "sft":
         from gspo.sft import sft
 

@@ -32,22 +32,24 @@ class Scores:
     per_fn: dict  # reward function name -> (N,) its raw values
     lengths: torch.Tensor  # (N,) float32 completion tokens
     stopped: torch.Tensor  # (N,) bool: ended on a stop token (not at the length limit)
+    prompt_lengths: torch.Tensor  # (N,) float32 prompt tokens
 
 
 def gather_scores(topology: Topology, rollout: Rollout, rewards: torch.Tensor, per_fn: dict,
                   stop_ids: list[int]) -> Scores:
     """This rank's rewards, reward-function values, lengths and stop flags, joined with every rank's.
 
-    One all-gather of (3 + functions) numbers per sequence; float64 on the wire, so every value
+    One all-gather of (4 + functions) numbers per sequence; float64 on the wire, so every value
     comes back exactly in its own dtype.
     """
     lengths = rollout.completion_mask.sum(-1).float()  # (n,)
+    prompt_lengths = rollout.attention_mask.sum(-1).float() - lengths  # (n,)
     stopped = ended_with_eos(rollout, stop_ids)  # (n,)
-    local = [rewards, lengths, stopped, *per_fn.values()]
-    every = topology.gather_rows(torch.stack([v.detach().cpu().double() for v in local]))  # (3 + F, N)
+    local = [rewards, lengths, stopped, prompt_lengths, *per_fn.values()]
+    every = topology.gather_rows(torch.stack([v.detach().cpu().double() for v in local]))  # (4 + F, N)
     back = [row.to(v.dtype) for row, v in zip(every, local)]
-    rewards, lengths, stopped, *values = back
-    return Scores(rewards, torch.isfinite(rewards), dict(zip(per_fn, values)), lengths, stopped)
+    rewards, lengths, stopped, prompt_lengths, *values = back
+    return Scores(rewards, torch.isfinite(rewards), dict(zip(per_fn, values)), lengths, stopped, prompt_lengths)
 
 
 @dataclass
@@ -180,8 +182,9 @@ def logprob_options(cfg) -> dict:
 
 
 def step_metrics(scores: Scores, step_stats: list[dict], extra: dict, *, group_size: int, drop_bad: bool,
-                 skipped: int, lr: float, t_rollout: float, t_train: float) -> dict:
-    """One step's metrics line (before evaluation): rewards, groups, `extra`, losses and ratios, lengths, time."""
+                 skipped: int, lr: float, t_generate: float, t_rollout: float, t_train: float) -> dict:
+    """One step's metrics line (before evaluation): rewards, groups, `extra`, losses and ratios, lengths, time
+    (`time/generate_s` is the sampling part of `time/rollout_s`)."""
     rewards, valid, lengths = scores.rewards, scores.valid, scores.lengths
     return {
         "reward/mean": rewards[valid].mean().item(),
@@ -196,7 +199,9 @@ def step_metrics(scores: Scores, step_stats: list[dict], extra: dict, *, group_s
         "completion/mean_len": lengths.mean().item(),
         "completion/max_len": lengths.max().item(),
         "completion/truncated_frac": (~scores.stopped).float().mean().item(),
+        "prompt/mean_len": scores.prompt_lengths.mean().item(),
         "lr": lr,
+        "time/generate_s": t_generate,
         "time/rollout_s": t_rollout,
         "time/train_s": t_train,
         "throughput/tokens_per_s": lengths.sum().item() / (t_rollout + t_train),

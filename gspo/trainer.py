@@ -148,6 +148,7 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
             mine = examples[topology.batch_share(B)]
             with autocast():
                 rollout = generator.sample([e["prompt"] for e in mine], step, first_row=topology.rank * B * G)
+            t_generate = time.perf_counter() - t0
             # 2. Score this rank's completions; every rank then holds every sequence's scalars.
             #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
             rewards, per_fn = source.score(mine, rollout.prompts, rollout.completions, G, drop_bad=cfg.drop_bad_rewards,
@@ -173,7 +174,7 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
             # 5. Metrics.
             metrics = step_metrics(scores, step_stats, {**task_metrics, **batch.stats, **sampler_stats}, group_size=G,
                                    drop_bad=cfg.drop_bad_rewards, skipped=guard.skipped, lr=scheduler.get_last_lr()[0],
-                                   t_rollout=t_rollout, t_train=t_train)
+                                   t_generate=t_generate, t_rollout=t_rollout, t_train=t_train)
             # 6. Evaluate, log, checkpoint.
             if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
                 with autocast():

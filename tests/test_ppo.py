@@ -121,7 +121,8 @@ def test_group_baseline_is_the_registered_estimator():
     from gspo.step import Scores
 
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0, 4.0])
-    scores = Scores(rewards, torch.ones(8, dtype=torch.bool), {}, torch.ones(8), torch.ones(8, dtype=torch.bool))
+    scores = Scores(rewards, torch.ones(8, dtype=torch.bool), {}, torch.ones(8), torch.ones(8, dtype=torch.bool),
+                    torch.ones(8))
     for name in ("group", "rloo", "reinforce_pp"):
         rollout = Rollout(torch.zeros(8, 2, dtype=torch.long), torch.ones(8, 2), torch.ones(8, 1, dtype=torch.bool),
                           [""] * 8, [""] * 8)

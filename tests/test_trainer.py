@@ -21,8 +21,8 @@ from gspo.trainer import train
 
 DOCUMENTED = ["reward/mean", "reward/std", "reward/answer_match", "groups/zero_std_frac", "loss/policy", "loss/kl",
               "ratio/mean", "ratio/std", "ratio/min", "ratio/max", "clip/low_frac", "clip/high_frac", "kl/approx",
-              "entropy", "completion/mean_len", "grad/norm", "time/rollout_s", "time/train_s",
-              "throughput/tokens_per_s", "lr"]
+              "entropy", "completion/mean_len", "prompt/mean_len", "grad/norm", "time/generate_s", "time/rollout_s",
+              "time/train_s", "throughput/tokens_per_s", "lr"]
 
 
 @pytest.mark.parametrize("preset, overrides", [("tiny-dense", SMALL), ("tiny-moe", SMALL_MOE)])
@@ -41,6 +41,8 @@ def test_few_steps_change_parameters_and_log_documented_metrics(tmp_path, preset
         for key in DOCUMENTED:
             assert math.isfinite(r[key]), (key, r[key])
         assert 0 <= r["clip/low_frac"] <= 1 and 0 <= r["completion/mean_len"] <= 12
+        assert r["prompt/mean_len"] == 8  # add3's prompts: "abc+def=", 3-digit operands, 8 characters
+        assert 0 < r["time/generate_s"] < r["time/rollout_s"]  # sampling is the first part of the rollout
     assert "eval/accuracy" in records[-1] and summary["evals"][3]["eval/accuracy"] == records[-1]["eval/accuracy"]
     samples = read_jsonl(tmp_path / "run" / "samples.jsonl", null_as_nan=False)
     assert len(samples) == 3 * 4 and records[1]["reward/std"] > 0 and all(isinstance(s["completion"], str) for s in samples)

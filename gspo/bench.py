@@ -1,0 +1,180 @@
+"""`gspo bench`: what a few RL steps of a config cost on this machine, by phase, and how much of the
+device's measured matmul peak they use.
+
+    gspo bench --config my_run.yaml [key=value ...] [--steps 4] [--skip-first 1]
+
+Runs the config for `--steps` steps into a temporary folder (evaluation, samples and checkpoints
+reduced to the minimum, nothing kept), from the trainer's own clocks in metrics.jsonl: per timed
+step the sampling (`time/generate_s`), the rest of the rollout (rewards, pi_old / pi_ref
+log-probs, advantages: `time/rollout_s` minus sampling) and the updates (`time/train_s`), and
+completion tokens per second (`throughput/tokens_per_s`).
+
+Utilisation: model FLOPs per phase over its seconds, against the median FLOP/s of large matmuls in
+the model's dtype on its device, measured right before and right after the run (a shared machine
+changes speed: the larger is the reference). Model FLOPs of a sequence of l real tokens, forward:
+2 * P_mm * l + layers * 4 * heads * head_dim * l (l + 1) / 2 (P_mm: the parameters of every matmul,
+decoder layers and output head; padding is not useful work and is not counted, MFU convention,
+PaLM appendix B). Sampling = one forward of every final sequence (the KV cache), the rollout's rest =
+the pi_old forwards ((M-1)/M of a forward where the first minibatch's pi_old is its own training
+forward) plus one pi_ref forward with a KL term, the updates = 3 forwards per epoch. Counted: the
+policy's forwards only (a PPO critic, the SFT term and the routing-drift forwards are not), with
+each step's mean prompt and completion lengths (the attention term of the mean: a lower bound).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gspo.config import TrainConfig, make_config, to_dict
+
+__all__ = ["bench", "cpu_name", "format_bench", "forward_flops", "matmul_params", "peak_matmul_rates"]
+
+# A run's settings that only cost time outside the phases measured here (or would keep files)
+_QUIET = dict(eval_steps=0, eval_num_prompts=1, eval_k=1, save_steps=0, save_total_limit=1, log_samples_steps=0,
+              progress=False, tensorboard=False, wandb=False, overwrite_output_dir=True, resume_from_checkpoint=None)
+
+
+def matmul_params(model) -> int:
+    """Parameters used in matmuls: 2-D weights except the input embedding, plus the output head (once if tied)."""
+    head = model.get_output_embeddings().weight
+    embed = model.get_input_embeddings().weight
+    body = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p is not head and p is not embed)
+    return body + head.numel()
+
+
+def forward_flops(lengths, p_mm: int, layers: int, heads: int, head_dim: int) -> float:
+    """Model FLOPs of one forward over sequences of these real-token lengths (causal attention)."""
+    return sum(2 * p_mm * l + layers * 4 * heads * head_dim * l * (l + 1) / 2 for l in lengths)
+
+
+def peak_matmul_rates(n: int, seconds: float, *, device="cpu", dtype=torch.float32, windows: int = 5) -> list[float]:
+    """FLOP/s of `windows` timing windows of back-to-back (n, n) @ (n, n) matmuls, `seconds` in all."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    torch.mm(a, b)  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    sync()
+    reps = max(1, int(seconds / windows / max(time.perf_counter() - t0, 1e-6)))
+    rates = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        sync()
+        rates.append(2 * n**3 * reps / (time.perf_counter() - t0))
+    return rates
+
+
+def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: float = 5.0,
+          matmul_n: int | None = None) -> dict:
+    """Run `cfg` for `steps` steps in a temporary folder; per-phase seconds, tokens/s and utilisation of the
+    steps after the first `skip_first` (warm-up), as a dict (`format_bench` prints it)."""
+    if steps < 1 or not 0 <= skip_first < steps:
+        raise ValueError(f"bench: need steps >= 1 and 0 <= skip_first < steps; got steps={steps}, "
+                         f"skip_first={skip_first}")
+    from gspo.models import resolve_device, seeded_model
+    from gspo.trainer import train
+
+    device = resolve_device(cfg.device)
+    with tempfile.TemporaryDirectory(prefix="gspo-bench-") as tmp:
+        run_cfg = make_config(TrainConfig, {**to_dict(cfg), **_QUIET, "max_steps": steps, "output_dir": tmp})
+        _, model, _ = seeded_model(run_cfg)  # the policy as trained: its shape and dtype
+        dtype, shape = next(model.parameters()).dtype, _shape(model)
+        del model
+        n = matmul_n or (8192 if device.type == "cuda" else 2048)
+        peak_before = statistics.median(peak_matmul_rates(n, peak_seconds, device=device, dtype=dtype))
+        started = time.perf_counter()
+        train(run_cfg)
+        seconds = time.perf_counter() - started
+        peak_after = statistics.median(peak_matmul_rates(n, peak_seconds, device=device, dtype=dtype))
+        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if r.get("step", 0) > skip_first and "time/train_s" in r]
+    peak = max(peak_before, peak_after)
+    N = cfg.per_device_batch_size * cfg.num_generations  # per rank
+    forwards = _forwards_per_phase(cfg)
+    phases = {}
+    for phase, seconds_of in (("generate", lambda r: r["time/generate_s"]),
+                              ("rewards + pi_old/pi_ref + advantages", lambda r: r["time/rollout_s"] - r["time/generate_s"]),
+                              ("train (updates)", lambda r: r["time/train_s"]),
+                              ("whole step", lambda r: r["time/rollout_s"] + r["time/train_s"])):
+        flops = [forwards[phase] * forward_flops([r["prompt/mean_len"] + r["completion/mean_len"]] * N, *shape)
+                 for r in timed]
+        secs = [seconds_of(r) for r in timed]
+        rate = statistics.median(f / s for f, s in zip(flops, secs)) if all(s > 0 for s in secs) else float("nan")
+        phases[phase] = {"s_per_step": statistics.median(secs), "model_gflop_per_step": statistics.median(flops) / 1e9,
+                         "gflop_per_s": rate / 1e9, "of_peak": rate / peak}
+    return {
+        "model": cfg.model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "cpu": cpu_name(),
+        "settings": {"sequences_per_step": N, "max_completion_length": cfg.max_completion_length,
+                     "num_minibatches": cfg.num_minibatches, "num_epochs": cfg.num_epochs,
+                     "padding_free": cfg.padding_free},
+        "steps": steps, "timed_steps": len(timed), "run_seconds": seconds,
+        "tokens_per_s": statistics.median(r["throughput/tokens_per_s"] for r in timed),
+        "mean_completion_len": statistics.median(r["completion/mean_len"] for r in timed),
+        "mean_prompt_len": statistics.median(r["prompt/mean_len"] for r in timed),
+        "peak_matmul_gflop_per_s": {"before": peak_before / 1e9, "after": peak_after / 1e9, "n": n},
+        "phases": phases,
+    }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo) and whether it has AVX-512, or the platform's word for it."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    return f"{name}, {'AVX-512' if ' avx512f' in info else 'AVX2' if ' avx2' in info else 'no AVX2'}"
+
+
+def _shape(model) -> tuple[int, int, int, int]:
+    """(P_mm, layers, heads, head_dim) for `forward_flops`."""
+    c = model.config.get_text_config()
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return matmul_params(model), c.num_hidden_layers, heads, head_dim
+
+
+def _forwards_per_phase(cfg: TrainConfig) -> dict[str, float]:
+    """Policy forwards (in units of one forward of every sequence) each phase runs."""
+    M = cfg.num_minibatches
+    reuses_first = not (cfg.use_sampler_logprobs or cfg.routing_replay == "old_policy" or cfg.kl_in_reward)  # step.prepare
+    pi_old = 0.0 if cfg.use_sampler_logprobs else (M - 1) / M if reuses_first else 1.0
+    pi_ref = 1.0 if cfg.kl_coef > 0 else 0.0
+    out = {"generate": 1.0, "rewards + pi_old/pi_ref + advantages": pi_old + pi_ref, "train (updates)": 3.0 * cfg.num_epochs}
+    out["whole step"] = sum(out.values())
+    return out
+
+
+def format_bench(result: dict) -> str:
+    """The table `gspo bench` prints."""
+    s = result["settings"]
+    peak = result["peak_matmul_gflop_per_s"]
+    lines = [
+        f"{result['model']} on {result['device']} ({result['cpu']}, torch threads {result['threads']}, {result['dtype']}): "
+        f"{result['timed_steps']} timed steps of {s['sequences_per_step']} sequences, mean prompt "
+        f"{result['mean_prompt_len']:.1f} + completion {result['mean_completion_len']:.1f} tokens "
+        f"(max {s['max_completion_length']}), {s['num_minibatches']} minibatches x {s['num_epochs']} epochs, "
+        f"padding_free={s['padding_free']}",
+        f"completion tokens/s: {result['tokens_per_s']:,.0f}; peak matmul ({peak['n']}^3): "
+        f"{peak['before']:.1f} GFLOP/s before, {peak['after']:.1f} after",
+        "",
+        f"{'phase':<40}{'s/step':>9}{'share':>8}{'model GFLOP':>13}{'GFLOP/s':>10}{'of peak':>9}",
+    ]
+    whole = result["phases"]["whole step"]["s_per_step"]
+    for phase, v in result["phases"].items():
+        lines.append(f"{phase:<40}{v['s_per_step']:>9.3f}{v['s_per_step'] / whole:>8.0%}"
+                     f"{v['model_gflop_per_step']:>13.2f}{v['gflop_per_s']:>10.2f}{v['of_peak']:>9.1%}")
+    return "\n".join(lines)
