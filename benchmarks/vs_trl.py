@@ -2,7 +2,7 @@
 
     pip install '.[bench]'            # TRL is a benchmark-only dependency
     python benchmarks/vs_trl.py       # defaults: 3 repetitions per side, 20 RL steps each, CPU
-    python benchmarks/vs_trl.py --model 50m --T 512 --B 2 --G 4 --M 2 --steps 3 --eval-prompts 1 --eval-k 1
+    python benchmarks/vs_trl.py --model 50m --T 512 --B 2 --G 4 --M 2 --steps 4 --reps 2 --eval-prompts 1 --eval-k 1
 
 Both sides load the same saved model (`--model demo`: a cold start made by gspo's SFT; `50m`:
 the ~50M-parameter Qwen3 of utilisation.py, random init, whose completions stop anywhere from 2 to

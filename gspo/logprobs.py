@@ -186,7 +186,7 @@ def completion_logprobs(
     """
     _validate(input_ids, attention_mask, completion_len, temperature, chunk_size)
     parts = _chunked_path_parts(model)
-    layout = padding_free_layout(model, attention_mask, completion_len) if packed else None
+    layout = _layout(attention_mask, completion_len) if packed and parts is not None else None
     if layout is not None:
         return _packed_logprobs(*parts, layout, input_ids, attention_mask, completion_len, temperature, chunk_size,
                                 with_entropy)
@@ -311,9 +311,12 @@ def padding_free_layout(model, attention_mask: Tensor, completion_len: int) -> P
     """The layout `completion_logprobs(model, ..., packed=True)` runs this batch in, or None where it runs
     padded: a model without the chunked path's parts, rows whose real tokens are not contiguous, or no
     completion token at all."""
-    if _chunked_path_parts(model) is None or not bool(attention_mask[:, -completion_len:].any()):
-        return None
-    return packed_layout(attention_mask)
+    return None if _chunked_path_parts(model) is None else _layout(attention_mask, completion_len)
+
+
+def _layout(attention_mask: Tensor, completion_len: int) -> PackedLayout | None:
+    """`packed_layout`, or None where no row has a completion token (no head to run)."""
+    return packed_layout(attention_mask) if bool(attention_mask[:, -completion_len:].any()) else None
 
 
 def _packed_logprobs(backbone, head, layout: PackedLayout, input_ids: Tensor, attention_mask: Tensor,
