@@ -125,3 +125,17 @@ def worker_result(argv: list[str], what: str, env: dict | None = None) -> dict:
     if proc.returncode or not lines:
         sys.exit(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def baseline_tree(rev: str, work: Path) -> Path:
+    """A git worktree of this repository at `rev` (made once, under `work`), for the baseline side."""
+    repo = REPO
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=repo, capture_output=True,
+                            text=True)
+    if commit.returncode:
+        sys.exit(f"--baseline {rev}: not a commit of {repo}: {commit.stderr.strip()}")
+    tree = work / f"baseline_{commit.stdout.strip()[:12]}"
+    if not (tree / "gspo" / "trainer.py").exists():
+        subprocess.run(["git", "worktree", "add", "--detach", "--force", str(tree), commit.stdout.strip()], cwd=repo,
+                       check=True, capture_output=True)
+    return tree

@@ -17,8 +17,8 @@ change is measured before/after in one run, on the same machine state.
 
 Timed region: one RL step = one rollout of B*G completions and M optimizer steps (TRL: M
 `global_step`s), wall clock from the end of the previous step to the end of this one. gspo: time
-between consecutive `MetricsLogger.log` calls (the final step, which also evaluates, is
-excluded); TRL: time between `on_step_end` callbacks at multiples of M (logging, saving and
+between consecutive `MetricsLogger.log` calls (the final step, which also evaluates, until
+its evaluation starts); TRL: time between `on_step_end` callbacks at multiples of M (logging, saving and
 evaluation are off). The first step of each run is dropped as warm-up.
 """
 
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, table, write_result  # noqa: E402
+from common import baseline_tree, machine, median, table, write_result  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -118,10 +118,11 @@ def run_gspo(spec: dict) -> dict:
     import gspo.trainer as trainer
     import gspo.tracking as tracking
 
-    stamps, records, gen_s, first_prompts = {}, {}, [], []
+    stamps, records, gen_s, first_prompts, eval_starts = {}, {}, [], [], []
+    from gspo.data.source import SingleTask
     from gspo.rollout import Generator  # the trainer's rollout sampler only
 
-    original_log, original_generate = tracking.MetricsLogger.log, Generator.sample
+    original_log, original_generate, original_evaluate = tracking.MetricsLogger.log, Generator.sample, SingleTask.evaluate
 
     def log(self, step, metrics):
         stamps[step] = time.perf_counter()
@@ -136,7 +137,11 @@ def run_gspo(spec: dict) -> dict:
         gen_s.append(time.perf_counter() - t0)
         return out
 
-    tracking.MetricsLogger.log, Generator.sample = log, generate
+    def evaluate(self, *args, **kwargs):
+        eval_starts.append(time.perf_counter())
+        return original_evaluate(self, *args, **kwargs)
+
+    tracking.MetricsLogger.log, Generator.sample, SingleTask.evaluate = log, generate, evaluate
     cfg = rl_config(spec)
     summary = trainer.train(cfg)
     N = spec["B"] * spec["G"]
@@ -145,8 +150,8 @@ def run_gspo(spec: dict) -> dict:
         m = records[s]
         steps.append({
             "step": s,
-            # the last step also runs the final evaluation before it logs: wall time not comparable
-            "wall_s": stamps[s] - stamps[s - 1] if s < cfg.max_steps else None,
+            # the last step also runs the final evaluation before it logs: its wall time ends where that begins
+            "wall_s": (stamps[s] if s < cfg.max_steps else eval_starts[-1]) - stamps[s - 1],
             "generate_s": gen_s[s - 1],
             "rollout_s": m["time/rollout_s"],  # generate + rewards + advantages + pi_old log-probs
             "train_s": m["time/train_s"],  # M optimizer steps
@@ -157,20 +162,6 @@ def run_gspo(spec: dict) -> dict:
     final = summary["evals"][cfg.max_steps]
     return {"side": "gspo", "steps": steps, "eval": final, "first_prompts": first_prompts,
             "torch_threads": torch.get_num_threads(), "gspo_file": trainer.__file__}
-
-
-def baseline_tree(rev: str, work: Path) -> Path:
-    """A git worktree of this repository at `rev` (made once, under `work`), for the baseline side."""
-    repo = Path(__file__).resolve().parent.parent
-    commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=repo, capture_output=True,
-                            text=True)
-    if commit.returncode:
-        sys.exit(f"--baseline {rev}: not a commit of {repo}: {commit.stderr.strip()}")
-    tree = work / f"baseline_{commit.stdout.strip()[:12]}"
-    if not (tree / "gspo" / "trainer.py").exists():
-        subprocess.run(["git", "worktree", "add", "--detach", "--force", str(tree), commit.stdout.strip()], cwd=repo,
-                       check=True, capture_output=True)
-    return tree
 
 
 def trl_args(spec: dict, output_dir: str):

@@ -185,6 +185,24 @@ def test_moe_routing_record_matches_hf():
     assert (ours.routing.indices[:, :, -1] == -1).all()  # the last token was never fed back
 
 
+@pytest.mark.parametrize("backend", ["gspo", "hf"])
+def test_rollout_tensors_leave_inference_mode_as_normal_tensors(backend):
+    """Sampling runs under torch.inference_mode; what the rollout hands to training must not be inference
+    tensors (those cannot be saved for backward or written in place outside it)."""
+    model, tok = load_model("tiny-moe", seed=2, overrides=SMALL_MOE)
+    rollout = generate(model, tok, PROMPTS, 2, max_new_tokens=6, backend=backend, with_logprobs=True,
+                       routing_recorder=record_routing(model))
+    leaving = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+               "completion_mask": rollout.completion_mask, "sampler_logprobs": rollout.sampler_logprobs,
+               "routing": rollout.routing.indices}
+    assert [name for name, t in leaving.items() if t.is_inference()] == []
+    assert not any(p.is_inference() for p in model.parameters())
+    weight = torch.ones_like(rollout.sampler_logprobs, requires_grad=True)
+    (weight * rollout.sampler_logprobs).sum().backward()  # saved for backward: refused for an inference tensor
+    assert torch.equal(weight.grad, rollout.sampler_logprobs)
+    rollout.input_ids[0, 0] += 0  # written in place
+
+
 # ----------------------------------------------------------------------------- backend choice
 
 def counting(monkeypatch, name: str) -> list:
