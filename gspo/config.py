@@ -38,6 +38,10 @@ class ModelConfig:
     """auto (cuda if available, else cpu), cpu, cuda or cuda:<i>."""
     trust_remote_code: bool = False
     """Run model code shipped with a checkpoint. Off unless you trust its source."""
+    attn_implementation: str | None = None
+    """Attention kernel transformers runs: None (its default: sdpa where the model has it), eager, sdpa,
+    flash_attention_2 (needs flash-attn and a CUDA device; padding-free forwards then run varlen, from the
+    restarting position ids), or any other name transformers accepts."""
     seed: int = 0
     """Seed for model init (presets), data order and sampling."""
     output_dir: str = "runs/gspo"

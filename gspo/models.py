@@ -100,18 +100,20 @@ def load_model(
     trust_remote_code: bool = False,
     seed: int = 0,
     overrides: dict | None = None,
+    attn_implementation: str | None = None,
 ):
     """Return `(model, tokenizer)` for a preset name, a local directory or a hub name.
 
     Presets are randomly initialised from `seed` (the caller's RNG state is left untouched);
     `overrides` patches their config fields. For checkpoints `seed` and `overrides` are unused.
+    `attn_implementation` (None: transformers' default) is handed to transformers as it builds the model.
     Either way the tokenizer gets a pad token and the generation config samples from the
     full distribution unless the caller asks for truncation.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if name_or_path in PRESETS:
-        model, tokenizer = _build_preset(name_or_path, seed, overrides or {})
+        model, tokenizer = _build_preset(name_or_path, seed, overrides or {}, attention(attn_implementation))
         if dtype != "auto":
             model = model.to(DTYPES[dtype])
     else:
@@ -119,7 +121,8 @@ def load_model(
             raise ValueError(
                 f"overrides apply only to presets {list(PRESETS)}, not to {name_or_path!r}"
             )
-        model, tokenizer = _load_pretrained(name_or_path, DTYPES[dtype], trust_remote_code)
+        model, tokenizer = _load_pretrained(name_or_path, DTYPES[dtype], trust_remote_code,
+                                            attention(attn_implementation))
     model = model.to(device)
     _fix_special_tokens(model, tokenizer)
     _disable_truncated_sampling(model)
@@ -131,7 +134,7 @@ def seeded_model(cfg) -> tuple[torch.device, torch.nn.Module, object]:
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                  seed=cfg.seed, overrides=cfg.model_overrides)
+                                  seed=cfg.seed, overrides=cfg.model_overrides, attn_implementation=cfg.attn_implementation)
     return device, model, tokenizer
 
 
@@ -158,7 +161,28 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _build_preset(name: str, seed: int, overrides: dict):
+def attention(attn_implementation: str | None) -> dict:
+    """The `from_config` / `from_pretrained` keyword of an attention implementation (none: transformers picks)."""
+    if attn_implementation is None:
+        return {}
+    if not isinstance(attn_implementation, str) or not attn_implementation:
+        raise ValueError(f"attn_implementation must be a name such as 'sdpa', 'eager' or 'flash_attention_2'; "
+                         f"got {attn_implementation!r}")
+    return {"attn_implementation": attn_implementation}
+
+
+def _with_attention(build, attention_kwargs: dict):
+    """`build()`, its refusal of the attention implementation (unknown, not installed, not supported by this
+    model) said as a ValueError that names the field."""
+    try:
+        return build()
+    except (ValueError, ImportError) as err:
+        if not attention_kwargs:
+            raise
+        raise ValueError(f"attn_implementation {attention_kwargs['attn_implementation']!r}: {err}") from err
+
+
+def _build_preset(name: str, seed: int, overrides: dict, attention_kwargs: dict):
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_char_tokenizer()
@@ -167,7 +191,8 @@ def _build_preset(name: str, seed: int, overrides: dict):
     # device, and loading a model does not shift the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = _with_attention(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                                         **attention_kwargs), attention_kwargs)
     return model, tokenizer
 
 
@@ -178,7 +203,7 @@ def _looks_local(name: str) -> bool:
     return os.sep != "/" and os.sep in name
 
 
-def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool):
+def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool, attention_kwargs: dict):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = os.path.expanduser(name_or_path)
@@ -190,14 +215,13 @@ def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool):
     if adapter_only and os.path.isfile(os.path.join(path, "adapter_config.json")):
         from gspo.lora import load_adapter  # a LoRA run's output_dir/model: base + adapter, merged
 
-        return load_adapter(path, lambda base: _load_pretrained(base, torch_dtype, trust_remote_code))
+        return load_adapter(path, lambda base: _load_pretrained(base, torch_dtype, trust_remote_code, attention_kwargs))
     if os.path.exists(path) and adapter_only:
         raise ValueError(f"name_or_path {name_or_path!r}: no config.json there, not a saved model")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, trust_remote_code=trust_remote_code
-        )
+        model = _with_attention(lambda: AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **attention_kwargs), attention_kwargs)
     except OSError as err:  # hub lookups offline, missing files: say what we were loading
         raise ValueError(
             f"name_or_path {name_or_path!r}: could not load model/tokenizer "

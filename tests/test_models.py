@@ -159,6 +159,38 @@ def test_load_from_path_with_dtype(tmp_path):
         load_model(str(tmp_path), overrides=SMALL)
 
 
+def test_attn_implementation_reaches_the_model_and_packed_forwards_match(tmp_path):
+    from gspo.logprobs import completion_logprobs
+
+    model, tok = load_model("tiny-dense", overrides=SMALL, attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+    assert load_model("tiny-dense", overrides=SMALL)[0].config._attn_implementation == "sdpa"  # transformers' pick
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert load_model(str(tmp_path), attn_implementation="sdpa")[0].config._attn_implementation == "sdpa"
+    cfg = make_config(TrainConfig, {"model": "tiny-moe", "model_overrides": SMALL, "attn_implementation": "eager",
+                                    "device": "cpu"})
+    assert seeded_model(cfg)[1].config._attn_implementation == "eager"
+    # a rollout's layout (left-padded prompts, right-padded completions): packed = padded under eager too
+    ids = torch.randint(3, len(tok), (3, 9))  # (N, P 4 + T 5)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 0, 0, 0]])
+    padded, _ = completion_logprobs(model, ids, mask, 5, packed=False)  # (N, T)
+    packed, _ = completion_logprobs(model, ids, mask, 5, packed=True)  # (N, T)
+    real = mask[:, 4:].bool()
+    assert real.sum() == 10 and (padded[real] != 0).all()
+    torch.testing.assert_close(packed[real], padded[real], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_attn_implementation_names_the_field():
+    with pytest.raises(ValueError, match="attn_implementation 'no_such_kernel'"):
+        load_model("tiny-dense", overrides=SMALL, attn_implementation="no_such_kernel")
+    with pytest.raises(ValueError, match="attn_implementation must be a name"):
+        load_model("tiny-dense", overrides=SMALL, attn_implementation="")
+    # flash-attn is not installed here (and there is no CUDA): refused with the field named
+    with pytest.raises(ValueError, match="attn_implementation 'flash_attention_2'"):
+        load_model("tiny-dense", overrides=SMALL, attn_implementation="flash_attention_2")
+
+
 def test_missing_local_path(tmp_path):
     with pytest.raises(ValueError, match="no such directory"):
         load_model(str(tmp_path / "nope"))
