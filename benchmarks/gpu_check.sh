@@ -17,6 +17,19 @@ python3 -m gspo train model=tiny-dense dtype=bfloat16 task=add3 max_steps=2 per_
   max_completion_length=16 eval_num_prompts=8 device=cuda progress=false output_dir=/tmp/gpu_bf16 > /tmp/gpu_bf16.log 2>&1
 echo "bf16 rc=$?"; tail -n 3 /tmp/gpu_bf16.log
 cp /tmp/gpu_moe_*.log /tmp/gpu_bf16.log "$OUT"/ 2>/dev/null || true
+# padding-free forwards (issue 20): a few steps per layout, then flash attention's varlen path if installed
+for pf in true false; do
+  python3 -m gspo bench model=tiny-dense task=add3 device=cuda padding_free=$pf max_completion_length=256 --steps 3 \
+    > "$OUT/bench_padding_free_$pf.log" 2>&1
+  echo "bench padding_free=$pf rc=$?"; tail -n 8 "$OUT/bench_padding_free_$pf.log"
+done
+if python3 -c "import flash_attn" >/dev/null 2>&1; then
+  python3 -m gspo bench model=tiny-dense task=add3 device=cuda dtype=bfloat16 attn_implementation=flash_attention_2 \
+    max_completion_length=256 --steps 3 > "$OUT/bench_flash.log" 2>&1
+  echo "bench flash_attention_2 rc=$?"; tail -n 8 "$OUT/bench_flash.log"
+else
+  echo "flash attention: flash_attn is not installed in this Python; skipped"
+fi
 # vLLM colocated with the trainer (issue 16): a ~0.44B model from config in bf16; generation and step
 # throughput, push time, peak memory, MFU. Needs vllm in this Python (pip install vllm); skipped without it.
 if python3 -c "import vllm" >/dev/null 2>&1; then
