@@ -134,7 +134,8 @@ def seeded_model(cfg) -> tuple[torch.device, torch.nn.Module, object]:
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                  seed=cfg.seed, overrides=cfg.model_overrides, attn_implementation=cfg.attn_implementation)
+                                  seed=cfg.seed, overrides=cfg.model_overrides,
+                                  attn_implementation=cfg.attn_implementation)
     return device, model, tokenizer
 
 

@@ -83,11 +83,12 @@ def generate(
         seeded = SeededSampler(row_seeds, temperature, device)
     was_training = model.training
     model.eval()
-    # inference mode: no version counters or view tracking per op (5-10% off sampling on CPU, BENCHMARKS
+    # inference mode: no version counters or view tracking per op (~5% off sampling on CPU, BENCHMARKS
     # section 9); what leaves it (ids, log-probs, the routing record) is rebuilt below by torch.where / cat
     # as normal tensors, which training may save for backward. Not under FSDP2: its all-gather buffers,
     # made here, are written in place again by the training forward ("Inplace update to inference tensor")
-    with torch.inference_mode(not is_fsdp2(model)), routing_recorder if routing_recorder is not None else nullcontext() as recorder:
+    recording = routing_recorder if routing_recorder is not None else nullcontext()
+    with torch.inference_mode(not is_fsdp2(model)), recording as recorder:
         completion_ids, sampler_lp = GENERATORS[chosen].sample(
             sampler, prompt_ids, prompt_mask, eos=eos, pad=pad, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, greedy=greedy, seeded=seeded, with_logprobs=with_logprobs,
