@@ -125,8 +125,13 @@ def test_files_inside_the_sandbox_dir_work_and_the_dir_is_removed():
         with open("d/f.txt", "w") as f:
             f.write("fine")
         print(os.getcwd(), sorted(os.listdir(".")))
+        def read():
+            return open("d/f.txt").read()
+        def lock():
+            os.chmod("d", 0)  # cleanup must still work
         """,
-        "assert open('d/f.txt').read() == 'fine'\nos.chmod('d', 0)  # cleanup must still work",
+        # the tests run in the judge's process, in a folder of its own: they see the program's names, not its files
+        "assert read() == 'fine'\nlock()\nimport os\nassert not os.path.exists('d')",
     )
     assert r.passed, r.stderr
     workdir, listing = r.stdout.split(" ", 1)
@@ -201,6 +206,204 @@ def test_tampering_with_the_sandbox_exit_does_not_pass(name):
     assert not r.passed and (r.returncode == sandbox._FAIL_RC or own_timer), r
 
 
+# ---- forged verdicts (issue 31): the verdict is the judge's, in a process the program cannot reach -----
+# Each of these scored 1.0 at bbf266e (where the tests ran in the program's own process) with the audit
+# hook off, and all but exec_true and gc_referrers_exit with it on too: the bootstrap's globals, reached
+# through a frame, gave its main and limits to call again over emptied files; the hook's defaults held
+# the real os._exit; an object equal to anything, or a program's own `abs`, answered the tests' question.
+
+REWRITE_AND_RERUN = "g['_limits'] = lambda *a: None\nopen(sys.argv[1] + '/solution.py', 'w').close()\n" \
+    "open(sys.argv[1] + '/tests.py', 'w').close()\ng['_main']()\n"
+FORGERIES = {
+    "frame_reentry": "import sys\ng = sys._getframe(1).f_globals\n" + REWRITE_AND_RERUN,  # the issue's
+    "traceback_frame_reentry": "import sys\ntry:\n    raise ValueError\nexcept ValueError as e:\n"
+    "    g = e.__traceback__.tb_frame.f_back.f_globals\n" + REWRITE_AND_RERUN,
+    "gc_referrers_exit": "import gc, sys\nfor holder in gc.get_referrers(sys._getframe(1).f_globals):\n"
+    "    for v in getattr(holder, '__defaults__', None) or ():\n"
+    "        if getattr(v, '__module__', None) == 'posix' and getattr(v, '__name__', '') == '_exit':\n"
+    "            v(0)\n",
+    "exec_true": "import os\nos.execv('/bin/true', ['true'])",  # a process that exits 0 in its place
+    "eq_always_true": "class Anything:\n    def __eq__(self, other):\n        return True\n"
+    "    __hash__ = object.__hash__\ndef add(a, b):\n    return Anything()\n",
+    "int_subclass_eq": "class I(int):\n    def __eq__(self, other):\n        return True\n"
+    "    __hash__ = int.__hash__\ndef add(a, b):\n    return I(0)\n",
+    "shadowed_builtin": "def abs(x):\n    return 0\ndef add(a, b):\n    return 0\n",
+}
+MODES = ["weak"] if NO_OS else ["os", "weak"]
+
+
+@HOOK
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_a_program_cannot_forge_a_pass(name, mode, audit_hook):
+    tests = "assert abs(add(2, 3) - 5) < 1e-9" if name == "shadowed_builtin" else "assert add(2, 3) == 5"
+    r = run(FORGERIES[name], tests, sandbox=mode, audit_hook=audit_hook)
+    assert not r.passed and r.returncode == sandbox._FAIL_RC and r.error is None, r
+    # control: a correct add passes under the same tests, so the test can tell the two apart
+    assert run(ADD, tests, sandbox=mode, audit_hook=audit_hook).passed
+
+
+def test_the_issues_forged_completion_scores_zero():
+    payload = "import sys\ng=sys._getframe(1).f_globals\ng['_limits']=lambda *a:None\n" \
+        "open(sys.argv[1]+'/solution.py','w').close();open(sys.argv[1]+'/tests.py','w').close()\ng['_main']()\n"
+    reward = CodeReward(**SMALL, sandbox=MODE)
+    assert reward(["x"], [f"```python\n{payload}```"], tests=["assert False"]) == [0.0]
+
+
+@HOOK
+def test_the_tests_never_reach_the_program(audit_hook):
+    marker = f"secret-{uuid.uuid4().hex}"
+    program = """
+        import gc, sys
+        found = []
+        try:
+            frame = sys._getframe()
+            while frame is not None:
+                found += [repr(v) for v in frame.f_locals.values()] + [repr(v) for v in frame.f_globals.values()]
+                frame = frame.f_back
+            found += [o for o in gc.get_objects() if isinstance(o, str)]
+        except Exception as err:
+            print(type(err).__name__)
+        for path in ("tests.py", sys.argv[1] + "/tests.py", "/dev/stdin", "/proc/self/fd/0"):
+            try:
+                found.append(open(path).read())
+            except Exception as err:
+                print(type(err).__name__)
+        needle = "REVERSED"[::-1]  # the program's own text must not hold the marker it looks for
+        print("found" if any(needle in text for text in found) else "not found")
+        """.replace("REVERSED", marker[::-1])
+    r = run(program, f"TESTS_SECRET = {marker!r}\nassert False", audit_hook=audit_hook)
+    assert not r.passed and r.stdout.splitlines()[-1] == "not found" and marker not in r.stdout
+
+
+def test_the_program_ending_while_the_tests_run_fails_even_if_they_catch_everything():
+    for program in ("import sys\ndef f():\n    sys.exit(0)\n", "import os\ndef f():\n    os._exit(0)\n"):
+        r = run(program, "try:\n    f()\nexcept BaseException:\n    pass\n")
+        assert not r.passed and r.returncode == sandbox._FAIL_RC
+        assert "sandbox: the program" in r.stderr and ("exited" in r.stderr or "ended" in r.stderr), r.stderr
+
+
+# ---- what the tests see of the program ----------------------------------------------------------
+
+SEMANTICS_PROGRAM = '''
+import collections, dataclasses, fractions, sys
+count = 0
+class Bad(ValueError):
+    pass
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+    def norm1(self):
+        return abs(self.x) + abs(self.y)
+class Stack:
+    def __init__(self):
+        self.items = []
+    def push(self, x):
+        self.items.append(x)
+    def pop(self):
+        return self.items.pop()
+    def __len__(self):
+        return len(self.items)
+def inc():
+    global count
+    count += 1
+def check(x):
+    if x < 0:
+        raise Bad("negative")
+    return x
+def gen(n):
+    yield from range(n)
+def rev(xs):
+    xs.reverse()
+def values():
+    return (None, True, 2**200, -0.5, float("inf"), 1j, "é\\u2603", b"\\x00\\xff", bytearray(b"ab"), [1, [2]],
+            {"a": (1, 2)}, {3}, frozenset({4}), range(1, 9, 2), fractions.Fraction(1, 3),
+            collections.Counter("aab"), collections.namedtuple("P", "a b")(1, 2))
+def apply(f, x):
+    return f(x)
+'''
+SEMANTICS_TESTS = '''
+import collections, fractions, math, unittest
+from solution import Point as P2
+assert P2 is Point and Point(1, 2) == Point(1, 2) and Point(1, 2) != Point(2, 1)
+assert isinstance(Point(0, 0), Point) and Point(3, -4).norm1() == 7 and Point(1, 2).x == 1
+s = Stack(); s.push(1); s.push("two")
+assert len(s) == 2 and s.pop() == "two" and s.items == [1]
+inc(); inc()
+assert count == 2
+try:
+    check(-1)
+except Bad as e:
+    assert str(e) == "negative" and isinstance(e, ValueError)
+else:
+    raise AssertionError("no exception")
+assert check(3) == 3 and list(gen(3)) == [0, 1, 2] and sum(gen(4)) == 6
+xs = [1, 2, 3]; rev(xs)
+assert xs == [3, 2, 1]
+v = values()
+assert v[:6] == (None, True, 2**200, -0.5, math.inf, 1j) and v[2] == 2**200
+assert v[6:] == ("é\\u2603", b"\\x00\\xff", bytearray(b"ab"), [1, [2]], {"a": (1, 2)}, {3}, frozenset({4}),
+                 range(1, 9, 2), fractions.Fraction(1, 3), collections.Counter("aab"), (1, 2))
+try:
+    apply(lambda x: x, 1)
+except TypeError as e:
+    assert "cannot be passed to the program" in str(e)
+class T(unittest.TestCase):
+    def test_point(self):
+        self.assertEqual(Point(1, 1).norm1(), 2)
+unittest.main(argv=["tests"])  # exits 0 when every test passed: that is a pass
+'''
+
+
+def test_the_tests_see_the_programs_names_objects_exceptions_and_data():
+    r = run(SEMANTICS_PROGRAM, SEMANTICS_TESTS)
+    assert r.passed, r.stderr
+    assert "Ran 1 test" in r.stderr and r.program_returncode == 0
+
+
+def test_a_failing_unittest_main_fails_the_run():
+    r = run(ADD, "import unittest\nclass T(unittest.TestCase):\n    def test(self):\n"
+            "        self.assertEqual(add(1, 1), 3)\nunittest.main(argv=['tests'])\n")
+    assert not r.passed and "FAILED (failures=1)" in r.stderr and "the tests exited with status True" in r.stderr
+
+
+def test_program_objects_compare_only_with_program_objects():
+    program = "class Box:\n    def __init__(self, v):\n        self.v = v\n    def __eq__(self, o):\n" \
+        "        return isinstance(o, Box) and o.v == self.v\n    __hash__ = None\n"
+    assert run(program, "assert Box(1) == Box(1) and Box(1) != Box(2)").passed
+    assert not run(program, "assert Box(1) == 1").passed  # data is never equal to a program object
+    r = run(program, "assert Box(1) < Box(2)")
+    assert not r.passed and "TypeError" in r.stderr and "raised in the program's process" in r.stderr
+
+
+def test_the_wire_decodes_any_json_to_data_or_a_wire_error():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from gspo.data.sandbox_wire import WireError, decode, encode
+
+    def no_handles(tag, args):
+        raise WireError("no handles here")
+
+    leaves = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5)
+    tags = st.sampled_from(list("ifcsyYltdOCSFrzEQDqhX") + ["zz"])
+    trees = st.recursive(leaves, lambda kids: st.lists(kids, max_size=4) | st.builds(
+        lambda t, rest: [t, *rest], tags, st.lists(kids, max_size=3)), max_leaves=20)
+
+    @settings(max_examples=400, deadline=None)
+    @given(trees)
+    def check(tree):
+        try:
+            value = decode(tree, no_handles)
+        except WireError:
+            return
+        assert decode(encode(value, lambda v: pytest.fail(f"not data: {v!r}")), no_handles) == value or \
+            value != value  # NaN inside
+
+    check()
+
+
 # ---- limits -----------------------------------------------------------------------------------
 
 def test_infinite_loop_is_stopped_by_the_wall_clock():
@@ -212,8 +415,9 @@ def test_infinite_loop_is_stopped_by_the_wall_clock():
 
 def test_cpu_limit_stops_a_busy_loop_before_the_wall_clock():
     r = run("while True:\n    pass", timeout_s=30, cpu_s=1)
-    assert r.killed == "cpu_limit" and r.returncode == -signal.SIGXCPU and not r.timed_out
-    assert r.duration_s < 15
+    # the program's process got SIGXCPU; the judge, left without answers, failed the run
+    assert r.killed == "cpu_limit" and r.program_returncode == -signal.SIGXCPU and not r.timed_out
+    assert r.returncode == sandbox._FAIL_RC and r.duration_s < 15
 
 
 def test_memory_bomb_is_refused():
@@ -224,6 +428,78 @@ def test_memory_bomb_is_refused():
     # the limit is not so tight that ordinary programs fail
     fits = run("x = bytearray(64 * 2**20)", "assert len(x) == 64 * 2**20", memory_mb=256)
     assert fits.passed, fits.stderr
+
+
+MEMFD_HOG = """
+    import errno, os
+    made = 0
+    try:
+        for _ in range(8):  # 8 x 16 MB, outside RLIMIT_AS: twice memory_mb
+            fd = os.memfd_create("hog")
+            os.write(fd, b"x" * 16 * 2**20)
+            made += 1
+    except OSError as err:
+        print(errno.errorcode[err.errno])
+    print("made", made)
+    """
+SECCOMP_ACTIVE = sandbox.seccomp_filter() is not None
+needs_seccomp = pytest.mark.skipif(not SECCOMP_ACTIVE, reason="no seccomp table for this architecture")
+
+
+@needs_seccomp
+@HOOK
+def test_memory_outside_the_address_space_is_refused(audit_hook):
+    # issue 31: 61 memfds x 16 MB held ~976 MB under memory_mb=64 at bbf266e
+    r = run(MEMFD_HOG, "assert made == 8", memory_mb=64, audit_hook=audit_hook)
+    assert not r.passed and r.stdout == "EPERM\nmade 0\n" and r.duration_s < 5, r
+    control = unsandboxed(MEMFD_HOG)  # the same program, unconfined, holds 128 MB
+    assert control.stdout == "made 8\n", control.stderr
+
+
+@needs_seccomp
+def test_the_seccomp_filter_refuses_shared_memory_namespaces_mounts_and_ptrace():
+    program = """
+        import ctypes, errno
+        libc = ctypes.CDLL(None, use_errno=True)
+        calls = (("shmget", (0, 2**20, 0o1600)), ("msgget", (0, 0o1600)), ("unshare", (0x20000,)),
+                 ("mount", (b"none", b"/tmp", b"tmpfs", 0, None)), ("ptrace", (16, 1, 0, 0)))
+        out = []
+        for name, args in calls:
+            rc = getattr(libc, name)(*args)
+            out.append(errno.errorcode[ctypes.get_errno()] if rc == -1 else "ALLOWED")
+        print(" ".join(out))
+        """
+    r = run(program, "assert False", audit_hook=False)  # no hook: ctypes reaches libc, only the kernel refuses
+    assert r.stdout == "EPERM EPERM EPERM EPERM EPERM\n", r.stderr
+
+
+CGROUP_PARENT, _, NO_CGROUP = sandbox.cgroup_parent()
+needs_cgroup = pytest.mark.skipif(CGROUP_PARENT is None, reason=f"no memory cgroup here: {NO_CGROUP}")
+
+
+@needs_cgroup
+def test_a_run_cgroup_kills_what_goes_over_its_memory():
+    from gspo.data.sandbox_kernel import RunCgroup
+
+    hog = textwrap.dedent(MEMFD_HOG)
+    cgroup = RunCgroup(64 * 2**20)
+    try:
+        done = subprocess.run(cgroup.wrap([sys.executable, "-I", "-S", "-c", hog]), capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == -signal.SIGKILL and cgroup.oom_killed(), (done.returncode, done.stderr)
+    finally:
+        cgroup.close()
+    assert not os.path.exists(cgroup.path)
+    assert unsandboxed(hog).stdout == "made 8\n"  # control: the same program outside the cgroup
+
+
+@needs_cgroup
+def test_each_run_is_charged_to_a_cgroup_of_its_own_removed_afterwards():
+    r = run("print(open('/proc/self/cgroup').read())", "assert True", sandbox="weak", audit_hook=False)
+    assert r.passed and "/gspo-sandbox-" in r.stdout, r.stdout  # no cgroup namespace in weak mode
+    mine = [line for line in r.stdout.splitlines() if "/gspo-sandbox-" in line][0]
+    folder = os.path.join(CGROUP_PARENT, "gspo-sandbox-" + mine.split("/gspo-sandbox-")[1])
+    assert not os.path.exists(folder)
 
 
 KILLED_RUNS = {
@@ -501,8 +777,12 @@ def test_the_kernel_confines_the_process():
     assert {"usr", "proc", "dev", "tmp"} <= top and not top & {"etc", "home", "var", "work", "opt", "srv"}
     # no /etc, none of the trainer's code; /proc shows bwrap's init and the interpreter only
     assert rest == "False False ['1', '2']"
-    # where the description promises it (bwrap >= 0.8, not root); as root it stays possible (no seccomp)
-    assert nested == ("ENOSPC" if "no nested user namespaces" in describe_sandbox() else "made")
+    # seccomp refuses unshare() where it is active (x86_64, aarch64), as root too; without it bwrap >= 0.8
+    # refuses nested user namespaces to a non-root trainer, and as root they stay possible
+    described = describe_sandbox()
+    expected = "EPERM" if "seccomp: memfd" in described else "ENOSPC" if "no nested user namespaces" in described \
+        else "made"
+    assert nested == expected
 
 
 def test_the_users_home_and_environment_are_not_readable(monkeypatch, open_dir):
@@ -582,6 +862,13 @@ def test_isolation_is_reported():
     else:
         assert describe_sandbox().startswith("boundary: bubblewrap (private mount namespace, read-only system")
         assert network_isolation() == "netns"
+    for mode in MODES:
+        described = describe_sandbox(mode)
+        assert "verdict: the tests run in a judge process the program cannot reach" in described
+        assert ("seccomp: memfd/SysV shm" in described) == SECCOMP_ACTIVE
+        assert ("memory cgroup (v" in described) == (CGROUP_PARENT is not None)
+        if CGROUP_PARENT is None:
+            assert f"memory cgroup: none ({NO_CGROUP})" in described
 
 
 def test_weak_mode_still_runs_when_asked(open_dir):

@@ -1,18 +1,52 @@
-"""Sandboxed code reward: run model-written Python against tests in a separate, confined process.
+"""Sandboxed code reward: model-written Python in one confined process, its tests in another.
 
-Model output is never `exec`-ed in the trainer. Each program runs in a fresh interpreter
-(`python -I -S -B`: isolated mode, no site-packages, no bytecode written) with an empty stdin
-and a minimal environment (PATH, LANG, LC_ALL, HOME=TMPDIR=its working dir; bwrap adds PWD).
+Model output is never `exec`-ed in the trainer. Each run starts two fresh interpreters (`python -I
+-S -B`: isolated mode, no site-packages, no bytecode written), each in a sandbox of its own with a
+minimal environment (PATH, LANG, LC_ALL, HOME=TMPDIR=its working dir; bwrap adds PWD):
+
+- **the program's process** (sandbox_child.py) runs the program as `__main__`, then answers
+  questions about its names: call this, get that attribute, compare these two objects;
+- **the judge** (sandbox_judge.py) reads the tests from its stdin (never a file the program could
+  see), runs them, and asks the program's process whatever they ask of the program's names. Its
+  exit status is the verdict: 0 iff the program ran to its end and the tests then ran to theirs.
+
+The verdict is out of the program's reach: the program shares no process, memory, file or pid
+namespace with the judge (another bwrap; the judge is also non-dumpable, so no ptrace or
+/proc/PID/mem in weak mode either, and seccomp refuses ptrace to the program), and what it sends back over
+the channel is decoded as data only (sandbox_wire.py): numbers, strings, bytes and containers of
+them arrive in the judge as the plain built-in types, anything else as a handle whose every operation
+is asked of the program again. So rewriting the bootstrap's globals, calling its main again, walking
+frames or the heap to a verdict, exiting with status 0 (`sys.exit`, `os._exit`, `exec /bin/true`),
+killing or signalling anything: each is at most a program that stops answering, and fails.
+
+What the tests see (the semantics of a separate process):
+- the program's global names, bound after it ran and re-bound when a call re-binds them (a global
+  mutated in place is seen as it was when last bound), also as `solution.NAME` (`from solution import
+  f` works). Names that shadow a builtin (`abs`, `len`, `isinstance`, ...) do not replace the tests'
+  builtins: reach them as `solution.abs`.
+- data as copies: a list passed to a function and changed there in place is copied back into the
+  tests' list (list, dict, set, bytearray arguments); values over ~16 MB (1 MB for a global) and
+  cycles arrive as handles.
+- the program's objects as handles: calls, attributes, operators, iteration, `len`, `str`, `hash`,
+  `isinstance(x, TheirClass)`, `with` all work. A handle compares (`==`, `<`, ...) only with another
+  handle; against data it is unequal (and `<` a TypeError): so an object whose `__eq__` says True to
+  everything, or a str/int subclass that does, matches no expected value.
+- the program's exceptions: raised in the judge as the nearest built-in class, or as a class of the
+  same name for the program's own (`except TheirError` works), with the program's traceback as a note.
+- not the program's files (the judge has its own folder), and nothing of the judge's may be passed to
+  the program but data and handles (no callbacks: TypeError). `type(handle)` is the judge's proxy type.
+- tests may end with `unittest.main()`: SystemExit(0) from the tests is a pass, any other code a fail.
 
 The boundary, `sandbox="os"` (the default), is the kernel's, set up by bubblewrap (`bwrap`; the
-environment variable GSPO_BWRAP may name another binary). A private mount namespace shows
+environment variable GSPO_BWRAP may name another binary), for each of the two processes. A private
+mount namespace shows
 - read-only: /usr; the host's /bin, /sbin, /lib* (symlinks stay symlinks); the interpreter's real
   prefix (`sys.base_prefix`); a minimal /dev (null, zero, full, random, urandom, tty, a private
   pts). Nothing else of the host: no /etc, /home, /var, no other part of /root, no trainer files;
-- /proc of the run's own pid namespace: the host's processes are invisible;
+- /proc of the process's own pid namespace: the host's processes, and the other side, are invisible;
 - writable: one directory, the working dir, a tmpfs in memory of max(16 MB, 4 x max_file_mb).
-  The program and tests are copied into it through file descriptors, so a run writes nothing on
-  the host's disks and leaves nothing behind.
+  The program arrives in it through a file descriptor, so a run writes nothing on the host's disks
+  and leaves nothing behind.
 It adds pid, ipc, uts, network (its own loopback only) and, where possible, cgroup namespaces;
 `--die-with-parent` and the pid namespace mean that killing a run kills all of it, and
 `--new-session` detaches it from any terminal. As root, bwrap makes no user namespace (one made
@@ -23,38 +57,41 @@ no nested user namespaces. Either way root's files (/proc/sys, ...) are closed t
 Where this does not start, a run raises SandboxUnavailable naming why and the fixes;
 `code_reward()` checks when it is built.
 
-Not covered: CPU time, memory and processes are bounded by rlimits and the wall clock only (no
-cgroup); the tmpfs's pages are outside RLIMIT_AS (bounded by its size, its inode count only by the
-time limit); there is no seccomp filter, so the kernel's whole system-call surface is reachable (as
-root, nested user namespaces too) and a kernel bug is an escape; as root, uid 65534 is shared with
-any "nobody" process on the host, which could signal or trace the sandbox (not the reverse); the
-global files of /proc (cpuinfo, meminfo, ...) are readable.
-
-`sandbox="weak"` runs without bubblewrap, in a host temp dir deleted afterwards: an empty network
+`sandbox="weak"` runs without bubblewrap, in host temp dirs deleted afterwards: an empty network
 namespace (`unshare --net`; as a normal user `unshare --user --map-root-user --net`) and, as root, a
 switch to uid 65534 with `setpriv` (keeping CAP_DAC_READ_SEARCH where the interpreter lives where
 nobody cannot read, e.g. pyenv under /root, which leaves every read to the audit hook), each where
 it works. The file system is then guarded by file permissions and the audit hook only; a
 RuntimeWarning names whatever is left to the hook alone.
 
-Both modes, in the child before any model code runs (gspo/data/sandbox_child.py): rlimits RLIMIT_AS
-(memory), RLIMIT_CPU, RLIMIT_FSIZE (largest file), RLIMIT_NOFILE, RLIMIT_CORE=0 and RLIMIT_NPROC=0
-(no new processes or threads: the child's own limit, so the user's other processes do not matter).
-The parent enforces the wall clock and the output cap (pipes read incrementally, at most
-`max_output_bytes` kept), kills the run's process group and waits for its pipes to close. An audit
-hook refuses process creation, signals to other processes, sockets, ctypes, tracing and heap
-walking, and opening, listing or writing anything outside the working dir, the standard library
-and a few devices. It is defence in depth, not a boundary: code in the same process can get round
-it (sqlite's ATTACH opens files it never sees). `audit_hook=False` turns its policy off, to test
-the kernel alone.
+Both modes, in the program's process before the program runs: a seccomp filter (x86_64, aarch64;
+gspo.data.sandbox_kernel) refusing memory held outside the address space (memfd, SysV shm and
+message queues, io_uring, userfaultfd, keyrings, bpf), ptrace and process_vm_*, namespaces and
+mounts; rlimits RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (largest file), RLIMIT_NOFILE,
+RLIMIT_CORE=0 and RLIMIT_NPROC=0 (no new processes or threads); where the trainer may make one, a
+memory cgroup per run capping everything the kernel charges to it (tmpfs and memfd pages too) at
+memory_mb + the tmpfs + 32 MB (killed="memory_limit"). The judge gets the same rlimits. The parent
+enforces the wall clock and the output cap (pipes read incrementally, at most `max_output_bytes`
+kept per stream), kills both process groups and waits for their pipes to close. An audit hook in the
+program's process refuses process creation, signals to other processes, sockets, ctypes, tracing and
+heap walking, and opening, listing or writing anything outside the working dir, the standard library
+and a few devices. It is defence in depth, not a boundary: code in the same process can get round it
+(sqlite's ATTACH opens files it never sees). `audit_hook=False` turns its policy off, to test the
+kernel alone. `describe_sandbox()` says which of these layers are active here.
 
-Scoring: the program runs first, then the tests, in one namespace; the reward is 1.0 iff both
-finish within the limits. Leaving early is a failure, including `sys.exit(0)`, `os._exit(0)`,
-an atexit handler or a signal handler in the program (common reward hacks): the child exits 0
-only through the sandbox's own exit after the last test. So tests must not call `sys.exit`
-themselves (use asserts, or `unittest.main(exit=False)` and check the result). The tests are
-deleted before the program starts, though a program that inspects the interpreter's frames could
-still read them.
+Limits that remain. Security: the kernel's system-call surface beyond the seccomp list is reachable,
+so a kernel bug is an escape; CPU and processes are bounded by rlimits and the wall clock, memory by
+RLIMIT_AS alone where no cgroup can be made (the seccomp list closes the known ways around it, the
+tmpfs is bounded by its size, pipes by RLIMIT_NOFILE); as root, uid 65534 is shared with any
+"nobody" process on the host, which could signal or trace the sandbox (not the reverse); the global
+files of /proc (cpuinfo, meminfo, ...) are readable; in weak mode both processes share the host's
+pid namespace, so the program can kill the judge (a failure, never a pass). Reward hacking: the
+program decides whatever the tests ask of its own objects: comparisons between two of them, their
+`bool`, `len`, `str`, arithmetic and iteration; tests that compare only handles with handles, or test
+truthiness alone, can be satisfied by an object built to agree; a program can still special-case the
+inputs it is called with: it sees the arguments of every call (an expected value passed as one is
+readable to it), never the tests' source. Tests should compare the
+program's answers with expected data (`assert f(2) == 4`), as most code datasets do.
 """
 
 from __future__ import annotations
@@ -64,10 +101,6 @@ import math
 import os
 import re
 import secrets
-import selectors
-import shutil
-import signal
-import subprocess
 import tempfile
 import time
 import warnings
@@ -87,6 +120,9 @@ from gspo.data.sandbox_launch import (
     tmpfs_bytes,
     weak_launcher,
 )
+from gspo.data.sandbox_exec import Launch, judged, remove_tree, run_pair
+from gspo.data.sandbox_kernel import HEADROOM_MB, RunCgroup, cgroup_parent, seccomp_filter
+from gspo.data.sandbox_kernel import describe as describe_kernel
 
 __all__ = [
     "SANDBOX_MODES",
@@ -96,6 +132,8 @@ __all__ = [
     "check_sandbox",
     "network_isolation",
     "describe_sandbox",
+    "seccomp_filter",
+    "cgroup_parent",
     "extract_code",
     "CodeReward",
     "code_reward",
@@ -103,24 +141,29 @@ __all__ = [
 ]
 
 SANDBOX_MODES = ("os", "weak")
-_FAIL_RC = 3  # the program or a test raised (or tried to exit early)
+_FAIL_RC = 3  # the judge: the program or a test raised, or the program's process ended or broke the channel
 _SETUP_RC = 111  # the sandbox's own setup failed before model code ran
 _NOFILE = 64
+_FRAME_CAP = 64 * 2**20  # the largest message between the program's process and the judge
 _RLIMITS = "rlimits AS/CPU/FSIZE/NOFILE, NPROC=0"
-_BOOTSTRAP = Path(__file__).with_name("sandbox_child.py").read_text(encoding="utf-8")
+_HERE = Path(__file__).parent
+_WIRE = (_HERE / "sandbox_wire.py").read_text(encoding="utf-8")
+_CHILD = _WIRE + (_HERE / "sandbox_child.py").read_text(encoding="utf-8")
+_JUDGE = _WIRE + (_HERE / "sandbox_judge.py").read_text(encoding="utf-8")
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
-    """One sandboxed run. `passed` iff program and tests ran to the end within every limit."""
+    """One sandboxed run. `passed` iff the judge saw the tests run to their end within every limit."""
 
-    returncode: int | None  # exit status; negative: killed by that signal; None: never started
-    stdout: str  # the first max_output_bytes bytes, decoded as UTF-8 (bad bytes replaced)
-    stderr: str
+    returncode: int | None  # the judge's exit status (0: passed); negative: killed by that signal; None: not started
+    stdout: str  # the program's process's stdout, then the judge's (each its first max_output_bytes bytes)
+    stderr: str  # the same for stderr: the program's tracebacks, then the tests' and the judge's reason
     timed_out: bool
-    killed: str | None  # "timeout", "output_limit", "cpu_limit", "signal SIGSEGV", ...; None: exited
+    killed: str | None  # "timeout", "output_limit", "cpu_limit", "memory_limit", "signal SIGSEGV", ...; None
     duration_s: float
     error: str | None = None  # the sandbox itself failed; the program was not judged
+    program_returncode: int | None = None  # the program's process's status (0 once it served the judge)
 
     @property
     def passed(self) -> bool:
@@ -177,15 +220,20 @@ def describe_sandbox(sandbox: str = "os") -> str:
         return (
             "boundary: bubblewrap (private mount namespace, read-only system, one writable tmpfs of "
             f"max({TMPFS_MIN_MB} MB, {TMPFS_FILES} x max_file_mb), no network, pid/ipc/uts namespaces, {who}, "
-            f"no capabilities, no new privileges); {_RLIMITS}; audit hook"
+            f"no capabilities, no new privileges); {_layers()}"
         )
     prefix, has_netns, who = weak_launcher()
     net = "empty network namespace" if has_netns else "audit hook only"
     return (
         "boundary: weak (no mount namespace: file permissions and an in-process audit hook are the "
-        f"only file-system barrier); runs as: {who}; network: {net}; {_RLIMITS}; audit hook; "
+        f"only file-system barrier); runs as: {who}; network: {net}; {_layers()}; "
         f"launcher: {' '.join(prefix) or '(none)'}"
     )
+
+
+def _layers() -> str:
+    return (f"{_RLIMITS}; {describe_kernel()}; audit hook; verdict: the tests run in a judge process the "
+            "program cannot reach")
 
 
 # ---- one run ----------------------------------------------------------------------------------
@@ -205,104 +253,6 @@ def _check_limits(timeout_s, memory_mb, cpu_s, max_output_bytes, max_file_mb) ->
             raise ValueError(f"{name} must be >= {lowest}, got {value!r}")
 
 
-def _exited(pid: int, deadline: float) -> bool:
-    """Wait until `pid` exits or `deadline`; leave it unreaped so its process group id stays ours."""
-    while True:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.005)
-
-
-def _drive(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str | None]:
-    """Collect at most `cap` bytes per stream until the child ends; kill its group on a limit."""
-    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    killed = None
-    with selectors.DefaultSelector() as sel:
-        for fd in bufs:
-            sel.register(fd, selectors.EVENT_READ)
-        while sel.get_map() and killed is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                killed = "timeout"
-                break
-            for key, _ in sel.select(left):
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fd)
-                    continue
-                buf, room = bufs[key.fd], cap - len(bufs[key.fd])
-                buf += chunk[:room]
-                if len(chunk) > room:
-                    killed = "output_limit"
-                    break
-        if killed is None and not _exited(proc.pid, deadline):
-            killed = "timeout"
-        try:  # the leader is alive or a zombie here, so the group id cannot belong to anyone else
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        # Under bwrap the program is in its own session, killed as its pid namespace's init dies:
-        # the pipes close when its last process is gone, so return only then (bounded).
-        linger = time.monotonic() + 2.0
-        while sel.get_map() and (left := linger - time.monotonic()) > 0:
-            for key, _ in sel.select(left):
-                if not os.read(key.fd, 65536):
-                    sel.unregister(key.fd)
-    return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), killed
-
-
-def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.lexists(path):  # the program removed permissions a non-root trainer needs
-        for root, dirs, _ in os.walk(path):
-            for d in [root, *(os.path.join(root, d) for d in dirs)]:
-                if not os.path.islink(d):
-                    try:
-                        os.chmod(d, 0o700)
-                    except OSError:
-                        pass
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return str(number)
-
-
-def _execute(argv, cwd, env, pass_fds, start, timeout_s, cap, via_bwrap) -> SandboxResult:
-    """Start `argv`, drive it to its end or a limit, and judge how it ended."""
-    try:
-        proc = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, pass_fds=pass_fds,
-        )
-    except OSError as exc:
-        return SandboxResult(None, "", "", False, None, time.monotonic() - start, f"could not start: {exc}")
-    with proc:
-        try:
-            out, err, killed = _drive(proc, start + timeout_s, cap)
-        except BaseException:  # e.g. KeyboardInterrupt in the trainer: leave nothing running
-            if proc.returncode is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    rc = proc.returncode
-    if via_bwrap and rc is not None and rc > 128 and rc - 128 in signal.valid_signals():
-        rc = 128 - rc  # bwrap reports a child killed by signal n as 128 + n
-    stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-    if killed is None and rc is not None and rc < 0:
-        killed = "cpu_limit" if rc == -signal.SIGXCPU else f"signal {_signal_name(-rc)}"
-    error = None
-    launcher_failed = rc not in (0, _FAIL_RC) and stderr.startswith(("bwrap:", "unshare:", "setpriv:"))
-    if killed is None and (rc == _SETUP_RC or launcher_failed):
-        error = f"sandbox setup failed (exit {rc}): {stderr[-2000:]}"
-    return SandboxResult(rc, stdout, stderr, killed == "timeout", killed, time.monotonic() - start, error)
-
-
 def run_sandboxed(
     code: str,
     tests: str = "",
@@ -315,12 +265,13 @@ def run_sandboxed(
     audit_hook: bool = True,
     sandbox: str = "os",
 ) -> SandboxResult:
-    """Run `code`, then `tests`, in a fresh confined interpreter (see the module docstring).
+    """Run `code` in one confined process and `tests` against it in another (see the module docstring).
 
-    `cpu_s` defaults to `timeout_s` rounded up. Output beyond `max_output_bytes` on either stream
-    kills the run (killed="output_limit"). `sandbox`: "os" (bubblewrap; SandboxUnavailable where it
-    cannot start) or "weak". `audit_hook=False` leaves only the kernel's limits (for testing them);
-    never use it for untrusted code.
+    `cpu_s` (each process's CPU time) defaults to `timeout_s` rounded up; `memory_mb` bounds each
+    process's address space (and, with a memory cgroup, all the program's process holds). Output
+    beyond `max_output_bytes` on any stream kills the run (killed="output_limit"). `sandbox`: "os"
+    (bubblewrap; SandboxUnavailable where it cannot start) or "weak". `audit_hook=False` leaves the
+    program only the kernel's limits (for testing them); never use it for untrusted code.
     """
     if not isinstance(code, str):
         raise ValueError(f"code must be a str, got {type(code).__name__}")
@@ -328,38 +279,85 @@ def run_sandboxed(
         raise ValueError(f"tests must be a str, got {type(tests).__name__}")
     _check_limits(timeout_s, memory_mb, cpu_s, max_output_bytes, max_file_mb)
     _check_mode(sandbox)
+    box = _require_boundary() if sandbox == "os" else None
+    prefix, _, who = weak_launcher() if box is None else ((), False, "")
     cpu = max(1, math.ceil(timeout_s if cpu_s is None else cpu_s))
-    numbers = [str(int(v)) for v in (memory_mb * 2**20, cpu, max_file_mb * 2**20, _NOFILE, audit_hook,
-                                     _FAIL_RC, _SETUP_RC)]
-    sources = {"solution.py": code.encode("utf-8", "surrogatepass"),
-               "tests.py": tests.encode("utf-8", "surrogatepass")}
-    child = [python_path(), "-I", "-S", "-B", "-X", "utf8", "-c", _BOOTSTRAP]
+    limits = [memory_mb * 2**20, cpu, int(max_file_mb * 2**20), _NOFILE]
+    filt = seccomp_filter()
+    interpreter = [python_path(), "-I", "-S", "-B", "-X", "utf8", "-c"]
     start = time.monotonic()
-    if sandbox == "os":
-        box = _require_boundary()
-        tmp = f"/tmp/gspo-sandbox-{secrets.token_hex(6)}"  # exists only in the run's mount namespace
-        fds: list[int] = []
-        try:
-            for data in sources.values():
-                fds.append(memfd("source", data))
-            boxed = bwrap_argv(box, tmp, tmpfs_bytes(max_file_mb), list(zip(fds, sources)))
-            argv = [*boxed, *child, tmp, *numbers]
-            return _execute(argv, "/", child_env(tmp), fds, start, timeout_s, max_output_bytes, True)
-        finally:
-            for fd in fds:
-                os.close(fd)
-    prefix, _, who = weak_launcher()
-    tmp = os.path.realpath(tempfile.mkdtemp(prefix="gspo-sandbox-"))
+    fds: list[int] = []  # ours to close once both processes hold their copies
+    folders: list[str] = []
+    cgroup = None
     try:
-        for name, data in sources.items():
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(data)
-        if who.startswith(f"uid {NOBODY}"):
-            os.chown(tmp, NOBODY, NOBODY)
-        argv = [*prefix, *child, tmp, *numbers]
-        return _execute(argv, tmp, child_env(tmp), (), start, timeout_s, max_output_bytes, False)
+        requests_r, requests_w = os.pipe()
+        replies_r, replies_w = os.pipe()
+        setup_r, setup_w = os.pipe()  # one byte once the program's process is set up (see sandbox_child)
+        fds += [requests_r, requests_w, replies_r, replies_w, setup_w]
+        setup_file = os.fdopen(setup_r, "rb")
+        tests_fd = memfd("tests", tests.encode("utf-8", "surrogatepass"))  # the judge's stdin: never a file
+        fds.append(tests_fd)
+        source = code.encode("utf-8", "surrogatepass")
+        program_args = [*limits, int(audit_hook), _SETUP_RC, requests_r, replies_w, _FRAME_CAP, setup_w]
+        judge_args = [*limits, _FAIL_RC, _SETUP_RC, requests_w, replies_r, _FRAME_CAP]
+        if box is not None:
+            size, tag = tmpfs_bytes(max_file_mb), secrets.token_hex(6)
+            ptmp, jtmp = f"/tmp/gspo-sandbox-{tag}", f"/tmp/gspo-judge-{tag}"  # each only in its own namespace
+            fds.append(source_fd := memfd("source", source))
+            program_cmd = bwrap_argv(box, ptmp, size, [(source_fd, "solution.py")])
+            judge_cmd = bwrap_argv(box, jtmp, size, [])
+            cwd, program_fds = "/", (source_fd, requests_r, replies_w, setup_w)
+        else:
+            ptmp = os.path.realpath(tempfile.mkdtemp(prefix="gspo-sandbox-"))
+            jtmp = os.path.realpath(tempfile.mkdtemp(prefix="gspo-judge-"))
+            folders += [ptmp, jtmp]
+            with open(os.path.join(ptmp, "solution.py"), "wb") as f:
+                f.write(source)
+            if who.startswith(f"uid {NOBODY}"):
+                for folder in folders:
+                    os.chown(folder, NOBODY, NOBODY)
+            program_cmd = judge_cmd = list(prefix)
+            cwd, program_fds = None, (requests_r, replies_w, setup_w)
+        program_argv = [*program_cmd, *interpreter, _CHILD, ptmp, *map(str, program_args), filt.hex() if filt else "-"]
+        if cgroup_parent()[0] is not None:
+            cgroup = RunCgroup((memory_mb + HEADROOM_MB) * 2**20 + tmpfs_bytes(max_file_mb))
+            program_argv = cgroup.wrap(program_argv)
+        program = Launch(program_argv, cwd or ptmp, child_env(ptmp), program_fds)
+        judge = Launch([*judge_cmd, *interpreter, _JUDGE, *map(str, judge_args)], cwd or jtmp, child_env(jtmp),
+                       (requests_w, replies_r), stdin=tests_fd)
+
+        def close_ours():
+            while fds:
+                os.close(fds.pop())
+
+        outcome = run_pair(program, judge, start + timeout_s, max_output_bytes, box is not None, close_ours)
+        duration = time.monotonic() - start
+        if isinstance(outcome, str):
+            return SandboxResult(None, "", "", False, None, duration, outcome)
+        ended_program, ended_judge, killed = outcome
+        killed = judged(ended_program, ended_judge, killed, cgroup)
+        program_set_up = setup_file.read(1) == b"1"  # every writer has ended: this cannot block
     finally:
-        _remove_tree(tmp)
+        if "setup_file" in locals():
+            setup_file.close()
+        for fd in fds:
+            os.close(fd)
+        for folder in folders:
+            remove_tree(folder)
+        if cgroup is not None:
+            cgroup.close()
+    stdout = (ended_program.stdout + ended_judge.stdout).decode("utf-8", "replace")
+    stderr = (ended_program.stderr + ended_judge.stderr).decode("utf-8", "replace")
+    error = None
+    # The program's own exit status is the program's to choose: it says "set-up failed" only from a
+    # process that never got as far as the program
+    for ended in (ended_judge,) if program_set_up else (ended_program, ended_judge):
+        text = ended.stderr.decode("utf-8", "replace")
+        launcher = ended.returncode not in (0, _FAIL_RC) and text.startswith(("bwrap:", "unshare:", "setpriv:", "sh:"))
+        if killed is None and error is None and (ended.returncode == _SETUP_RC or launcher):
+            error = f"sandbox setup failed (exit {ended.returncode}): {text[-2000:]}"
+    return SandboxResult(ended_judge.returncode, stdout, stderr, killed == "timeout", killed, duration, error,
+                         ended_program.returncode)
 
 
 # ---- the reward -------------------------------------------------------------------------------
@@ -433,6 +431,21 @@ class CodeReward:
         self.sandbox = sandbox
         self.workers = workers if workers is not None else min(8, os.cpu_count() or 1)
         self.tests_column = tests_column
+
+    def check_rows(self, rows: list[dict]) -> None:
+        """Every row's tests, before training (`gspo.data.source.prompt_source` calls it): None (no
+        opinion), a non-empty str or a list of str, as `results` reads them; else a ValueError naming
+        the row (its file and line)."""
+        column = self.tests_column
+        for i, row in enumerate(rows):
+            value = row.get(column)
+            try:
+                _tests_text(value, i, column)
+            except ValueError:
+                text = isinstance(value, (str, list, tuple)) and all(isinstance(v, str) for v in value)
+                problem = ("is empty: with no tests any program that runs would score 1" if text else
+                           f"must be a non-empty string or a list of strings, got {type(value).__name__} {value!r:.80}")
+                raise ValueError(f"dataset: {getattr(row, 'where', f'row {i}')}: {column} {problem}") from None
 
     def results(self, completions: list[str], tests: list) -> list[SandboxResult | None]:
         """One SandboxResult per completion (None where its tests are None), in order."""

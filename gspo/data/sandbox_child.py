@@ -1,52 +1,65 @@
-"""The sandbox's child: run as `python -I -S -B -c <this file's text>` by gspo.data.sandbox.
+"""The program's process: run as `python -I -S -B -c <sandbox_wire.py + this file>` by gspo.data.sandbox.
 
-argv: sandbox dir, memory bytes, cpu s, file bytes, max open files, policy flag (1: the full
-audit policy), failure status, setup-failure status. The dir holds solution.py and tests.py,
-deleted here before any model code runs.
+argv: working dir, memory bytes, cpu s, file bytes, max open files, policy flag (1: the full audit
+policy), setup-failure status, request fd, reply fd, frame cap, set-up fd, seccomp filter (hex; "-":
+none). The working dir holds solution.py, deleted here before the program runs. One byte on the set-up
+fd, closed before the program runs, tells the trainer the set-up succeeded: a later exit with the
+set-up-failure status is the program's, not the sandbox's.
 
-The audit hook is also the only holder of the real os._exit: the run ends with status 0 only
-when _main itself reports the tests passed; any other ending (an exception or SystemExit that
-escapes, a signal handler, the end of the script) reaches interpreter shutdown, where the hook
-exits with the failure status. The hook binds everything it uses as default arguments, so
-replacing builtins or module attributes from the program does not change its decisions. The
-hook is defence in depth; the boundary is the operating system's (see gspo.data.sandbox).
+It runs the program as __main__, then tells the judge its global names (["ready", [[name, value],
+...]]) or why it stopped (["failed", why]), then answers the judge's requests (call, getattr, setattr,
+delattr, op) until the judge closes the channel. Nothing here decides the verdict: the judge
+(sandbox_judge.py) runs the tests in a process this one cannot reach and reads these answers as
+data. Everything in this process, this bootstrap included, is the program's to change; the layers
+set up here before it runs (seccomp, rlimits, the audit hook) bound what it can do to the machine.
 """
-import builtins
-import linecache
+import operator
 import os
 import pathlib
 import posix
-import resource
 import sys
 import traceback
 
+if __name__ != "__main__":  # imported (tests, tools); run by `python -c`, sandbox_wire.py's text comes first
+    from gspo.data.sandbox_wire import decode, encode, receive, send, set_limits
 
-def _limits(mem, cpu, fsize, nofile):
-    R = resource
-    for res, soft, hard in ((R.RLIMIT_CORE, 0, 0), (R.RLIMIT_AS, mem, mem), (R.RLIMIT_CPU, cpu, cpu + 1),
-                            (R.RLIMIT_FSIZE, fsize, fsize), (R.RLIMIT_NOFILE, nofile, nofile),
-                            (R.RLIMIT_NPROC, 0, 0)):
-        cap = R.getrlimit(res)[1]
-        if cap != R.RLIM_INFINITY:
-            hard = min(hard, cap)
-            soft = min(soft, hard)
-        R.setrlimit(res, (soft, hard))
 
-def _make_hook(reads, writes, policy, real_exit, fail, main_code, main_globals, me):
+def _seccomp(program_hex):
+    """Install the trainer's seccomp filter (raw BPF) on this process for good; then forget ctypes."""
+    if program_hex == "-":
+        return
+    import ctypes
+
+    prog = bytes.fromhex(program_hex)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: needed for a filter without privileges
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = SockFprog(len(prog) // 8, ctypes.addressof(buf))
+    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
+    for name in [n for n in sys.modules if n.partition(".")[0] in ("ctypes", "_ctypes")]:
+        del sys.modules[name]  # so that `import ctypes` is an import again, which the audit hook sees
+
+
+def _make_hook(reads, writes, me):
     deny = frozenset({
         "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
         "subprocess.Popen", "os.killpg", "os.symlink", "os.link", "os.chown", "os.setxattr",
         "os.removexattr", "resource.setrlimit", "resource.prlimit", "gc.get_objects",
         "gc.get_referrers", "gc.get_referents", "sys._current_frames", "sys.settrace", "sys.setprofile"})
-    # posix: only a re-import (after deleting it from sys.modules) fires this event: a fresh _exit
+    # posix: only a re-import (after deleting it from sys.modules) fires this event
     blocked_imports = frozenset({"ctypes", "_ctypes", "readline", "_testcapi", "_testinternalcapi", "posix"})
     path_events = frozenset({"os.mkdir", "os.rmdir", "os.remove", "os.chmod", "os.utime"})
     wflags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     pure = pathlib.PurePath
 
     def hook(event, args, _deny=deny, _blocked=blocked_imports, _pathev=path_events, _wflags=wflags,
-             _reads=reads, _writes=writes, _policy=policy, _exit=real_exit, _fail=fail, _code=main_code,
-             _globals=main_globals, _frame=sys._getframe, _me=me, _cwd=posix.getcwd, _pid=posix.getpid,
+             _reads=reads, _writes=writes, _me=me, _cwd=posix.getcwd, _pid=posix.getpid,
              _str=str, _bytes=bytes, _int=int, _type=type, _isinstance=isinstance, _PE=PermissionError,
              _pure=pure, _pfspath=pure.__fspath__, _pstr=pure.__str__):
         def check(path, write):
@@ -73,15 +86,6 @@ def _make_hook(reads, writes, policy, real_exit, fail, main_code, main_globals, 
                     return
             raise _PE("sandbox: " + ("writing " if write else "reading ") + path + " is not allowed")
 
-        if event == "gspo.data.sandbox.exit":
-            caller = _frame(1)
-            if caller.f_code is _code and caller.f_globals is _globals:
-                _exit(args[0])
-            raise _PE("sandbox: only the sandbox ends the run")
-        if event == "cpython._PySys_ClearAuditHooks":
-            _exit(_fail)  # interpreter shutdown: the run did not end through _main
-        if not _policy:
-            return
         if event in _deny or event.startswith(("socket.", "ctypes.")):
             raise _PE("sandbox: " + event + " is not allowed")
         if event == "open":
@@ -122,51 +126,166 @@ def _make_hook(reads, writes, policy, real_exit, fail, main_code, main_globals, 
     me.append(hook)
     return hook
 
-def _refused_exit(*args):
-    raise PermissionError("sandbox: os._exit is not allowed; only the sandbox ends the run")
+
+# ---- answering the judge ----------------------------------------------------------------------
+
+def _call_exit(obj):
+    return type(obj).__exit__(obj, None, None, None)
+
+
+_OPS = {
+    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
+    "ge": operator.ge, "add": operator.add, "sub": operator.sub, "mul": operator.mul,
+    "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod, "pow": pow,
+    "matmul": operator.matmul, "and": operator.and_, "or": operator.or_, "xor": operator.xor,
+    "lshift": operator.lshift, "rshift": operator.rshift, "divmod": divmod, "iadd": operator.iadd,
+    "isub": operator.isub, "imul": operator.imul, "neg": operator.neg, "pos": operator.pos, "abs": abs,
+    "invert": operator.invert, "index": operator.index, "int": int, "float": float, "complex": complex,
+    "round": round, "truth": bool, "len": len, "iter": iter, "next": next, "reversed": reversed,
+    "contains": operator.contains, "getitem": operator.getitem, "setitem": operator.setitem,
+    "delitem": operator.delitem, "hash": hash, "str": str, "repr": repr, "format": format,
+    "isinstance": isinstance, "issubclass": issubclass, "dir": dir,
+    "enter": lambda obj: type(obj).__enter__(obj), "exit": _call_exit,
+}
+_MUTABLE = (list, dict, set, bytearray)  # arguments whose new contents go back to the judge
+# Encoding budgets (about bytes): a global name's value is sent as data only up to GLOBAL_BUDGET (a
+# table the program precomputed goes as a handle), an answer up to RESULT_BUDGET.
+GLOBAL_BUDGET, RESULT_BUDGET = 2**20, 2**24
+
+
+class _Answers:
+    """The program's objects the judge holds handles to, and how this process encodes its answers."""
+
+    def __init__(self, namespace, cap):
+        self.namespace, self.cap = namespace, cap
+        self.objects, self.ids, self.bound = [], {}, {}
+
+    def handle(self, obj):
+        key = id(obj)
+        number = self.ids.get(key)
+        if number is None:
+            number = self.ids[key] = len(self.objects)
+            self.objects.append(obj)  # kept alive, so its id is never reused
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            base = next(c for c in obj.__mro__ if c.__module__ == "builtins")
+            return ["X", number, obj.__name__, base.__name__]
+        return ["h", number, type(obj).__name__]
+
+    def encode(self, value, budget=RESULT_BUDGET):
+        try:
+            return encode(value, self.handle, budget=[budget])
+        except (ValueError, RecursionError, MemoryError):  # too large or deep, or a cycle: a handle instead
+            return self.handle(value)
+
+    def resolve(self, tag, args):
+        return self.objects[args[0]]
+
+    def new_globals(self):
+        """[[name, value], ...] for the names bound (or re-bound) since the last call."""
+        changed = []
+        for name, value in list(self.namespace.items()):
+            if type(name) is str and not name.startswith("__") and self.bound.get(name, self) is not value:
+                self.bound[name] = value
+                changed.append([name, self.encode(value, GLOBAL_BUDGET)])
+        return changed
+
+    def answer(self, request):
+        """The reply to one request (see the module docstring); the program's exceptions propagate."""
+        def value(v):
+            return decode(v, self.resolve)
+
+        kind, mutable = request[0], []
+        if kind == "call":
+            args, kwargs = [value(a) for a in request[2]], {k: value(v) for k, v in request[3]}
+            mutable = [*args, *kwargs.values()]
+            result = value(request[1])(*args, **kwargs)
+        elif kind == "getattr":
+            result = getattr(value(request[1]), request[2])
+        elif kind == "setattr":
+            result = setattr(value(request[1]), request[2], value(request[3]))
+        elif kind == "delattr":
+            result = delattr(value(request[1]), request[2])
+        else:  # ["op", name, operand, ...]
+            result = _OPS[request[1]](*map(value, request[2:]))
+        after = [self.encode(a) if isinstance(a, _MUTABLE) else None for a in mutable]
+        return ["ok", self.encode(result), after, self.new_globals()]
+
+
+def _text(exc, limit=4000):
+    try:
+        return str(exc)[:limit]
+    except BaseException:
+        return "(its message could not be printed)"
+
+
+def _serve(answers, rfd, wfd, _exit, _flush):
+    while True:
+        try:
+            request = receive(rfd, answers.cap)
+        except BaseException:  # the judge is done (or gone): so is this process
+            _flush()
+            _exit(0)
+        try:
+            reply = answers.answer(request)
+        except StopIteration:
+            reply = ["stop"]
+        except Exception as exc:
+            trace = "".join(traceback.format_exception(exc))[-4000:]
+            reply = ["raise", answers.handle(type(exc)), _text(exc), trace]
+        except BaseException as exc:
+            send(wfd, ["exit", f"the program exited before the tests finished ({type(exc).__name__})"])
+            _flush()
+            _exit(0)
+        send(wfd, reply)
+
+
+def _flush_all():
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+
 
 def _main():
-    tmp, (mem, cpu, fsize, nofile, policy, fail, setup_fail) = sys.argv[1], map(int, sys.argv[2:])
+    tmp, args = sys.argv[1], sys.argv[2:]
+    mem, cpu, fsize, nofile, policy, setup_fail, rfd, wfd, cap, setup_fd = map(int, args[:10])
+    _exit, _flush = posix._exit, _flush_all  # bound before the program can replace either
     try:
-        _limits(mem, cpu, fsize, nofile)
-        sources = []
-        for name in ("solution.py", "tests.py"):
-            with open(tmp + "/" + name, "rb") as f:
-                sources.append(f.read().decode("utf-8", "replace"))
-            os.unlink(tmp + "/" + name)
+        with open(tmp + "/solution.py", "rb") as f:
+            program = f.read().decode("utf-8", "replace")
+        os.unlink(tmp + "/solution.py")
+        _seccomp(args[10])
+        set_limits(mem, cpu, fsize, nofile)
         stdlib = tuple(os.path.realpath(p) for p in sys.path if p)
         devices = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/stdout", "/dev/stderr")
         reads = (tmp,) + stdlib + devices + ("/usr/share/zoneinfo",)
         writes = (tmp, "/dev/null", "/dev/stdout", "/dev/stderr")
-        sys.addaudithook(_make_hook(reads, writes, policy, posix._exit, fail, _main.__code__, globals(), []))
+        if policy:
+            sys.addaudithook(_make_hook(reads, writes, []))
+        os.write(setup_fd, b"1")
+        os.close(setup_fd)
     except BaseException:
         traceback.print_exc()
-        posix._exit(setup_fail)
-    os._exit = posix._exit = _refused_exit
-    program, tests = sources
-    # Bound now: the program may replace builtins and module attributes before these are used.
-    _exec, _compile, _print_exc, _audit = builtins.exec, builtins.compile, traceback.print_exc, sys.audit
-    _SystemExit, _BaseException, _stderr = SystemExit, BaseException, sys.__stderr__
-    linecache.cache["solution.py"] = (len(program), None, program.splitlines(True), "solution.py")
+        _exit(setup_fail)
     main = type(sys)("__main__")
     sys.modules["__main__"] = main
-    code = fail
+    answers = _Answers(main.__dict__, cap)
     try:
-        _exec(_compile(program, "solution.py", "exec"), main.__dict__)
+        exec(compile(program, "solution.py", "exec"), main.__dict__)
         del program
-        _exec(_compile(tests, "tests.py", "exec"), main.__dict__)
-        code = 0
-    except _SystemExit:
-        _stderr.write("sandbox: the program exited before the tests finished\n")
-    except _BaseException:
-        _print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr, _stderr, sys.__stdout__):
-            try:
-                stream.flush()
-            except _BaseException:
-                pass
-        _audit("gspo.data.sandbox.exit", code)
+        hello = ["ready", answers.new_globals()]
+    except Exception:
+        traceback.print_exc()
+        hello = ["failed", "the program raised an exception before the tests ran"]
+    except BaseException as exc:
+        hello = ["failed", f"the program exited before the tests ran ({type(exc).__name__})"]
+    _flush()
+    send(wfd, hello)
+    if hello[0] == "failed":
+        _exit(0)
+    _serve(answers, rfd, wfd, _exit, _flush)
+
 
 if __name__ == "__main__":  # run by `python -c`; importing this module does nothing
     _main()
