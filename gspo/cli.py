@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return _run(args, argv)
     except (Exception, KeyboardInterrupt) as err:
@@ -80,6 +80,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gspo {args.command}: {kind}: {_one_line(err)}", file=sys.stderr)
         return status
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """`parser.parse_args`, but key=value overrides may also follow an option (`--resume latest max_steps=3`).
+
+    argparse fills a positional list once, from the words before the first option, and calls the rest
+    unrecognised; those words join the overrides, in order (a later one wins), when they are not options.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(word.startswith("-") for word in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _classify(err: BaseException) -> tuple[int | None, str]:

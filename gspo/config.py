@@ -222,6 +222,8 @@ class TrainConfig(ModelConfig):
     """Keep the newest this many checkpoints (older ones are deleted)."""
     resume_from_checkpoint: str | None = None
     """Continue a run exactly: a checkpoint folder, `latest` (the newest under output_dir; damaged: an error) or `latest_valid` (the newest that verifies; damaged newer ones are renamed *.damaged). `gspo train --resume`."""
+    resume_allow_changed_data: bool = False
+    """Resume even though a data file (dataset, eval_dataset, a task's) has other rows than when the checkpoint was saved: train on the new rows from the saved position, with a warning. Otherwise a resume on changed data is refused, naming the file."""
     log_samples_steps: int = 10
     """Write sample completions with rewards to samples.jsonl every this many steps."""
     log_samples_count: int = 4
@@ -327,7 +329,21 @@ def _read_yaml_file(path: Path) -> dict:
 
 
 class _YAML12Floats(yaml.SafeLoader):
-    """PyYAML's safe loader, reading 1e-3 (no dot, as YAML 1.2 and JSON allow) as a float, not a string."""
+    """PyYAML's safe loader, reading 1e-3 (no dot, as YAML 1.2 and JSON allow) as a float, not a string,
+    and refusing a key given twice in one mapping (PyYAML keeps the last silently; YAML forbids it)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<` merges may be overridden; complex keys are left to PyYAML
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"duplicate key {key!r}, first given on line {seen[key] + 1}",
+                    problem_mark=key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _YAML12Floats.add_implicit_resolver(

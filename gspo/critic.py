@@ -104,11 +104,14 @@ def save_value_model(critic: ValueModel, path, state_dict: dict | None = None) -
     """
     from safetensors.torch import save_file
 
+    from gspo.checkpoint import umask_modes
+
     state = critic.state_dict() if state_dict is None else state_dict
     path = Path(path)
     decoder = {k[len("decoder."):]: v for k, v in state.items() if k.startswith("decoder.")}
     critic.decoder.save_pretrained(path, state_dict=decoder)
     save_file({k: state[f"head.{k}"].detach().cpu().contiguous() for k in ("weight", "bias")}, str(path / HEAD_FILE))
+    umask_modes(path)  # safetensors writes its files 0600 whatever the umask
 
 
 def completion_values(critic: ValueModel, input_ids: Tensor, attention_mask: Tensor, completion_len: int,

@@ -29,7 +29,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -75,6 +79,8 @@ class Topology:
     world_size: int = 1
     local_rank: int = 0
     mode: str = "ddp"
+    heartbeat: Heartbeat | None = field(default=None, compare=False, repr=False)
+    """Under torchrun: this rank's liveness in the job's store, and the others' (None: not launched, or no store)."""
 
     @property
     def enabled(self) -> bool:
@@ -116,9 +122,34 @@ class Topology:
             # A rank that dies leaves the others blocked in a collective: the timeout turns that into an error.
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                     device_id=torch.device("cuda", local) if backend == "nccl" else None)
-        return Topology(rank, world, local, mode)
+        store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # env:// (torchrun): the job's store
+        heartbeat = Heartbeat(store[0], int(store[1]), rank, world) if all(store) else None
+        return Topology(rank, world, local, mode, heartbeat)
+
+    def raise_if_rank_lost(self, err: BaseException) -> None:
+        """After `err` (a failed collective, say): raise `RankLost` naming the ranks that have ended, if any.
+
+        gloo names a dead peer by its address ("Connection reset by peer"), or waits out the timeout;
+        the heartbeats name it by rank. Takes up to `Heartbeat.WINDOW` seconds. torchrun SIGTERMs the
+        survivors ~0.1 s after a rank dies: a SIGTERM that arrives meanwhile is held, then dropped if
+        a rank was lost (this process is ending, with the line that says why) or delivered if not.
+        """
+        if self.heartbeat is None:
+            return
+        with _held(signal.SIGTERM) as arrived:
+            gone = self.heartbeat.lost()
+        if not gone:
+            for signum in arrived:
+                signal.raise_signal(signum)
+            return
+        many = len(gone) > 1
+        raise RankLost(f"rank{'s' * many} {', '.join(map(str, gone))} of {self.world_size} exited mid-run (no "
+                       f"heartbeat for {Heartbeat.WINDOW:g} s); {'their' if many else 'its'} own output above and "
+                       "torchrun's report say why") from err
 
     def teardown(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop.set()
         if self.enabled:
             import torch.distributed as dist
 
@@ -305,6 +336,77 @@ class Topology:
         by_name = {"state": {names[i]: s for i, s in state["state"].items()},
                    "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
         set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+class RankLost(ConnectionError):
+    """Another rank of the job ended mid-run; the message names it (the CLI prints it as one line, status 2)."""
+
+
+class Heartbeat:
+    """Which ranks are alive, kept in the job's store (torchrun's agent hosts it: it outlives every rank).
+
+    A daemon thread adds 1 to this rank's counter every PERIOD seconds; a rank whose counter stands
+    still for WINDOW seconds has ended (os._exit, a crash, SIGKILL) or is frozen. The first rank to
+    find one records it in the store, so later ones name the same rank, not a survivor that left
+    after it. Keys are per torchrun restart. Without the store (torchrun's agent gone; rank 0 when it
+    hosts the store itself) nothing is found, and the caller's error stands.
+    """
+
+    PERIOD, WINDOW = 0.5, 2.0  # seconds: a live rank's counter moves ~4 times in a window
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int):
+        self.address, self.rank, self.world_size = (host, port), rank, world_size
+        self.prefix = f"gspo/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.stop = threading.Event()
+        threading.Thread(target=self._beat, name="gspo-heartbeat", daemon=True).start()
+
+    def _store(self):
+        import torch.distributed as dist
+
+        # A client of its own, with a short timeout: the process group's store waits dist_timeout_s.
+        return dist.TCPStore(*self.address, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
+
+    def _beat(self) -> None:
+        try:
+            store = self._store()
+            while True:
+                store.add(f"{self.prefix}{self.rank}", 1)
+                if self.stop.wait(self.PERIOD):
+                    return
+        except Exception:  # noqa: BLE001 - the store is gone: there is no one left to tell
+            return
+
+    def lost(self) -> list[int]:
+        """The other ranks that have ended: as first recorded in the store, else after watching for WINDOW
+        seconds ([] when every rank beats, or the store cannot be reached)."""
+        try:
+            store, found = self._store(), f"{self.prefix}lost"
+            if not store.check([found]):
+                keys = [f"{self.prefix}{r}" for r in range(self.world_size)]
+                before = [store.add(key, 0) for key in keys]  # (W,) counts
+                time.sleep(self.WINDOW)
+                still = [r for r, key in enumerate(keys) if r != self.rank and store.add(key, 0) == before[r]]
+                if not still:
+                    return []
+                store.compare_set(found, "", ",".join(map(str, still)))  # the first finding stays
+            return [r for r in map(int, store.get(found).decode().split(",")) if r != self.rank]
+        except Exception:  # noqa: BLE001 - no store: no finding; the caller's own error stands
+            return []
+
+
+@contextmanager
+def _held(*signums):
+    """Signals that arrive inside are held: yields the list they are appended to (main thread only)."""
+    arrived = []
+    if threading.current_thread() is not threading.main_thread():
+        yield arrived
+        return
+    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in signums}
+    try:
+        yield arrived
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _full_optimizer_state(model, optimizer, topology: Topology) -> dict | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import clean_stale
+from gspo.checkpoint import clean_stale, remove_tree, umask_modes
 from gspo.tracking import METRICS_FILE, SAMPLES_FILE
 
 
@@ -28,6 +27,7 @@ def save_model(model, tokenizer, path: Path, state_dict: dict | None = None) -> 
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(path)
+    umask_modes(path)  # safetensors writes its weights 0600 whatever the umask
 
 
 LOCK_FILE = ".gspo.lock"
@@ -65,8 +65,7 @@ def run_lock(out_dir, enabled: bool = True):
         except OSError as err:
             if err.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "holder unknown"
-            raise ValueError(f"output_dir {out} is in use by another run ({holder}); wait for it to end, stop it, "
+            raise ValueError(f"output_dir {out} is in use by another run ({_holder(fd)}); wait for it to end, stop it, "
                              "or choose another output_dir") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
@@ -74,6 +73,30 @@ def run_lock(out_dir, enabled: bool = True):
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def lock_holder(out_dir) -> str | None:
+    """Who holds `out_dir`'s `run_lock` ("pid 123 on host since ..."), or None when no live process does
+    (no lock file; or its run ended, however: the kernel dropped the lock). None where fcntl is missing."""
+    try:
+        import fcntl
+
+        fd = os.open(Path(out_dir) / LOCK_FILE, os.O_RDONLY)
+    except (ImportError, FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken (and dropped at close) only if no run holds it
+        return None
+    except OSError as err:
+        if err.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return _holder(fd)
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    return os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "holder unknown"
 
 
 def prepare_output_dir(cfg, resuming: bool = False) -> Path:
@@ -84,13 +107,14 @@ def prepare_output_dir(cfg, resuming: bool = False) -> Path:
     out = Path(cfg.output_dir)
     clean_stale(out) if out.is_dir() else None  # half-written checkpoints of a killed run
     old = [out / METRICS_FILE, out / SAMPLES_FILE, out / CRITIC_DIR, *sorted(out.glob("checkpoint-*"))]
-    old = [p for p in old if p.exists()]
+    old = [p for p in old if os.path.lexists(p)]  # a link to a checkpoint (even a dangling one) too
     if old and not resuming:
         if not cfg.overwrite_output_dir:
-            raise ValueError(f"output_dir {out} already holds a run ({old[0].name}); continue it with --resume latest, "
-                             "choose another output_dir, or set overwrite_output_dir=true to delete it")
+            resume = "continue it with --resume latest, " if hasattr(cfg, "resume_from_checkpoint") else ""  # not sft
+            raise ValueError(f"output_dir {out} already holds a run ({old[0].name}); {resume}choose another "
+                             "output_dir, or set overwrite_output_dir=true to delete it")
         for path in old:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            remove_tree(path)  # a link goes, its target stays
     return out
 
 
@@ -167,6 +191,11 @@ class NonFiniteGuard:
         return {"skipped": self.skipped, "in_a_row": self.in_a_row}
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"guard state must be a mapping, got {type(state).__name__}")
+        for key in ("skipped", "in_a_row"):  # a checkpoint's JSON, which a user may have edited
+            if type(state.get(key)) is not int or state[key] < 0:
+                raise ValueError(f"guard {key}={state.get(key)!r} must be an int >= 0")
         self.skipped, self.in_a_row = state["skipped"], state["in_a_row"]
 
     def skip(self, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:

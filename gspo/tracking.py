@@ -22,6 +22,7 @@ import math
 import numbers
 import os
 import pathlib
+import stat
 import tempfile
 from typing import Any, Iterator
 
@@ -121,10 +122,12 @@ def read_jsonl(path: str | os.PathLike, *, null_as_nan: bool = True) -> list[dic
 
 
 def _atomic_write_lines(path: pathlib.Path, lines: list[str]) -> None:
-    """Replace `path` with `lines` so a crash leaves either the old or the new file, never half."""
+    """Replace `path` (which exists) with `lines` so a crash leaves either the old or the new file, never
+    half; the new file keeps the old one's mode (mkstemp's own is 0600)."""
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), stat.S_IMODE(path.stat().st_mode))
             f.writelines(line + "\n" for line in lines)
             f.flush()
             os.fsync(f.fileno())
@@ -225,6 +228,22 @@ class WandbSink:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def check_trackers(tensorboard: bool = False, wandb: bool = False) -> None:
+    """ValueError (naming the setting) where an optional sink is asked for but its package cannot be
+    imported: the trainer calls it before a run creates anything (MetricsLogger's own ImportError would
+    come after metrics.jsonl exists, an empty file that then blocks the rerun)."""
+    import importlib
+
+    for asked, name, module in ((tensorboard, "tensorboard", "torch.utils.tensorboard"), (wandb, "wandb", "wandb")):
+        if not asked:
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # ImportError, or a broken install failing inside its own import
+            raise ValueError(f"config: {name}=true needs the {name} package, which cannot be imported "
+                             f"({type(err).__name__}: {err}); pip install {name}, or set {name}=false") from None
 
 
 # ---------------------------------------------------------------------------

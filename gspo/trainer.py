@@ -33,9 +33,10 @@ import torch
 
 from gspo.auxiliary import auxiliary_term
 from gspo.baselines import build_baseline
-from gspo.checkpoint import (OPTIMIZER_FILE, capture_rng, check_finite_state, check_resumable,
-                             discard_newer_checkpoints, load_checkpoint, load_model_weights, load_state_file,
-                             resolve_resume, save_checkpoint, saved_config, set_aside_damaged)
+from gspo.checkpoint import (OPTIMIZER_FILE, TRAINER_STATE_FILE, capture_rng, check_data, check_finite_state,
+                             check_resumable, discard_newer_checkpoints, load_checkpoint, load_model_weights,
+                             load_state_file, load_trainer_state, resolve_resume, save_checkpoint, saved_config,
+                             set_aside_damaged)
 from gspo.config import TrainConfig, to_dict
 from gspo.lora import attach_adapters, merged_model
 from gspo.models import resolve_device, seeded_model
@@ -46,10 +47,10 @@ from gspo.data.source import prompt_source
 from gspo.rollout import Generator, eos_ids
 from gspo.routing import build_routing
 from gspo.run import (CRITIC_DIR, MERGED_DIR, NonFiniteGuard, Progress, StepAbandoned, StopSignals,
-                      TrainingInterrupted, prepare_output_dir, run_lock, save_model)
+                      TrainingAborted, TrainingInterrupted, prepare_output_dir, run_lock, save_model)
 from gspo.schedules import lr_schedule
 from gspo.step import Learner, gather_scores, mismatch_stats, prepare, sample_records, step_metrics
-from gspo.tracking import MetricsLogger
+from gspo.tracking import MetricsLogger, check_trackers
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -59,8 +60,15 @@ def train(cfg: TrainConfig) -> dict:
     """
     topology = Topology.setup(resolve_device(cfg.device), cfg.distributed, cfg.dist_timeout_s)
     try:
+        if topology.is_main:  # rank 0 logs: its tracker packages are checked before output_dir is created
+            check_trackers(cfg.tensorboard, cfg.wandb)
         with run_lock(cfg.output_dir, enabled=topology.is_main):  # one run per output_dir (rank 0 holds it)
             return _train(cfg, topology)
+    except TrainingAborted:
+        raise
+    except RuntimeError as err:  # a failed collective (gloo names a dead peer by address) or a bug
+        topology.raise_if_rank_lost(err)  # another rank ended: one line naming it instead
+        raise
     finally:
         topology.teardown()
 
@@ -113,7 +121,8 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
                                    config=saved_config(cfg, W), rng_generators={"shuffle": shuffle},
                                    rng_state=resume_point["rng"], keep=cfg.save_total_limit, trainer_state={
                                        "sampler": resume_point["sampler"], "guard": guard.state_dict(),
-                                       "evals": {str(k): v for k, v in evals.items()}, "world_size": W},
+                                       "evals": {str(k): v for k, v in evals.items()}, "world_size": W,
+                                       "data": source.fingerprints},  # checked at resume (check_data)
                                    extra_states=extra_states, **state)
         topology.barrier()
         return path
@@ -224,6 +233,11 @@ def restore(checkpoint: Path, cfg, topology: Topology, out_dir: Path, model, opt
                             rng_generators={"shuffle": shuffle},  # RNGs last: nothing draws before
                             hashes=False)  # resolve_resume hashed it
     check_resumable(state["config"], cfg, state["step"], topology.world_size)
+    evals = load_trainer_state(checkpoint / TRAINER_STATE_FILE, state["trainer_state"], source, guard)
+    changed_data = check_data(state["trainer_state"].get("data"), source.fingerprints, checkpoint.name,
+                              cfg.resume_allow_changed_data)  # the same rows as then, unless allowed
+    for warning in changed_data if topology.is_main else ():
+        print(warning, file=sys.stderr, flush=True)
     if topology.is_main:  # newer checkpoints: damaged ones kept out of the way, valid ones only deleted if allowed
         for moved in set_aside_damaged(out_dir, state["step"]):
             print(f"resume: {moved.name.split('.damaged')[0]} failed verification; set aside as {moved} "
@@ -232,9 +246,7 @@ def restore(checkpoint: Path, cfg, topology: Topology, out_dir: Path, model, opt
     if cfg.sampler_lag and topology.is_main:
         print(f"resume: sampler_lag={cfg.sampler_lag}: the sampler starts again from the resumed weights (the older "
               "weights it lagged behind are not checkpointed)", file=sys.stderr, flush=True)
-    source.load_state_dict(state["trainer_state"]["sampler"])
-    guard.load_state_dict(state["trainer_state"]["guard"])
-    return state["step"] + 1, {int(k): v for k, v in state["trainer_state"]["evals"].items()}
+    return state["step"] + 1, evals
 
 
 def fused_adamw(params: list) -> dict:

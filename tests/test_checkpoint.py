@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import qwen3
-from gspo.checkpoint import (MANIFEST_FILE, OPTIMIZER_FILE, capture_rng, check_finite_state, clean_stale,
-                             latest_checkpoint, list_checkpoints, load_checkpoint, load_model_weights, resolve_resume,
-                             restore_rng, save_checkpoint, set_aside_damaged, verify_checkpoint)
+from conftest import qwen3, tiny_cfg
+from gspo.checkpoint import (MANIFEST_FILE, OPTIMIZER_FILE, capture_rng, check_data, check_finite_state, clean_stale,
+                             discard_newer_checkpoints, latest_checkpoint, list_checkpoints, load_checkpoint,
+                             load_model_weights, resolve_resume, restore_rng, save_checkpoint, set_aside_damaged,
+                             verify_checkpoint)
+from gspo.run import prepare_output_dir
 from gspo.tasks import build_char_tokenizer
 
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -500,6 +502,56 @@ def test_version_1_manifest_resumes_by_size_with_a_warning(tmp_path):
         f.write(" ")
     with pytest.raises(ValueError, match=r"rng.json has \d+ bytes, the manifest says"):
         verify_checkpoint(path, hashes=False)
+
+
+def test_a_linked_checkpoint_is_removed_as_a_link_never_its_target(tmp_path):
+    archive, run_dir = tmp_path / "archive", tmp_path / "run"
+    small_run(archive, [1, 2])
+    files = {p.name: p.read_bytes() for p in (archive / "checkpoint-1").iterdir()}
+    run_dir.mkdir()
+    (run_dir / "checkpoint-1").symlink_to(archive / "checkpoint-1", target_is_directory=True)  # an old one, linked in
+    assert resolve_resume("latest", run_dir) == run_dir / "checkpoint-1"  # it counts, and resumes
+    save_checkpoint(run_dir, 2, keep=2)
+    save_checkpoint(run_dir, 3, keep=2)  # prunes checkpoint-1: the link goes, not what it points to
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    assert {p.name: p.read_bytes() for p in (archive / "checkpoint-1").iterdir()} == files
+    # A link left under a trash name (by an interrupted prune): every run's start removes the link only.
+    stale = run_dir / ".tmp-trash-checkpoint-1-99"
+    stale.symlink_to(archive / "checkpoint-1", target_is_directory=True)
+    assert clean_stale(run_dir) == [stale] and not os.path.lexists(stale)
+    # Newer linked checkpoints abandoned by a resume, or an overwritten run's: links removed, targets kept.
+    (run_dir / "checkpoint-4").symlink_to(archive / "checkpoint-2", target_is_directory=True)
+    discard_newer_checkpoints(run_dir, 3, allowed=True)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    (run_dir / "checkpoint-5").symlink_to(archive / "checkpoint-2", target_is_directory=True)
+    prepare_output_dir(tiny_cfg(tmp_path, overwrite_output_dir=True))
+    assert sorted(p.name for p in run_dir.iterdir()) == []
+    assert [p.name for p in list_checkpoints(archive)] == ["checkpoint-1", "checkpoint-2"]
+    assert {p.name: p.read_bytes() for p in (archive / "checkpoint-1").iterdir()} == files
+
+
+def test_check_data_names_every_changed_file_and_what_changed():
+    saved = {"data.jsonl": {"rows": 20, "sha256": "aa"}, "held.jsonl": {"rows": 4, "sha256": "bb"}}
+    assert check_data(saved, dict(saved), "checkpoint-2", allow=False) == []
+    now = {"data.jsonl": {"rows": 3, "sha256": "cc"}, "held.jsonl": {"rows": 4, "sha256": "dd"}}
+    changes = ("the data changed since checkpoint-2 was saved: data.jsonl has 3 rows (20 then); held.jsonl has "
+               "the same 4 rows, but other content")
+    with pytest.raises(ValueError) as refused:
+        check_data(saved, now, "checkpoint-2", allow=False)
+    assert str(refused.value) == (f"resume: {changes}. Restore the data, or set resume_allow_changed_data=true to "
+                                  "train on the new rows from the saved position")
+    assert check_data(saved, now, "checkpoint-2", allow=True) == [
+        f"resume: {changes}; resume_allow_changed_data=true: training goes on with the new rows from the saved "
+        "position"]
+    # A checkpoint from before fingerprints resumes, with a warning; a built-in task has no data file to check.
+    assert check_data(None, now, "checkpoint-2", allow=False) == [
+        "resume: checkpoint-2 records no fingerprint of the data (an older gspo saved it): a change to "
+        "data.jsonl, held.jsonl since then cannot be detected"]
+    assert check_data(None, {}, "checkpoint-2", allow=False) == []
+    with pytest.raises(ValueError, match=r"^checkpoint-2/trainer_state.json: not the trainer state gspo writes "
+                                         r"\(data must map each data file to its rows and sha256, got "
+                                         r"\{'data.jsonl': 20\}\)$"):
+        check_data({"data.jsonl": 20}, now, "checkpoint-2", allow=True)  # hand-edited: named, not a traceback
 
 
 # ------------------------------------------------------------------------------- write failures

@@ -19,8 +19,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import (SMALL, SMALL_MOE, changed, comparable, final_weights, initial_weights, read_metrics, run_gspo,
-                      saved_tensors)
+from conftest import (SMALL, SMALL_MOE, changed, comparable, final_weights, gspo_env, initial_weights, read_metrics,
+                      run_gspo, saved_tensors)
 from gspo.config import TrainConfig, make_config
 
 EXACT = ("reward/mean", "reward/std", "completion/mean_len", "completion/max_len", "groups/zero_std_frac", "lr",
@@ -37,10 +37,10 @@ calls = 0
 
 
 def dies(prompts, completions, **_):
-    """Rank 1 dies on its second call (step 2)."""
+    """Rank DIE_RANK (default 1) dies on its second call (step 2)."""
     global calls
     calls += 1
-    if os.environ.get("RANK") == "1" and calls == 2:
+    if os.environ.get("RANK") == os.environ.get("DIE_RANK", "1") and calls == 2:
         os._exit(7)
     return digit(prompts, completions)
 '''
@@ -151,6 +151,31 @@ def test_a_dead_rank_stops_the_run_with_a_message(runs):
     assert time.monotonic() - started < 120
     # torchrun's failure report names the rank that died and its exit status (os._exit(7) in `dies`).
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\n\s*exitcode\s*: 7 \(pid: \d+\)", done.stderr), done.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dead", [1, 0])
+def test_the_survivor_of_an_abrupt_exit_names_the_rank_in_one_line(tmp_path, dead):
+    """A rank that exits abruptly (os._exit in a reward function at step 2) is named by the other rank in one line,
+    without a traceback (gloo's says "Connection reset by peer"), and the survivor exits 2 long before
+    dist_timeout_s. Whichever rank dies: rank 0 also holds the run's lock and writes its files."""
+    (tmp_path / "rewards_mod.py").write_text(REWARD)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(RUN))
+    started = time.monotonic()
+    done = run_gspo("train", "--config", tmp_path / "run.yaml", "per_device_batch_size=2", "output_dir=dead",
+                    "reward_funcs=[rewards_mod:dies]", "dist_timeout_s=300", cwd=tmp_path, nproc=2, timeout=240,
+                    env=gspo_env(tmp_path, DIE_RANK=str(dead)))
+    seconds = time.monotonic() - started
+    survivor = 1 - dead
+    assert done.returncode != 0 and seconds < 90, (seconds, done.stderr[-3000:])  # 300 s: it waited out the timeout
+    ours = [line for line in done.stderr.splitlines() if line.startswith("gspo train:")]
+    assert ours == [f"gspo train: error: rank {dead} of 2 exited mid-run (no heartbeat for 2 s); its own output "
+                    "above and torchrun's report say why"], done.stderr[-3000:]
+    assert f"[rank{survivor}]: Traceback" not in done.stderr and "Connection reset" not in done.stderr
+    # torchrun's report: the dead rank's os._exit(7), the survivor's own exit status 2 (not killed by its SIGTERM).
+    for rank, code in ((dead, 7), (survivor, 2)):
+        assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\n\s*exitcode\s*: {code} ", done.stderr), \
+            done.stderr[-3000:]
 
 
 def test_unavailable_backend_or_bad_mode_is_a_clear_error(monkeypatch):

@@ -7,6 +7,7 @@ subprocess. The fuzz tests feed random config files and dataset lines to the rea
 gives a valid config / rows or a one-line ValueError, never another exception.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -96,6 +98,37 @@ def vandal(prompts, completions, answer, **_):
     prompts.clear()
     answer[:] = [None] * len(answer)
     return out
+
+
+def huge(prompts, completions, **_):
+    return [1e39] * len(completions)  # finite as a Python float, inf as float32
+
+
+def minus_huge(prompts, completions, **_):
+    return [-1e308] * len(completions)
+
+
+def huge_int(prompts, completions, **_):
+    return [10**400] * len(completions)  # does not fit a float at all
+
+
+def huge_on_marked(prompts, completions, **_):
+    return [(10**400 if i % 2 else -1e39) if "BIG" in p else float(c[:1].isdigit())
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+
+
+def ten_billion(prompts, completions, **_):
+    return [1e10] * len(completions)
+'''
+
+BROKEN_REWARDS = '''
+import os
+
+LIMIT = 1 / 0
+
+
+def fn(prompts, completions, **_):
+    return [0.0] * len(completions)
 '''
 
 
@@ -104,6 +137,7 @@ def reward_module(tmp_path_factory):
     """`errors_rewards.<fn>` importable from reward specs (in process and in subprocesses)."""
     folder = tmp_path_factory.mktemp("rewards")
     (folder / "errors_rewards.py").write_text(REWARDS)
+    (folder / "errors_broken_rewards.py").write_text(BROKEN_REWARDS)
     sys.path.insert(0, str(folder))
     yield folder
     sys.path.remove(str(folder))
@@ -162,6 +196,12 @@ CONFIG_CASES = [
     ("bad_truncate", b"truncate_prompts: right\n", (), r"truncate_prompts='right' is not one of error, left"),
     ("bad_sandbox", b"sandbox: none\n", (), r"sandbox='none' is not one of os, weak"),
     ("negative_timeout", b"reward_timeout_s: -1\n", (), r"reward_timeout_s=-1.0 must be >= 0"),
+    ("duplicate_key", b"max_steps: 2\nseed: 1\nmax_steps: 0\n", (),
+     r"run2.yaml line 3 column 1: invalid YAML \(duplicate key 'max_steps', first given on line 1\)"),
+    ("duplicate_nested_key", b"tasks:\n  - task: add2\n    weight: 1\n    weight: -2\n", (),
+     r"run2.yaml line 4 column 5: invalid YAML \(duplicate key 'weight', first given on line 3\)"),
+    ("duplicate_key_in_override", b"seed: 1\n", ("max_steps={a: 1, a: 2}",),
+     r"override 'max_steps=\{a: 1, a: 2\}' line 1 column 8: invalid YAML \(duplicate key 'a'"),
 ]
 
 
@@ -198,6 +238,11 @@ def data_cases():
         ("csv_not_utf8", "d.csv", b"prompt,answer\n1+1=,2\n\xff,3\n", r"d.csv line 3: not UTF-8 text \(byte 0xff at column 1\)"),
         ("bad_chat", "d.jsonl", jsonl([{"prompt": [{"role": "user"}], "answer": "1"}] * 3),
          r"d.jsonl line 1: chat messages must be a non-empty list of \{role, content\} string pairs"),
+        ("whitespace_prompt_line_4", "d.jsonl", jsonl(GOOD_ROWS[:3] + [{"prompt": " \t ", "answer": "1"}]
+                                                      + GOOD_ROWS[3:]),
+         r"d.jsonl line 4: prompt must be a non-empty string or a list of messages, got ' \\t '"),
+        ("whitespace_prompt_csv", "d.csv", "prompt,answer\n1+1=,2\n\" \",3\n",
+         r"d.csv line 3: prompt must be a non-empty string or a list of messages, got ' '"),
     ]
 
 
@@ -220,6 +265,59 @@ def test_every_task_of_a_mixture_is_checked_before_training(capsys, tmp_path):
     assert status == 2 and logged_steps(tmp_path / "run") == []
 
 
+BAD_TYPE, TOO_LONG = {"prompt": 5, "answer": "1"}, {"prompt": "1" * 40 + "+1=", "answer": "2"}
+FIRST_BAD_CASES = [  # (bad rows by line number, the message naming the first): one file, split by the seed
+    ("two_bad_types", {3: BAD_TYPE, 9: BAD_TYPE}, r"d.jsonl line 3: prompt must be a non-empty string"),
+    ("two_too_long", {2: TOO_LONG, 8: TOO_LONG}, r"d.jsonl line 2: the prompt has 4\d tokens"),
+    ("too_long_then_bad_type", {2: TOO_LONG, 6: BAD_TYPE}, r"d.jsonl line 2: the prompt has 4\d tokens"),
+    ("bad_type_then_too_long", {2: BAD_TYPE, 6: TOO_LONG}, r"d.jsonl line 2: prompt must be a non-empty string"),
+]
+
+
+@pytest.mark.parametrize("name, bad, message", FIRST_BAD_CASES, ids=[c[0] for c in FIRST_BAD_CASES])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_with_several_bad_rows_the_first_is_named(capsys, tmp_path, name, bad, message, seed):
+    rows = list(GOOD_ROWS)
+    for line in sorted(bad):
+        rows.insert(line - 1, bad[line])
+    path = write(tmp_path, "d.jsonl", jsonl(rows))
+    status, err = run_cli(capsys, tmp_path, f"seed={seed}", config={"task": None, "dataset": path,
+                                                                     "max_prompt_length": 30})
+    one_line_error(err, message)
+    assert status == 2 and logged_steps(tmp_path / "run") == []
+
+
+CODE_ROWS = [{"prompt": f"Write f() returning {i}.", "tests": f"assert f() == {i}"} for i in range(6)]
+CODE_CASES = [
+    ("number", 7, r"d.jsonl line 5: tests must be a non-empty string or a list of strings, got int 7"),
+    ("list_of_numbers", [1, 2], r"d.jsonl line 5: tests must be a non-empty string or a list of strings, got "
+                                r"list \[1, 2\]"),
+    ("blank", " \n ", r"d.jsonl line 5: tests is empty: with no tests any program that runs would score 1"),
+    ("empty_list", [], r"d.jsonl line 5: tests is empty: with no tests any program that runs would score 1"),
+]
+
+
+@pytest.mark.parametrize("name, tests, message", CODE_CASES, ids=[c[0] for c in CODE_CASES])
+def test_code_tests_cells_are_checked_before_training(capsys, tmp_path, name, tests, message):
+    rows = CODE_ROWS[:4] + [{"prompt": "Write g().", "tests": tests}] + CODE_ROWS[4:]
+    path = write(tmp_path, "d.jsonl", jsonl(rows))
+    status, err = run_cli(capsys, tmp_path, config={"task": None, "dataset": path, "eval_dataset": path,
+                                                    "reward_funcs": ["code_tests"], "sandbox": "weak"})
+    one_line_error(err, message)
+    assert status == 2 and logged_steps(tmp_path / "run") == []
+
+
+def test_the_code_tests_check_accepts_what_the_reward_reads():
+    from gspo.data.sandbox import CodeReward
+
+    fine = [{"prompt": "p", "tests": "assert f() == 1"}, {"prompt": "p", "tests": ["assert f()", "assert g()"]},
+            {"prompt": "p", "tests": None}, {"prompt": "p"}]  # None or no cell: no opinion
+    CodeReward().check_rows(fine)
+    with pytest.raises(ValueError, match=r"^dataset: row 4: tests must be a non-empty string or a list of strings, "
+                                         r"got dict \{'a': 1\}$"):
+        CodeReward().check_rows(fine + [{"prompt": "p", "tests": {"a": 1}}])
+
+
 def test_long_prompts_can_be_cut_from_the_left(capsys, tmp_path):
     path = write(tmp_path, "d.jsonl", jsonl([{"prompt": "9" * 40 + "+1=", "answer": "2"}] + GOOD_ROWS))
     status, err = run_cli(capsys, tmp_path, "truncate_prompts=left",
@@ -240,6 +338,15 @@ REWARD_CASES = [
     ("keyboard_interrupt", ["errors_rewards:interrupt"], {}, r"'interrupt' raised KeyboardInterrupt on the batch"),
     ("hangs", ["errors_rewards:hang"], {"reward_timeout_s": 0.3},
      r"'hang' did not return within reward_timeout_s=0.3 s on sample 0 \(prompt="),
+    ("beyond_float32", ["errors_rewards:huge"], {}, r"reward function 'huge' returned 1e\+39 at sample 0 \(prompt="
+     r"'\d+\+\d+=', completion=.*\), beyond float32's range \(\|r\| <= 3.4e\+38\); return None for 'no opinion', "
+     r"or set drop_bad_rewards"),
+    ("minus_1e308", ["errors_rewards:minus_huge"], {}, r"'minus_huge' returned -1e\+308 at sample 0 .*, beyond "
+     r"float32's range"),
+    ("int_beyond_float", ["errors_rewards:huge_int"], {}, r"'huge_int' returned an int of 401 digits at sample 0 "
+     r".*, beyond float32's range"),
+    ("weighted_beyond_float32", ["errors_rewards:ten_billion"], {"reward_weights": [1e30]},
+     r"sample 0 \(prompt=.*\) has the weighted reward 1e\+40 \(reward_weights \[1e\+30\]\), beyond float32's range"),
 ]
 
 
@@ -275,6 +382,25 @@ def test_samples_a_reward_hangs_on_are_dropped_and_counted(capsys, tmp_path, rew
     assert status == 0, err
     records = read_metrics(tmp_path / "run")
     assert [r["reward/dropped"] for r in records[1:]] == [2, 2]  # the G=2 completions of the HANG prompt
+
+
+def test_rewards_beyond_float32_are_dropped_and_counted(capsys, tmp_path, reward_module):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "BIG+1=", "answer": "1"}]
+    path = write(tmp_path, "d.jsonl", jsonl(rows))
+    status, err = run_cli(capsys, tmp_path, config={"task": None, "dataset": path, "eval_dataset": path,
+                                                    "reward_funcs": ["errors_rewards:huge_on_marked"],
+                                                    "drop_bad_rewards": True})
+    assert status == 0, err
+    records = read_metrics(tmp_path / "run")
+    assert [r["reward/dropped"] for r in records[1:]] == [2, 2]  # 10**400 and -1e39: the BIG prompt's G=2
+    assert all(0 <= r["reward/mean"] <= 1 for r in records[1:])  # the other prompt's rewards, not null
+
+
+def test_a_reward_module_that_fails_to_import(capsys, tmp_path, reward_module):
+    status, err = run_cli(capsys, tmp_path, config={"reward_funcs": ["errors_broken_rewards:fn"]})
+    one_line_error(err, r"reward 'errors_broken_rewards:fn': importing module 'errors_broken_rewards' raised "
+                        r"ZeroDivisionError: division by zero \(.*errors_broken_rewards.py line 4\)")
+    assert status == 2 and logged_steps(tmp_path / "run") == []
 
 
 def test_a_reward_cannot_edit_the_samples_it_scores(capsys, tmp_path, reward_module):
@@ -339,6 +465,43 @@ def test_a_damaged_newest_checkpoint_is_an_error_not_a_silent_fallback(capsys, t
     assert (run / "checkpoint-2.damaged").is_dir() and logged_steps(tmp_path / "run") == [0, 1, 2, 3]
 
 
+def hand_edit(run: Path, name: str, edit) -> None:
+    """Edit checkpoint-2's JSON file `name` as a user would, and its manifest entry to match (so it verifies)."""
+    path, manifest_path = run / "checkpoint-2" / name, run / "checkpoint-2" / "checkpoint.json"
+    state = json.loads(path.read_text())
+    edit(state)
+    path.write_text(json.dumps(state))
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][name] = {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+TRAINER_STATE_CASES = [  # (a position past the rows starts the next pass: a resume on fewer rows, allowed)
+    ("negative_position", lambda s: s["sampler"].update(pos=-1), r"sampler pos=-1 must be an int >= 0"),
+    ("position_as_text", lambda s: s["sampler"].update(pos="4"), r"sampler pos='4' must be an int >= 0"),
+    ("epoch_as_float", lambda s: s["sampler"].update(epoch=0.5), r"sampler epoch=0.5 must be an int >= 0"),
+    ("no_sampler", lambda s: s.pop("sampler"), r"no 'sampler' entry"),
+    ("sampler_a_list", lambda s: s.update(sampler=[0, 4]), r"sampler state must be a mapping, got list"),
+    ("guard_count_as_text", lambda s: s["guard"].update(skipped="none"), r"guard skipped='none' must be an int >= 0"),
+    ("evals_a_list", lambda s: s.update(evals=[1]), r"evals must be a mapping of step: metrics, got list"),
+]
+
+
+@pytest.mark.parametrize("name, edit, message", TRAINER_STATE_CASES, ids=[c[0] for c in TRAINER_STATE_CASES])
+def test_a_hand_edited_trainer_state_is_refused_naming_the_file(capsys, tmp_path, finished_run, name, edit,
+                                                                message):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    hand_edit(run, "trainer_state.json", edit)
+    before = sorted((p.relative_to(run).as_posix(), p.stat().st_size) for p in run.rglob("*") if p.is_file())
+    status, err = run_cli(capsys, tmp_path, "max_steps=3", config={"save_steps": 1, "save_total_limit": 3},
+                          args=("--resume", "latest"))
+    one_line_error(err, r"checkpoint-2/trainer_state.json: not the trainer state gspo writes \(" + message)
+    assert status == 2
+    after = sorted((p.relative_to(run).as_posix(), p.stat().st_size) for p in run.rglob("*") if p.is_file())
+    assert after == before and logged_steps(run) == [0, 1, 2]
+
+
 # ------------------------------------------------------------------------------- file system
 def test_output_dir_that_is_a_file(capsys, tmp_path):
     (tmp_path / "run").write_text("not a folder")
@@ -367,6 +530,69 @@ def test_one_run_per_output_dir(capsys, tmp_path):
     (tmp_path / "run" / LOCK_FILE).write_text("pid 999999 on elsewhere since long ago\n")
     status, err = run_cli(capsys, tmp_path)
     assert status == 0, err
+
+
+@pytest.mark.parametrize("tracker, hidden", [("tensorboard", ["tensorboard", "torch.utils.tensorboard"]),
+                                             ("wandb", ["wandb"])])
+def test_a_missing_tracker_package_is_named_before_anything_is_created(capsys, tmp_path, monkeypatch, tracker,
+                                                                       hidden):
+    for module in hidden:  # as if not installed (a None entry makes `import` fail)
+        monkeypatch.setitem(sys.modules, module, None)
+    status, err = run_cli(capsys, tmp_path, f"{tracker}=true")
+    one_line_error(err, rf"config: {tracker}=true needs the {tracker} package, which cannot be imported "
+                        rf"\(.*\); pip install {tracker}, or set {tracker}=false")
+    assert status == 2 and not (tmp_path / "run").exists()  # no empty metrics.jsonl to block the rerun
+    status, err = run_cli(capsys, tmp_path, "max_steps=1")
+    assert status == 0, err
+
+
+# ------------------------------------------------------------------------------- memory
+def test_a_rollout_that_cannot_fit_in_memory_is_refused_up_front(capsys, tmp_path):
+    started = time.monotonic()
+    status, err = run_cli(capsys, tmp_path, "num_generations=1000000000")
+    one_line_error(err, r"config: per_device_batch_size=2 x num_generations=1000000000 = 2000000000 sequences of "
+                        r"up to 6 new tokens need at least [\d.]+ GiB to sample \(KV cache and logits\), more than "
+                        r"the [\d.]+ GiB available on cpu; lower num_generations \(or per_device_batch_size, "
+                        r"max_completion_length\)")
+    assert status == 2 and logged_steps(tmp_path / "run") == [] and time.monotonic() - started < 60
+
+
+def test_the_estimate_refuses_no_sane_config():
+    """The bound is the KV cache and one step's logits: 8 x 16 rows of 1024 tokens of a 1.7B-sized model fit in
+    64 GiB; 8 x 64 rows of 4096 tokens of an 8B-sized model do not fit in 80 GiB."""
+    from types import SimpleNamespace
+
+    from gspo.rollout.sampling import sampling_bytes
+
+    small = SimpleNamespace(num_hidden_layers=28, num_key_value_heads=8, head_dim=128, vocab_size=151_936)
+    need = sampling_bytes(small, 8 * 16, 1024, 2)
+    assert need == 128 * 1024 * 28 * 2 * 8 * 128 * 2 + 128 * 151_936 * 4  # 14.1 GiB
+    big = SimpleNamespace(num_hidden_layers=36, num_key_value_heads=8, head_dim=128, vocab_size=151_936)
+    assert sampling_bytes(big, 8 * 64, 4096, 2) / 2**30 == pytest.approx(288.3, abs=0.1)
+    no_kv = SimpleNamespace(vocab_size=100)  # a model whose cache gspo cannot size: the logits only
+    assert sampling_bytes(no_kv, 10, 100, 2) == 10 * 100 * 4
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+                                   RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                                                "not enough memory: you tried to allocate 96000000000 bytes.")],
+                         ids=["cuda", "cpu"])
+def test_running_out_of_memory_while_sampling_names_the_fields_to_lower(capsys, tmp_path, monkeypatch, error):
+    from gspo.rollout.sampling import GENERATORS, GeneratorBackend
+
+    native = GENERATORS["gspo"].sample
+
+    def sample(model, *args, group_size, **kwargs):  # the evaluation's k=2 fits, the rollout's G=4 does not
+        if group_size > 2:
+            raise error
+        return native(model, *args, group_size=group_size, **kwargs)
+
+    monkeypatch.setitem(GENERATORS, "oom_test", GeneratorBackend(sample, lambda model: None))
+    status, err = run_cli(capsys, tmp_path, "num_generations=4", "generation_backend=oom_test")
+    one_line_error(err, r"step 1: sampling 8 sequences \(per_device_batch_size=2 x num_generations=4\) ran out of "
+                        r"memory \(.*(out of memory|not enough memory).*\); lower num_generations \(or "
+                        r"per_device_batch_size, max_completion_length\)")
+    assert status == 2 and logged_steps(tmp_path / "run") == [0]
 
 
 @pytest.mark.slow

@@ -1,17 +1,25 @@
 """The stability lab: grid expansion, skip/resume, report builder on synthetic runs, a micro lab end to end."""
 
 import json
+import os
+import re
+import signal
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 import gspo.sft
 import gspo.trainer
-from conftest import comparable, logged_steps, read_metrics
+from conftest import comparable, gspo_argv, gspo_env, logged_steps, read_metrics
 from gspo.config import make_config, to_dict
 from gspo.lab.report import claims, detect_collapse, load_lab, stat, write_report
-from gspo.lab.runs import LabConfig, expand_grid, run_dir, run_lab, train_config
+from gspo.lab.runs import LabConfig, _run_one, expand_grid, run_dir, run_lab, train_config
+from gspo.run import run_lock
 from gspo.tracking import MetricsLogger
 
 
@@ -115,6 +123,96 @@ def test_completed_runs_are_skipped_and_an_interrupted_lab_resumes(tmp_path, mon
                   learning_rate=5e-4, workers=1)
     with pytest.raises(ValueError, match="grpo-dense-none-s0 .* other settings \\(learning_rate\\)"):
         run_lab(changed, log=lambda _: None)
+
+
+def test_a_relaunch_leaves_a_run_folder_in_use_alone(tmp_path, monkeypatch):
+    """An unfinished run whose lock a live process holds (an earlier lab's worker still training it) is not
+    deleted and restarted: the lab stops with one line naming the folder, before running anything."""
+    cfg = lab(tmp_path, objectives=["grpo"], models=["dense"], seeds=[0], depths=[], search={}, workers=1)
+    monkeypatch.setattr(gspo.sft, "sft", fake_sft)
+    trainer = FakeTrainer()
+    monkeypatch.setattr(gspo.trainer, "train", trainer)
+    folder = run_dir(cfg.output_dir, expand_grid(cfg)[0])
+    in_use = re.escape(f"lab run folder {folder} is in use by a live process (pid {os.getpid()} on ")
+    with run_lock(folder):  # this process holds it, as the earlier worker would
+        (folder / "metrics.jsonl").write_text('{"step": 0}\n')
+        with pytest.raises(ValueError, match=in_use):
+            run_lab(cfg, log=lambda _: None)
+        assert (folder / "metrics.jsonl").read_text() == '{"step": 0}\n' and trainer.calls == []
+        assert not (tmp_path / "lab" / "coldstart").exists()  # refused before any cold start ran
+        with pytest.raises(ValueError, match=in_use):  # a worker that finds it taken since: the same refusal
+            _run_one(train_config(cfg, expand_grid(cfg)[0]), {})
+        assert (folder / "metrics.jsonl").exists()
+    with run_lock(cfg.output_dir):  # a second lab into a folder whose lab is still running
+        with pytest.raises(ValueError, match=re.escape(f"output_dir {cfg.output_dir} is in use by another run")):
+            run_lab(cfg, log=lambda _: None)
+    assert run_lab(cfg, log=lambda _: None)["ran"] == 1  # released: the relaunch restarts it from scratch
+    assert trainer.calls == ["grpo-dense-none-s0"] and logged_steps(folder) == [0, 1]
+
+
+# ------------------------------------------------------------------------------- a killed lab takes its workers along
+def proc_stat(pid) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, ...); None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def children(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir()
+            if p.name.isdigit() and (fields := proc_stat(p.name)) and int(fields[1]) == pid]
+
+
+def alive(pid: int) -> bool:
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"  # a zombie has ended (only its exit status is left)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_lab_takes_its_workers_along(tmp_path, signum):
+    """Two workers in two cold starts (dense and MoE SFT that would go on for hours); the lab process is killed:
+    its workers, and every other child of it, are gone within seconds instead of training on as orphans."""
+    (tmp_path / "lab.yaml").write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "lab"), "objectives": ["grpo"], "models": ["dense", "moe"],
+        "routing_replay": ["none"], "seeds": [0], "depths": [], "search": {}, "num_layers": 1,
+        "sft_max_steps": 100_000, "sft_target_accuracy": 1.0, "workers": 2}))
+    locks = [tmp_path / "lab" / "coldstart" / name / ".gspo.lock" for name in ("dense-L1", "moe-L1")]
+    with open(tmp_path / "lab.log", "w") as log:
+        lab_process = subprocess.Popen(gspo_argv("lab", "--config", tmp_path / "lab.yaml"), cwd=tmp_path,
+                                       env=gspo_env(), stdout=log, stderr=subprocess.STDOUT)
+    workers = []
+    try:
+        deadline = time.monotonic() + 240
+        while not all(p.exists() and p.read_text().startswith("pid ") for p in locks):  # both SFTs under way
+            assert lab_process.poll() is None and time.monotonic() < deadline, (tmp_path / "lab.log").read_text()
+            time.sleep(0.2)
+        workers = children(lab_process.pid)
+        training = {int(p.read_text().split()[1]) for p in locks}
+        assert len(training) == 2 and training <= set(workers), (training, workers)
+        os.kill(lab_process.pid, signum)
+        assert lab_process.wait(timeout=30) == -signum
+        deadline = time.monotonic() + 10
+        while any(map(alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in workers if alive(pid)] == []
+    finally:
+        lab_process.kill()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)  # what this test started: no orphan outlives it
+
+
+def test_a_worker_whose_lab_is_already_gone_leaves_at_once():
+    """The race of PR_SET_PDEATHSIG: a lab that died before its worker's initializer ran is no longer the
+    worker's parent, and the worker leaves (status 1) instead of waiting for work; under its own parent it stays."""
+    code = "import os; from gspo.lab.runs import _die_with_parent; _die_with_parent({}); print('stayed')"
+    for parent, expected in (("-1", (1, "")), ("os.getppid()", (0, "stayed\n"))):
+        done = subprocess.run([sys.executable, "-c", code.format(parent)], env=gspo_env(), capture_output=True,
+                              text=True, timeout=60)
+        assert (done.returncode, done.stdout) == expected, done.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------- collapse detection

@@ -244,9 +244,10 @@ def unrelated_reward(prompts, completions, **_):
 
 @pytest.mark.slow
 def test_ppo_raises_held_out_accuracy_from_the_demo_cold_start(tmp_path):
-    """The demo's cold start (SFT to 40% greedy on its own check), then 20 PPO steps at the demo's RL
+    """The demo's cold start (SFT to 40% greedy on its own check), then 30 PPO steps at the demo's RL
     settings: held-out greedy accuracy must rise by 0.15. The same run with a reward unrelated to
-    correctness (the update is then noise as far as addition goes) must not."""
+    correctness (the update is then noise as far as addition goes) must not. (30 steps, not 20: on an
+    AMD EPYC AVX-512 machine 20 gave +0.12, at bbf266e too; 30 gave +0.19, the control -0.47.)"""
     from gspo.demo import DEMO_RL, DEMO_SFT
     from gspo.config import SFTConfig
     from gspo.sft import sft
@@ -255,11 +256,11 @@ def test_ppo_raises_held_out_accuracy_from_the_demo_cold_start(tmp_path):
     gains = {}
     for name, rewards in (("answer_match", ["answer_match"]), ("unrelated", [unrelated_reward])):
         cfg = make_config(TrainConfig, {**DEMO_RL, **PPO, "clip_low": 0.2, "clip_high": 0.2, "model": cold["model_dir"],
-                                        "max_steps": 20, "eval_steps": 0, "eval_num_prompts": 100, "eval_k": 1,
+                                        "max_steps": 30, "eval_steps": 0, "eval_num_prompts": 100, "eval_k": 1,
                                         "reward_funcs": rewards, "log_samples_steps": 0, "progress": False,
                                         "output_dir": str(tmp_path / name)})
         evals = train(cfg)["evals"]
-        gains[name] = evals[20]["eval/accuracy"] - evals[0]["eval/accuracy"]
+        gains[name] = evals[30]["eval/accuracy"] - evals[0]["eval/accuracy"]
     assert gains["answer_match"] > 0.15 > gains["unrelated"], gains
 
 

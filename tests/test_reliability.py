@@ -1,7 +1,9 @@
 """Reliability: non-finite guard, bad rewards dropped or named, checkpoints and exact resume, signals."""
 
 import dataclasses
+import json
 import math
+import os
 import random
 import re
 import signal
@@ -13,8 +15,8 @@ import pytest
 import yaml
 import torch
 
-from conftest import (SMALL, changed, comparable, final_weights, gspo_argv, gspo_env, initial_weights, logged_steps,
-                      read_metrics, starts_with_digit, tiny_cfg)
+from conftest import (SMALL, TINY_RUN, changed, comparable, final_weights, gspo_argv, gspo_env, initial_weights,
+                      logged_steps, read_metrics, starts_with_digit, tiny_cfg)
 from gspo.cli import main
 from gspo.objectives import OBJECTIVES
 from gspo.tracking import read_jsonl
@@ -209,3 +211,65 @@ def test_resume_and_output_dir_errors(tmp_path):
     train(tiny_cfg(tmp_path, max_steps=1, overwrite_output_dir=True))
     assert logged_steps(tmp_path / "run") == [0, 1]
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+# ------------------------------------------------------------------------------- resume on changed data, CLI
+def write_sums(path: Path, firsts) -> Path:
+    """A JSON Lines dataset of "a+a=" prompts with their answers, one row per first term `a`."""
+    path.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in firsts))
+    return path
+
+
+def test_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_path, capsys):
+    data, held = write_sums(tmp_path / "data.jsonl", range(10, 30)), write_sums(tmp_path / "held.jsonl", range(50, 54))
+
+    def cfg(**kw):
+        return tiny_cfg(tmp_path, task=None, dataset=str(data), eval_dataset=str(held), reward_funcs=["answer_match"],
+                        save_steps=1, **kw)
+
+    train(cfg(max_steps=2))  # 2 steps of 2 prompts: the sampler stands 4 rows into its first pass over 20
+    again = dict(max_steps=3, resume_from_checkpoint="latest")
+    allow = "Restore the data, or set resume_allow_changed_data=true to train on the new rows from the saved position"
+    write_sums(data, [*range(10, 29), 31])  # same path, same count, one row replaced
+    with pytest.raises(ValueError, match=re.escape(f"resume: the data changed since checkpoint-2 was saved: {data} "
+                                                   f"has the same 20 rows, but other content. {allow}")):
+        train(cfg(**again))
+    write_sums(data, range(10, 13))  # fewer rows than the sampler's position: named, not an IndexError
+    write_sums(held, range(60, 64))
+    with pytest.raises(ValueError, match=re.escape(f"since checkpoint-2 was saved: {data} has 3 rows (20 then); "
+                                                   f"{held} has the same 4 rows, but other content. {allow}")):
+        train(cfg(**again))
+    assert logged_steps(tmp_path / "run") == [0, 1, 2]  # refused before anything ran
+    capsys.readouterr()
+    train(cfg(**again, resume_allow_changed_data=True))  # said explicitly: a warning, then the next pass over 3 rows
+    assert f"{data} has 3 rows (20 then)" in capsys.readouterr().err
+    assert logged_steps(tmp_path / "run") == [0, 1, 2, 3]
+    train(cfg(max_steps=4, resume_from_checkpoint="latest"))  # checkpoint-3 vouches for the new rows: no flag needed
+    assert logged_steps(tmp_path / "run") == [0, 1, 2, 3, 4]
+
+
+def test_overrides_follow_resume_and_a_resume_keeps_file_modes(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**TINY_RUN, "task": "add3", "output_dir": str(tmp_path / "run")}))
+    run_dir, old_umask = tmp_path / "run", os.umask(0o027)  # new files: rw-r-----
+    try:
+        assert main(["train", "--config", str(config), "save_steps=1", "max_steps=2"]) == 0
+        (run_dir / "metrics.jsonl").chmod(0o664)  # as the user set them: a resume keeps them so
+        (run_dir / "samples.jsonl").chmod(0o604)
+        assert main(["train", "--config", str(config), "save_steps=1", "--resume", "latest", "max_steps=3"]) == 0
+    finally:
+        os.umask(old_umask)
+    assert logged_steps(run_dir) == [0, 1, 2, 3]
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert (mode(run_dir / "metrics.jsonl"), mode(run_dir / "samples.jsonl")) == (0o664, 0o604)
+    for folder in (run_dir / "model", run_dir / "checkpoint-3"):  # every file readable as the umask says
+        assert {p.name: oct(mode(p)) for p in folder.iterdir()} == {p.name: oct(0o640) for p in folder.iterdir()}
+
+
+def test_sft_refuses_an_earlier_run_without_offering_resume(tmp_path, capsys):
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "metrics.jsonl").write_text("")
+    assert main(["sft", f"output_dir={tmp_path / 'sft'}", "num_examples=4", "progress=false"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run (metrics.jsonl)" in err and "overwrite_output_dir=true" in err
+    assert "--resume" not in err  # gspo sft has no --resume

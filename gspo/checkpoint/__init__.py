@@ -45,12 +45,16 @@ from gspo.checkpoint.files import (
                                    list_checkpoints,
                                    prune_checkpoints,
                                    remove_checkpoint,
+                                   remove_tree,
+                                   umask_modes,
                                    verify_checkpoint,
 )
 from gspo.checkpoint.resume import (
                                    RESUME_MAY_CHANGE,
+                                   check_data,
                                    check_resumable,
                                    discard_newer_checkpoints,
+                                   load_trainer_state,
                                    resolve_resume,
                                    saved_config,
                                    set_aside_damaged,
@@ -67,7 +71,7 @@ from gspo.checkpoint.store import (
 
 __all__ = ["CONFIG_FILE", "CRITIC_FILE", "MANIFEST_FILE", "OPTIMIZER_FILE", "RNG_FILE", "SCHEDULER_FILE",
            "TRAINER_STATE_FILE",
-           "RESUME_MAY_CHANGE", "capture_rng", "check_finite_state", "check_resumable", "clean_stale",
+           "RESUME_MAY_CHANGE", "capture_rng", "check_data", "check_finite_state", "check_resumable", "clean_stale",
            "discard_newer_checkpoints", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_model_weights",
-           "load_state_file", "prune_checkpoints", "remove_checkpoint", "resolve_resume", "restore_rng",
-           "save_checkpoint", "saved_config", "set_aside_damaged", "verify_checkpoint"]
+           "load_state_file", "load_trainer_state", "prune_checkpoints", "remove_checkpoint", "remove_tree", "resolve_resume",
+           "restore_rng", "save_checkpoint", "saved_config", "set_aside_damaged", "umask_modes", "verify_checkpoint"]

@@ -58,8 +58,25 @@ def clean_stale(run_dir) -> list[Path]:
     run_dir = Path(run_dir)
     stale = sorted(p for p in run_dir.glob(f"{TMP_PREFIX}*")) if run_dir.is_dir() else []
     for path in stale:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        remove_tree(path)
     return stale
+
+
+def remove_tree(path) -> None:
+    """Delete the folder, file or link at `path`; a link is removed, never followed (its target stays).
+
+    An OSError names `path` (shutil.rmtree's own errors may name none: "Cannot call rmtree on a
+    symbolic link").
+    """
+    path = Path(path)
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path)
+    except OSError as err:
+        msg = f"cannot remove {path} ({err.strerror or err})"
+        raise (OSError(err.errno, msg, err.filename) if err.errno is not None else OSError(msg)) from err
 
 
 def list_checkpoints(run_dir) -> list[Path]:
@@ -157,7 +174,8 @@ def move_into_place(tmp: Path, final: Path) -> None:
             os.replace(trash, final)  # the old copy comes back: a failed save loses nothing
             raise
         fsync_dir(final.parent)
-        shutil.rmtree(trash, ignore_errors=True)  # saved already; a leftover is clean_stale's
+        with suppress(OSError):  # saved already; a leftover is clean_stale's
+            remove_tree(trash)  # the old copy, or the link that stood for it (its target kept)
     else:
         os.replace(tmp, final)
         fsync_dir(final.parent)
@@ -165,11 +183,12 @@ def move_into_place(tmp: Path, final: Path) -> None:
 
 def remove_checkpoint(path) -> None:
     """Delete a checkpoint folder; renamed out of the checkpoint-<step> names first, so a kill midway
-    leaves no half checkpoint for `resolve_resume("latest")` to refuse."""
+    leaves no half checkpoint for `resolve_resume("latest")` to refuse. A linked checkpoint: the link goes,
+    its target stays."""
     path = Path(path)
     trash = path.parent / f"{TMP_PREFIX}trash-{path.name}-{os.getpid()}"
     os.replace(path, trash)
-    shutil.rmtree(trash)
+    remove_tree(trash)
 
 
 def hash_and_fsync_tree(root: Path) -> dict:
@@ -183,6 +202,29 @@ def hash_and_fsync_tree(root: Path) -> dict:
         fsync_dir(path)
     fsync_dir(root)
     return files
+
+
+def new_file_mode() -> int:
+    """The mode `open()` gives a new file in this process: 0o666 less the umask."""
+    try:  # Linux names the umask here; elsewhere it can only be read by setting it
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def umask_modes(root) -> None:
+    """Give every file under folder `root` the mode the umask says (`new_file_mode`).
+
+    safetensors writes its files 0600 whatever the umask, so saved weights would be the only files
+    of a model that the user's group (or a serving account) cannot read.
+    """
+    mode = new_file_mode()
+    for path in Path(root).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def _sha256(file: Path) -> str:

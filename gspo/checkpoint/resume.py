@@ -78,7 +78,8 @@ def set_aside_damaged(run_dir, newer_than: int) -> list[Path]:
 
 
 # Settings that may change when resuming: where and how much is logged, not what is computed.
-RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "progress",
+RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_from_checkpoint",
+                     "resume_allow_changed_data", "progress",
                      "save_steps", "save_total_limit", "eval_steps", "log_samples_steps", "log_samples_count",
                      "tensorboard", "wandb", "wandb_project", "max_consecutive_skips", "dist_timeout_s",
                      "distributed",  # checkpoints hold full weights and optimizer state in one layout
@@ -120,6 +121,37 @@ def check_resumable(saved: dict, cfg, step: int, world: int = 1) -> None:
                          "run (raise max_steps to train further)")
 
 
+def check_data(saved: dict | None, now: dict, checkpoint: str, allow: bool) -> list[str]:
+    """A resumed run reads the data the checkpoint was made with: per file, the same rows in the same order.
+
+    `saved`, `now`: {data file: `gspo.data.rows.data_fingerprint`} (rows and sha256) as the checkpoint
+    recorded them and as loaded now. A changed file is a ValueError naming it and what changed, unless
+    `allow` (resume_allow_changed_data); returns the warnings to print: for that, or for a checkpoint
+    that records no fingerprints (saved None: an older gspo), which resumes unchecked.
+    """
+    if saved is None:
+        return [f"resume: {checkpoint} records no fingerprint of the data (an older gspo saved it): a change to "
+                f"{', '.join(now)} since then cannot be detected"] if now else []
+    if not (isinstance(saved, dict) and all(isinstance(fp, dict) and type(fp.get("rows")) is int
+                                            and isinstance(fp.get("sha256"), str) for fp in saved.values())):
+        raise ValueError(f"{checkpoint}/trainer_state.json: not the trainer state gspo writes (data must map each "
+                         f"data file to its rows and sha256, got {saved!r:.80})")
+    changes = []
+    for file, fp in now.items():
+        then = saved.get(file)  # None: not a file of the checkpointed run (check_resumable names that setting)
+        if then is None or (fp["rows"], fp["sha256"]) == (then["rows"], then["sha256"]):
+            continue
+        changes.append(f"{file} has {fp['rows']} rows ({then['rows']} then)" if fp["rows"] != then["rows"]
+                       else f"{file} has the same {fp['rows']} rows, but other content")
+    if not changes:
+        return []
+    what = f"resume: the data changed since {checkpoint} was saved: {'; '.join(changes)}"
+    if not allow:
+        raise ValueError(f"{what}. Restore the data, or set resume_allow_changed_data=true to train on the new rows "
+                         "from the saved position")
+    return [f"{what}; resume_allow_changed_data=true: training goes on with the new rows from the saved position"]
+
+
 def discard_newer_checkpoints(out_dir: Path, step: int, allowed: bool) -> None:
     """Resuming from an older checkpoint abandons the newer ones: only with overwrite_output_dir."""
     newer = [c for c in list_checkpoints(out_dir) if int(c.name.rsplit("-", 1)[1]) > step]
@@ -128,3 +160,24 @@ def discard_newer_checkpoints(out_dir: Path, step: int, allowed: bool) -> None:
                          "overwrite_output_dir=true to delete the newer checkpoints")
     for path in newer:
         remove_checkpoint(path)
+
+
+def load_trainer_state(path: Path, state, source, guard) -> dict[int, dict]:
+    """The prompt source's and the guard's states from a checkpoint's trainer_state.json; returns the
+    evaluations so far ({step: metrics}). The file is JSON a user may edit: anything but what gspo
+    writes is a ValueError naming it, before anything on disk changes."""
+    try:
+        if not isinstance(state, dict):
+            raise ValueError(f"expected a mapping, got {type(state).__name__}")
+        missing = [key for key in ("sampler", "guard", "evals") if key not in state]
+        if missing:
+            raise ValueError(f"no {missing[0]!r} entry")
+        evals = state["evals"]
+        if not (isinstance(evals, dict) and all(k.isdigit() and isinstance(v, dict) for k, v in evals.items())):
+            raise ValueError(f"evals must be a mapping of step: metrics, got {type(evals).__name__}")
+        source.load_state_dict(state["sampler"])
+        guard.load_state_dict(state["guard"])
+    except (KeyError, TypeError, ValueError) as err:
+        problem = f"no {err.args[0]!r} entry" if isinstance(err, KeyError) else str(err)
+        raise ValueError(f"{path}: not the trainer state gspo writes ({problem})") from None
+    return {int(k): v for k, v in evals.items()}

@@ -33,6 +33,7 @@ from gspo.checkpoint.files import (
     prune_checkpoints,
     read_json,
     storage_of,
+    umask_modes,
     verify_checkpoint,
     weight_files,
     write_error,
@@ -97,6 +98,7 @@ def save_checkpoint(run_dir, step: int, *, model=None, tokenizer=None, optimizer
                 torch.save(state, f)
         for name, text in texts.items():
             (tmp / name).write_text(text)
+        umask_modes(tmp)  # safetensors writes 0600: readable as the umask says, like every other file
         files = hash_and_fsync_tree(tmp)  # data on disk before the manifest that vouches for it
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": files}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))

@@ -34,7 +34,7 @@ import torch
 from gspo.advantages import group_stats
 from gspo.data.evaluation import evaluate
 from gspo.data.rewards import get_reward_fn, reward_spec, score_completions
-from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits
+from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits, state_count
 from gspo.tasks import TASKS
 
 WEIGHTINGS = ("static", "dynamic")
@@ -227,7 +227,7 @@ class TaskMixture:
 
     def __init__(self, specs: list[TaskSpec], train_rows: list[list[dict]], eval_rows: list[list[dict]], *,
                  weighting: str = "static", floor: float = 0.0, smoothing: float = 0.8,
-                 progress_coef: float = 0.0, seed: int = 0, sandbox: str = "os"):
+                 progress_coef: float = 0.0, seed: int = 0, sandbox: str = "os", fingerprints: dict | None = None):
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting={weighting!r} is not one of {', '.join(WEIGHTINGS)}")
         if not 0 <= smoothing < 1:
@@ -244,17 +244,18 @@ class TaskMixture:
         self.signals = [TaskSignal() for _ in specs]
         self.draws = 0  # batches drawn so far: with the seed, it fixes the next batch's allocation
         self.counts: list[int] | None = None  # prompts per task in the latest batch
+        self.fingerprints = fingerprints or {}  # {data file: data_fingerprint} of every task's, for checkpoints
         self.weights = self._weights()
 
     @classmethod
     def from_config(cls, cfg, tokenizer, num_train: int) -> "TaskMixture":
         """The mixture of a TrainConfig with `tasks`: each task's data loaded as a single-task run would."""
-        specs = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights)
+        specs, fingerprints = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights), {}
         splits = [load_splits(dataclasses.replace(cfg, task=s.task, dataset=s.dataset, eval_dataset=s.eval_dataset),
-                              tokenizer, num_train) for s in specs]
+                              tokenizer, num_train, fingerprints) for s in specs]
         return cls(specs, [train for train, _ in splits], [held for _, held in splits], weighting=cfg.task_weighting,
                    floor=cfg.task_weight_floor, smoothing=cfg.task_weight_smoothing,
-                   progress_coef=cfg.task_progress_coef, seed=cfg.seed, sandbox=cfg.sandbox)
+                   progress_coef=cfg.task_progress_coef, seed=cfg.seed, sandbox=cfg.sandbox, fingerprints=fingerprints)
 
     @property
     def train_rows(self) -> list[list[dict]]:
@@ -361,7 +362,7 @@ class TaskMixture:
         if len(state["samplers"]) != len(self.samplers):
             raise ValueError(f"TaskMixture: the state has {len(state['samplers'])} tasks, this mixture "
                              f"{len(self.samplers)}")
-        self.draws = state["draws"]
+        self.draws = state_count(state, "draws", "mixture")
         for sampler, s in zip(self.samplers, state["samplers"]):
             sampler.load_state_dict(s)
         self.signals = [TaskSignal(**s) for s in state["signals"]]

@@ -8,7 +8,8 @@ token ids) where the function takes it (by name or **kwargs); None means "no opi
 skipped when rewards are combined. Where the prompts were chat messages, prompts arrive as those
 messages and each completion as `[{"role": "assistant", "content": text}]` (TRL's conversational
 format), except for functions marked `reads_text` (the built-ins), which always get text.
-Metrics use the function's `__name__`.
+Metrics use the function's `__name__`. A function with a `check_rows(rows)` method has every train
+and held-out row checked by it before training (code_tests: its tests column).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 
 import torch
@@ -299,12 +301,23 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {err}") from err
+    except (Exception, SystemExit) as err:  # the module's own code failed as it ran: name where
+        raise ValueError(f"reward {spec!r}: importing module {module_name!r} raised {type(err).__name__}: {err} "
+                         f"({_raised_at(err)})") from err
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {attr!r} is not callable")
     return fn
+
+
+def _raised_at(err: BaseException) -> str:
+    """'<file> line <n>': the innermost frame of `err`'s traceback (a SyntaxError: its own file and line)."""
+    if isinstance(err, SyntaxError):
+        return f"{err.filename} line {err.lineno}"
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"{frames[-1].filename} line {frames[-1].lineno}" if frames else "no traceback"
 
 
 def reward_spec(fn) -> str:
@@ -408,7 +421,8 @@ def score_completions(
     is abandoned. A function that raises is rerun sample by sample, one after another, to find the
     offending prompt/completion; one that times out is rerun on every sample at once (up to 8
     threads, one shared deadline), to find the samples it hangs on. By default a failing sample,
-    or a NaN/inf value, is a `RewardError`/ValueError naming the function and the sample; with
+    or a value float32 cannot hold (NaN, inf, 1e39, 10**400; or a weighted total beyond it), is a
+    `RewardError`/ValueError naming the function and the sample; with
     `drop_bad` the sample's total is NaN instead (the trainer leaves it out, and counts it). Always
     errors: a function that fails on every sample (a bug in it, not bad samples), one that fails on
     the batch but on no single sample, SystemExit / KeyboardInterrupt / other BaseExceptions (a
@@ -474,22 +488,53 @@ def score_completions(
                     f"reward function {name!r} returned {type(value).__name__} at sample {i}; "
                     "expected a float or None"
                 )
-            elif not math.isfinite(value):
+            elif not abs(value) <= _F32_MAX:  # NaN, inf, or beyond float32 (1e39, 10**400): compared, not converted
                 if not drop_bad:
-                    raise ValueError(
-                        f"reward function {name!r} returned non-finite {value} at sample {i} "
-                        f"(prompt={_short(prompts[i])}, completion={_short(completions[i])}); "
-                        "return None for 'no opinion', or set drop_bad_rewards to drop such samples"
-                    )
+                    where = _sample(i, prompts, completions)
+                    problem = (f"returned non-finite {value} at {where}" if _is_nonfinite(value)
+                               else f"returned {_show(value)} at {where}, {_BEYOND}")
+                    raise ValueError(f"reward function {name!r} {problem}; return None for 'no opinion', or set "
+                                     "drop_bad_rewards to drop such samples")
                 values.append(math.nan)
                 dropped[i] = True
             else:
                 values.append(float(value))
         raw[name] = torch.tensor(values, dtype=torch.float32)  # (N,) NaN where None
         weighted.append(torch.tensor(values, dtype=torch.float64) * float(weight))  # (N,)
-    total = torch.nansum(torch.stack(weighted), dim=0).float()  # (N,) all-None samples sum to 0.0
-    total[dropped] = math.nan
+    total64 = torch.nansum(torch.stack(weighted), dim=0)  # (N,) all-None samples sum to 0.0
+    beyond = (total64.abs() > _F32_MAX) & ~dropped  # (N,) a weighted sum float32 would make inf
+    if beyond.any() and not drop_bad:
+        i = int(beyond.nonzero()[0])
+        raise ValueError(f"{_sample(i, prompts, completions)} has the weighted reward "
+                         f"{float(total64[i]):g} (reward_weights {list(weights)}), {_BEYOND}; lower reward_weights, "
+                         "or set drop_bad_rewards to drop such samples")
+    total = total64.float()  # (N,)
+    total[dropped | beyond] = math.nan
     return total, raw
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)  # rewards are float32 tensors: a larger one would become inf
+_BEYOND = "beyond float32's range (|r| <= 3.4e+38)"
+
+
+def _is_nonfinite(value) -> bool:
+    try:
+        return not math.isfinite(value)
+    except OverflowError:  # an int too large for a float is finite
+        return False
+
+
+def _show(value) -> str:
+    """A reward value for a message: an int too long to print whole by its number of digits."""
+    if isinstance(value, numbers.Integral) and abs(value) > 10**20:
+        try:
+            return f"an int of {len(str(abs(int(value))))} digits"
+        except ValueError:  # past Python's limit on printing ints
+            return "an int of over 4300 digits"
+    try:
+        return repr(float(value))
+    except OverflowError:
+        return f"a {type(value).__name__} beyond float's range"
 
 
 def _inputs(fn, prompts, completions, columns, chat, completion_ids) -> tuple[list, list, dict]:

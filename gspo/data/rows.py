@@ -10,6 +10,7 @@ Parquet with pyarrow, `save_to_disk` folders with `datasets`.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import random
@@ -194,20 +195,43 @@ def render_prompts(rows: list[dict], tokenizer) -> list[dict]:
         prompt = r["prompt"]
         if isinstance(prompt, list):
             if getattr(tokenizer, "chat_template", None) is None:
-                raise ValueError(f"dataset: {where(r, i)}: chat messages, but the tokenizer has no chat template")
+                raise RowError(f"dataset: {where(r, i)}: chat messages, but the tokenizer has no chat template", i)
             if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in prompt) or not prompt:
-                raise ValueError(f"dataset: {where(r, i)}: chat messages must be a non-empty list of "
-                                 f"{{role, content}} string pairs, got {prompt!r:.80}")
+                raise RowError(f"dataset: {where(r, i)}: chat messages must be a non-empty list of "
+                               f"{{role, content}} string pairs, got {prompt!r:.80}", i)
             try:
                 r["prompt"] = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
                 r[MESSAGES] = prompt
             except Exception as err:  # the template is user data too (jinja errors, missing roles)
-                raise ValueError(f"dataset: {where(r, i)}: the chat template failed on these messages "
-                                 f"({type(err).__name__}: {_first_line(err)})") from None
-        elif not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"dataset: {where(r, i)}: prompt must be a non-empty string or a list of messages, "
-                             f"got {prompt!r:.80}")
+                raise RowError(f"dataset: {where(r, i)}: the chat template failed on these messages "
+                               f"({type(err).__name__}: {_first_line(err)})", i) from None
+        elif not isinstance(prompt, str) or not prompt.strip():  # blank is empty: nothing to answer
+            raise RowError(f"dataset: {where(r, i)}: prompt must be a non-empty string or a list of messages, "
+                           f"got {prompt!r:.80}", i)
+    return rows
+
+
+class RowError(ValueError):
+    """A ValueError about one row; `index`: its place in the rows checked."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+def check_rows(rows: list[dict], tokenizer, max_prompt_length: int | None = None, truncate: str = "error"
+               ) -> list[dict]:
+    """`render_prompts`, then (given `max_prompt_length`) `check_prompt_lengths`: of several bad rows,
+    whatever is wrong with each, the first is named. Returns `rows`, rendered in place."""
+    try:
+        render_prompts(rows, tokenizer)
+    except RowError as err:
+        if max_prompt_length is not None:  # a too-long prompt before the row render_prompts refused comes first
+            check_prompt_lengths(rows[: err.index], tokenizer, max_prompt_length, truncate)
+        raise
+    if max_prompt_length is not None:
+        check_prompt_lengths(rows, tokenizer, max_prompt_length, truncate)
     return rows
 
 
@@ -232,24 +256,47 @@ def check_prompt_lengths(rows: list[dict], tokenizer, max_prompt_length: int, tr
     return longer
 
 
-def load_splits(cfg, tokenizer, num_train: int) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows) for a config with `task` or `dataset` fields."""
+def data_fingerprint(rows: list[dict]) -> dict:
+    """{"rows": count, "sha256": hex digest of the rows in order}, of rows as `load_rows` read them.
+
+    A checkpoint records one per data file, so a resume can tell that a file changed under the same
+    name. Each row is hashed as sorted-key JSON; a value JSON cannot hold (bytes, a date) by its repr.
+    """
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=repr).encode() + b"\n")
+    return {"rows": len(rows), "sha256": digest.hexdigest()}
+
+
+def load_splits(cfg, tokenizer, num_train: int, fingerprints: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) for a config with `task` or `dataset` fields.
+
+    `fingerprints` (a dict), when given, gets {file: data_fingerprint(its rows)} of each data file read.
+    Every prompt used is checked here (`check_rows`; with a TrainConfig's max_prompt_length, its length).
+    """
+    limits = (getattr(cfg, "max_prompt_length", None), getattr(cfg, "truncate_prompts", "error"))  # SFT: none
     if cfg.dataset is not None:
         rows = load_rows(cfg.dataset, cfg.prompt_column)
+        if fingerprints is not None:  # before rendering, which rewrites chat prompts in place
+            fingerprints[cfg.dataset] = data_fingerprint(rows)
+        check_rows(rows, tokenizer, *limits)  # every row in file order, before a split shuffles them
         if cfg.eval_dataset is not None:
             train, held_out = rows, load_rows(cfg.eval_dataset, cfg.prompt_column)
+            if fingerprints is not None:
+                fingerprints[cfg.eval_dataset] = data_fingerprint(held_out)
+            check_rows(held_out[: cfg.eval_num_prompts], tokenizer, *limits)
         else:
             shuffled = rows[:]
             random.Random(cfg.seed).shuffle(shuffled)
             n_eval = max(1, len(rows) // 10) if len(rows) > 1 else 0
             held_out, train = shuffled[:n_eval], shuffled[n_eval:]
-        return render_prompts(train, tokenizer), render_prompts(held_out[: cfg.eval_num_prompts], tokenizer)
+        return train, held_out[: cfg.eval_num_prompts]
     task = get_task(cfg.task)
     train = [Row(r, f"task {cfg.task} train example {i}") for i, r in enumerate(task.dataset("train", num_train,
                                                                                               cfg.seed))]
     held_out = [Row(r, f"task {cfg.task} test example {i}")
                 for i, r in enumerate(task.dataset("test", cfg.eval_num_prompts, 10_000 + cfg.seed))]
-    return train, held_out
+    return check_rows(train, tokenizer, *limits), check_rows(held_out, tokenizer, *limits)
 
 
 def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
@@ -284,7 +331,7 @@ class PromptSampler:
     def next(self, n: int) -> list[dict]:
         out = []
         while len(out) < n:
-            if self.pos == len(self._order):
+            if self.pos >= len(self._order):  # past the end too: a resume on fewer rows starts the next pass
                 self.epoch, self.pos = self.epoch + 1, 0
                 self._order = self._shuffle()
             out.append(self.rows[self._order[self.pos]])
@@ -295,5 +342,16 @@ class PromptSampler:
         return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
+        """{"epoch", "pos"} as `state_dict` gave them (a checkpoint's JSON: checked, a ValueError otherwise)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"sampler state must be a mapping, got {type(state).__name__}")
+        self.epoch, self.pos = (state_count(state, key, "sampler") for key in ("epoch", "pos"))
         self._order = self._shuffle()
+
+
+def state_count(state: dict, key: str, owner: str) -> int:
+    """`state[key]` where it is an int >= 0 (a count or position in a checkpoint's state); else a ValueError."""
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner} {key}={value!r} must be an int >= 0")
+    return value

@@ -3,7 +3,7 @@
 `SingleTask` (one task or dataset, its reward functions) and `gspo.data.mixture.TaskMixture`
 (several tasks drawn by weight) answer the same calls: `next(n)` rows, `score(...)` rewards,
 `observe(...)` per-task metrics (and dynamic weights), `evaluate(...)`, and a `state_dict` that
-is part of a checkpoint.
+is part of a checkpoint, as are its `fingerprints` ({data file: rows and hash}, checked at resume).
 """
 
 from __future__ import annotations
@@ -13,16 +13,20 @@ import torch
 from gspo.data.evaluation import evaluate
 from gspo.data.mixture import TaskMixture
 from gspo.data.rewards import get_reward_fn, score_completions
-from gspo.data.rows import PromptSampler, chat_prompts, check_prompt_lengths, columns_of, load_splits
+from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits
 
 
 def prompt_source(cfg, tokenizer, num_train: int):
-    """`TaskMixture` for a config with `tasks`, else `SingleTask`; every prompt is length-checked now."""
+    """`TaskMixture` for a config with `tasks`, else `SingleTask`; every row is checked now, not when first drawn:
+    its prompt and length (`load_splits`), and the columns a reward function reads, where it has a
+    `check_rows(rows)` (code_tests: its tests)."""
     source = TaskMixture.from_config(cfg, tokenizer, num_train) if cfg.tasks else SingleTask.from_config(
         cfg, tokenizer, num_train)
-    # Every prompt of every task, train and held-out, is checked now, not when first drawn.
-    for rows in [*source.train_rows, *source.eval_rows]:
-        check_prompt_lengths(rows, tokenizer, cfg.max_prompt_length, cfg.truncate_prompts)
+    fns_per_task = source.reward_fns if cfg.tasks else [source.reward_fns]
+    for fns, train, held_out in zip(fns_per_task, source.train_rows, source.eval_rows, strict=True):
+        for check in filter(None, (getattr(fn, "check_rows", None) for fn in fns)):
+            check(train)
+            check(held_out)
     return source
 
 
@@ -30,16 +34,18 @@ class SingleTask:
     """One task's shuffled training rows, its reward functions and its held-out rows."""
 
     def __init__(self, train_rows: list[dict], eval_rows: list[dict], reward_fns: list, reward_weights,
-                 seed: int):
+                 seed: int, fingerprints: dict | None = None):
         self.sampler = PromptSampler(train_rows, seed)
         self.held_out = eval_rows
         self.reward_fns, self.reward_weights = reward_fns, reward_weights
+        self.fingerprints = fingerprints or {}  # {data file: data_fingerprint}, recorded in checkpoints
 
     @classmethod
     def from_config(cls, cfg, tokenizer, num_train: int) -> "SingleTask":
-        train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=num_train)
+        fingerprints = {}
+        train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=num_train, fingerprints=fingerprints)
         reward_fns = [get_reward_fn(spec, sandbox=cfg.sandbox) for spec in cfg.reward_funcs]
-        return cls(train_rows, eval_rows, reward_fns, cfg.reward_weights, cfg.seed)
+        return cls(train_rows, eval_rows, reward_fns, cfg.reward_weights, cfg.seed, fingerprints)
 
     @property
     def train_rows(self) -> list[list[dict]]:

@@ -19,6 +19,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -305,28 +308,30 @@ def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
     this way, and one thread makes every run's numbers independent of how many cores there are.
     """
     from gspo.lab.report import write_report
+    from gspo.run import run_lock
 
     started = time.perf_counter()
     lab_dir = Path(cfg.output_dir)
     specs = expand_grid(cfg)
     configs = {spec.name: train_config(cfg, spec) for spec in specs}  # every setting checked before any run
-    lab_dir.mkdir(parents=True, exist_ok=True)
-    (lab_dir / "lab.json").write_text(json.dumps({"command": command, "config": to_dict(cfg)}, indent=2))
     for spec in specs:
         if is_done(run_dir(lab_dir, spec)):
             _check_same_settings(spec, run_dir(lab_dir, spec), configs[spec.name])
     workers = cfg.workers or os.cpu_count() or 1
 
-    with _pool(workers) as pool:
+    with run_lock(lab_dir), _pool(workers) as pool:  # one lab per folder at a time (the lock creates it)
+        (lab_dir / "lab.json").write_text(json.dumps({"command": command, "config": to_dict(cfg)}, indent=2))
         # Cold starts, one per architecture and task the runs use; long-answer tasks and deep models first.
         # A run is queued as soon as its cold start exists, so the other workers do not wait for the slowest.
         colds = sorted({s.cold_key for s in specs}, key=lambda key: (key[4] or 0, key[1]), reverse=True)
         colds = [key for key in colds if not is_done(coldstart_dir(lab_dir, *key))]
+        todo = [s for s in specs if not is_done(run_dir(lab_dir, s))]
+        for path in [*(coldstart_dir(lab_dir, *key) for key in colds), *(run_dir(lab_dir, s) for s in todo)]:
+            _check_not_in_use(path)  # all of them before anything runs
         for key in colds:
             log(f"cold start {coldstart_dir(lab_dir, *key).name}: SFT until greedy accuracy "
                 f"{cfg.sft_target_accuracy:.0%}")
         clock = _Clock()
-        todo = [s for s in specs if not is_done(run_dir(lab_dir, s))]
         skipped = len(specs) - len(todo)
         if skipped:
             log(f"{skipped} of {len(specs)} runs already complete: skipped")
@@ -378,7 +383,7 @@ def _cold_start(scfg: SFTConfig) -> None:
     from gspo.sft import sft
 
     out = Path(scfg.output_dir)
-    shutil.rmtree(out, ignore_errors=True)  # an interrupted cold start is redone from scratch
+    _clear(out)  # an interrupted cold start is redone from scratch
     summary = _one_thread(sft, scfg)
     (out / DONE).write_text(json.dumps(summary, indent=2, default=str))
 
@@ -388,7 +393,7 @@ def _run_one(tcfg: TrainConfig, spec: dict) -> dict:
     from gspo import trainer
 
     out = Path(tcfg.output_dir)
-    shutil.rmtree(out, ignore_errors=True)
+    _clear(out)
     t0 = time.perf_counter()
     result = _one_thread(trainer.train, tcfg)
     seconds = time.perf_counter() - t0
@@ -428,7 +433,58 @@ def _pool(workers: int):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    # Workers are spawned by the thread that submits (run_lab's): PR_SET_PDEATHSIG fires when that thread ends.
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_die_with_parent, initargs=(os.getpid(),))
+
+
+def _die_with_parent(parent: int) -> None:
+    """Worker initializer: the worker ends when the lab process ends, however it ends (SIGKILL too).
+
+    An orphaned worker would train on, then block for good on the pipe of results no one reads,
+    holding its memory. Linux: the kernel SIGKILLs the worker when its parent dies (prctl
+    PR_SET_PDEATHSIG; SIGKILL, not SIGTERM, which the trainer would turn into finishing the step and
+    a checkpoint the lab never resumes from: it redoes an interrupted run). A parent that died
+    before the prctl is seen by getppid() no longer being `parent`. Elsewhere (macOS, Windows: no
+    prctl) a daemon thread checks getppid() every second and ends the worker, within a second.
+    """
+    if not (sys.platform.startswith("linux") and _parent_death_signal(signal.SIGKILL)):
+        threading.Thread(target=_watch_parent, args=(parent,), name="lab-parent-watch", daemon=True).start()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """prctl(PR_SET_PDEATHSIG, signum) through libc; False where it fails."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no libc, or no prctl in it
+        return False
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _check_not_in_use(path: Path) -> None:
+    """An unfinished run's folder is deleted and redone, unless a live process still holds its run lock."""
+    from gspo.run import lock_holder  # here: importing gspo.lab.runs stays free of torch
+
+    holder = lock_holder(path)
+    if holder:
+        raise ValueError(f"lab run folder {path} is in use by a live process ({holder}); left as it is: stop that "
+                         "process (an earlier lab's worker?) or wait for it to end, then rerun the lab")
+
+
+def _clear(path: Path) -> None:
+    """Delete an interrupted run's folder to redo it (refused while a live process holds its lock)."""
+    _check_not_in_use(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _as_completed(futures):

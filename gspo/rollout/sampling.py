@@ -293,6 +293,68 @@ class PolicySampler:
         return time.perf_counter() - t0
 
 
+_LOWER = "lower num_generations (or per_device_batch_size, max_completion_length)"
+
+
+def sampling_bytes(config, n: int, new_tokens: int, dtype_bytes: int) -> int:
+    """A lower bound of the memory that sampling `n` sequences of `new_tokens` tokens takes: the KV cache
+    of the new tokens alone (the prompts' share left out) in every full-attention layer, plus one step's
+    float32 logits (n, V). Where the config does not size the cache plainly (no head counts, latent
+    attention), the logits alone. `config`: the model's (its text config for a multimodal one).
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(config, "layer_types", None)
+    layers = sum(t == "full_attention" for t in types) if types else getattr(config, "num_hidden_layers", 0)
+    attention_heads = getattr(config, "num_attention_heads", None)
+    heads = getattr(config, "num_key_value_heads", None) or attention_heads  # (G)QA: the cache's heads
+    head_dim = getattr(config, "head_dim", None) or (
+        getattr(config, "hidden_size", 0) // attention_heads if attention_heads else None)
+    window = getattr(config, "sliding_window", None)
+    tokens = min(new_tokens, window) if not types and isinstance(window, int) and window > 0 else new_tokens
+    kv = 0
+    if layers and heads and head_dim and not hasattr(config, "kv_lora_rank"):
+        kv = n * tokens * layers * 2 * heads * head_dim * dtype_bytes  # keys and values
+    return kv + n * (getattr(config, "vocab_size", None) or 0) * 4
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for tensors on `device` (CUDA: free plus cached by torch; CPU: MemAvailable plus free
+    swap), or None where it cannot be read (then nothing is refused)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            fields = dict(line.split(":", 1) for line in open("/proc/meminfo", encoding="ascii").read().splitlines())
+            return sum(int(fields[key].split()[0]) * 1024 for key in ("MemAvailable", "SwapFree"))
+        except (OSError, KeyError, ValueError):  # not Linux
+            return None
+    return None
+
+
+def check_sampling_memory(sampler, cfg) -> None:
+    """Refuse, before training, a rollout whose lower bound (`sampling_bytes`) exceeds the memory
+    available on the sampler's device: a ValueError naming num_generations."""
+    param, config = next(sampler.parameters()), getattr(sampler, "config", None)
+    if config is None:  # not a transformers model: nothing to size it by
+        return
+    B, G, T = cfg.per_device_batch_size, cfg.num_generations, cfg.max_completion_length
+    need = sampling_bytes(config, B * G, T, param.element_size())
+    have = available_bytes(param.device)
+    if have is not None and need > have:
+        raise ValueError(f"config: per_device_batch_size={B} x num_generations={G} = {B * G} sequences of up to {T} "
+                         f"new tokens need at least {need / 2**30:.1f} GiB to sample (KV cache and logits), more "
+                         f"than the {have / 2**30:.1f} GiB available on {param.device}; {_LOWER}")
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """torch's out-of-memory errors: CUDA's OutOfMemoryError, the CPU allocator's "not enough memory" /
+    "can't allocate memory", MPS's "out of memory", Python's MemoryError."""
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(err, RuntimeError) and any(s in str(err) for s in ("out of memory", "not enough memory",
+                                                                      "can't allocate memory")))
+
+
 class Generator:
     """The sampling plug of the trainer: G completions per prompt from the policy being trained.
 
@@ -316,17 +378,26 @@ class Generator:
                              "needs (seeded_sampling or torchrun, routing_replay=rollout, the sampler's log-probs)")
         self.with_logprobs, self.synced = with_logprobs, False
         self.sampler = (backend.start or PolicySampler)(model, tokenizer, cfg)
+        if isinstance(self.sampler, PolicySampler):  # an engine sizes its own memory (vllm_gpu_memory_utilization)
+            check_sampling_memory(self.sampler.model, cfg)
 
     def sample(self, prompts: list[str], step: int, first_row: int) -> Rollout:
         cfg, G = self.cfg, self.cfg.num_generations
         sampler = self.sampler.model if isinstance(self.sampler, PolicySampler) else self.sampler
-        return generate(self.model, self.tokenizer, prompts, G, max_new_tokens=cfg.max_completion_length,
-                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                        max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts,
-                        with_logprobs=self.with_logprobs,
-                        routing_recorder=self.recorder(sampler),
-                        row_seeds=row_seeds(cfg.seed, step, first_row, len(prompts) * G) if self.seeded else None,
-                        backend=self.name, sampler=sampler)
+        try:
+            return generate(self.model, self.tokenizer, prompts, G, max_new_tokens=cfg.max_completion_length,
+                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts,
+                            with_logprobs=self.with_logprobs,
+                            routing_recorder=self.recorder(sampler),
+                            row_seeds=row_seeds(cfg.seed, step, first_row, len(prompts) * G) if self.seeded else None,
+                            backend=self.name, sampler=sampler)
+        except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+            if not out_of_memory(err):
+                raise
+            text = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise ValueError(f"step {step}: sampling {len(prompts) * G} sequences (per_device_batch_size="
+                             f"{len(prompts)} x num_generations={G}) ran out of memory ({text}); {_LOWER}") from None
 
     def sync(self, policy) -> dict:
         """Load the updated policy into the sampler; {"time/sync_s": seconds}, and on the first call
