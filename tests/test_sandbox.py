@@ -362,6 +362,15 @@ def test_the_tests_see_the_programs_names_objects_exceptions_and_data():
     assert "Ran 1 test" in r.stderr and r.program_returncode == 0
 
 
+def test_the_programs_memory_and_recursion_errors_reach_the_tests_as_exceptions():
+    # raised by the program, not a broken channel: the tests may expect them
+    program = "def deep(n):\n    return deep(n + 1)\ndef big():\n    return bytearray(2**40)\n"
+    tests = "for f in (deep, big):\n    try:\n        f() if f is big else f(0)\n    except (RecursionError, " \
+            "MemoryError) as e:\n        print(type(e).__name__)\n    else:\n        raise AssertionError(f)\n"
+    r = run(program, tests)
+    assert r.passed and r.stdout == "RecursionError\nMemoryError\n", r.stderr
+
+
 def test_a_failing_unittest_main_fails_the_run():
     r = run(ADD, "import unittest\nclass T(unittest.TestCase):\n    def test(self):\n"
             "        self.assertEqual(add(1, 1), 3)\nunittest.main(argv=['tests'])\n")

@@ -75,8 +75,8 @@ class _Link:
             return receive(self.rfd, self.cap)
         except EOFError:
             self.fail("the program's process ended before the tests finished")
-        except (OSError, WireError) as exc:
-            self.fail(f"the program's process broke the channel: {exc}")
+        except (OSError, WireError, MemoryError) as exc:  # MemoryError: an answer too large for this process
+            self.fail(f"the program's process broke the channel: {type(exc).__name__}: {exc}")
 
     def handle(self, tag, args):
         if len(args) < 2 or type(args[0]) is not int or not 0 <= args[0] < 2**31 or type(args[1]) is not str:
@@ -132,8 +132,8 @@ class _Link:
         except OSError as exc:
             self.fail(f"the program's process stopped listening ({exc})")
         reply = self.receive()
-        try:
-            kind = reply[0] if type(reply) is list and reply else None
+        try:  # decode the answer; the program's own exception is raised after, never caught here
+            kind, error = reply[0] if type(reply) is list and reply else None, None
             if kind == "ok" and len(reply) == 4 and type(reply[2]) is list:
                 value = self.decode(reply[1])
                 for original, after in zip(originals, reply[2]):
@@ -142,18 +142,19 @@ class _Link:
                 self.rebind(reply[3])
                 return value
             if kind == "stop" and len(reply) == 1:
-                raise StopIteration
-            if kind == "exit" and len(reply) == 2 and type(reply[1]) is str:
+                error = StopIteration()
+            elif kind == "exit" and len(reply) == 2 and type(reply[1]) is str:
                 self.fail(reply[1][:300])
-            if kind == "raise" and len(reply) == 4 and type(reply[2]) is str and type(reply[3]) is str:
+            elif kind == "raise" and len(reply) == 4 and type(reply[2]) is str and type(reply[3]) is str:
                 cls = self.decode(reply[1])
                 if isinstance(cls, type) and issubclass(cls, Exception):
                     error = _make_exception(cls, reply[2])
                     error.add_note("raised in the program's process:\n" + reply[3].rstrip())
-                    raise error
-            raise WireError("an answer of the wrong shape")
-        except WireError as exc:
-            self.fail(f"the program's process broke the channel: {exc}")
+            if error is None:
+                raise WireError("an answer of the wrong shape")
+        except (WireError, MemoryError, RecursionError) as exc:  # MemoryError: an answer too large to hold here
+            self.fail(f"the program's process broke the channel: {type(exc).__name__}: {exc}")
+        raise error
 
 
 def _copy_back(original, new):
