@@ -233,9 +233,11 @@ def restore(checkpoint: Path, cfg, topology: Topology, out_dir: Path, model, opt
                             rng_generators={"shuffle": shuffle},  # RNGs last: nothing draws before
                             hashes=False)  # resolve_resume hashed it
     check_resumable(state["config"], cfg, state["step"], topology.world_size)
-    evals = load_trainer_state(checkpoint / TRAINER_STATE_FILE, state["trainer_state"], source, guard)
-    changed_data = check_data(state["trainer_state"].get("data"), source.fingerprints, checkpoint.name,
+    saved_data = state["trainer_state"].get("data") if isinstance(state["trainer_state"], dict) else None
+    changed_data = check_data(saved_data, source.fingerprints, checkpoint.name,
                               cfg.resume_allow_changed_data)  # the same rows as then, unless allowed
+    evals = load_trainer_state(checkpoint / TRAINER_STATE_FILE, state["trainer_state"], source, guard,
+                               past_end=bool(changed_data))  # changed (allowed) or unknown: fewer rows may be
     for warning in changed_data if topology.is_main else ():
         print(warning, file=sys.stderr, flush=True)
     if topology.is_main:  # newer checkpoints: damaged ones kept out of the way, valid ones only deleted if allowed

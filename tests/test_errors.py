@@ -476,8 +476,10 @@ def hand_edit(run: Path, name: str, edit) -> None:
     manifest_path.write_text(json.dumps(manifest))
 
 
-TRAINER_STATE_CASES = [  # (a position past the rows starts the next pass: a resume on fewer rows, allowed)
+TRAINER_STATE_CASES = [  # (past the rows is allowed only on changed data, with resume_allow_changed_data)
     ("negative_position", lambda s: s["sampler"].update(pos=-1), r"sampler pos=-1 must be an int >= 0"),
+    ("position_past_the_rows", lambda s: s["sampler"].update(pos=10**6), r"sampler pos=1000000 is past the end of "
+     r"its \d+ rows"),
     ("position_as_text", lambda s: s["sampler"].update(pos="4"), r"sampler pos='4' must be an int >= 0"),
     ("epoch_as_float", lambda s: s["sampler"].update(epoch=0.5), r"sampler epoch=0.5 must be an int >= 0"),
     ("no_sampler", lambda s: s.pop("sampler"), r"no 'sampler' entry"),

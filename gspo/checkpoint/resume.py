@@ -162,10 +162,11 @@ def discard_newer_checkpoints(out_dir: Path, step: int, allowed: bool) -> None:
         remove_checkpoint(path)
 
 
-def load_trainer_state(path: Path, state, source, guard) -> dict[int, dict]:
+def load_trainer_state(path: Path, state, source, guard, past_end: bool = False) -> dict[int, dict]:
     """The prompt source's and the guard's states from a checkpoint's trainer_state.json; returns the
     evaluations so far ({step: metrics}). The file is JSON a user may edit: anything but what gspo
-    writes is a ValueError naming it, before anything on disk changes."""
+    writes is a ValueError naming it, before anything on disk changes. `past_end`: a sampler position
+    past its rows is allowed (the data changed since, and the user said so)."""
     try:
         if not isinstance(state, dict):
             raise ValueError(f"expected a mapping, got {type(state).__name__}")
@@ -175,7 +176,7 @@ def load_trainer_state(path: Path, state, source, guard) -> dict[int, dict]:
         evals = state["evals"]
         if not (isinstance(evals, dict) and all(k.isdigit() and isinstance(v, dict) for k, v in evals.items())):
             raise ValueError(f"evals must be a mapping of step: metrics, got {type(evals).__name__}")
-        source.load_state_dict(state["sampler"])
+        source.load_state_dict(state["sampler"], past_end=past_end)
         guard.load_state_dict(state["guard"])
     except (KeyError, TypeError, ValueError) as err:
         problem = f"no {err.args[0]!r} entry" if isinstance(err, KeyError) else str(err)

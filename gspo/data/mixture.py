@@ -358,12 +358,12 @@ class TaskMixture:
         return {"draws": self.draws, "samplers": [s.state_dict() for s in self.samplers],
                 "signals": [dataclasses.asdict(s) for s in self.signals]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, past_end: bool = False) -> None:
         if len(state["samplers"]) != len(self.samplers):
             raise ValueError(f"TaskMixture: the state has {len(state['samplers'])} tasks, this mixture "
                              f"{len(self.samplers)}")
         self.draws = state_count(state, "draws", "mixture")
         for sampler, s in zip(self.samplers, state["samplers"]):
-            sampler.load_state_dict(s)
+            sampler.load_state_dict(s, past_end)
         self.signals = [TaskSignal(**s) for s in state["signals"]]
         self.weights = self._weights()

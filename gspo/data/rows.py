@@ -341,11 +341,16 @@ class PromptSampler:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
 
-    def load_state_dict(self, state: dict) -> None:
-        """{"epoch", "pos"} as `state_dict` gave them (a checkpoint's JSON: checked, a ValueError otherwise)."""
+    def load_state_dict(self, state: dict, past_end: bool = False) -> None:
+        """{"epoch", "pos"} as `state_dict` gave them (a checkpoint's JSON: checked, a ValueError otherwise).
+        A position past the last row is refused unless `past_end` (the rows changed since, and the user
+        allowed it: the next pass starts)."""
         if not isinstance(state, dict):
             raise ValueError(f"sampler state must be a mapping, got {type(state).__name__}")
-        self.epoch, self.pos = (state_count(state, key, "sampler") for key in ("epoch", "pos"))
+        epoch, pos = (state_count(state, key, "sampler") for key in ("epoch", "pos"))
+        if pos > len(self.rows) and not past_end:
+            raise ValueError(f"sampler pos={pos} is past the end of its {len(self.rows)} rows")
+        self.epoch, self.pos = epoch, pos
         self._order = self._shuffle()
 
 

@@ -75,5 +75,5 @@ class SingleTask:
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
+    def load_state_dict(self, state: dict, past_end: bool = False) -> None:
+        self.sampler.load_state_dict(state, past_end)
