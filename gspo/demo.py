@@ -14,12 +14,15 @@ from pathlib import Path
 
 from gspo.config import SFTConfig, TrainConfig, make_config
 
-# The demo's settings; configs/demo_sft.yaml and configs/demo_gspo.yaml hold the same values.
+# The demo's settings; configs/demo_sft.yaml and configs/demo_gspo.yaml hold the same values. Each evaluation is
+# one generate call (eval_batch_size = eval_num_prompts; a tiny model needs no bound on its memory), as when the
+# README's results were measured: chunks would draw other (unseeded) samples.
 DEMO_SFT = dict(model="tiny-dense", task="add3", num_examples=2000, max_steps=400, batch_size=32, learning_rate=2e-3,
-                warmup_steps=20, target_accuracy=0.4, eval_steps=20, eval_num_prompts=100, max_completion_length=48)
+                warmup_steps=20, target_accuracy=0.4, eval_steps=20, eval_num_prompts=100, eval_batch_size=100,
+                max_completion_length=48)
 DEMO_RL = dict(task="add3", max_steps=60, per_device_batch_size=16, num_generations=8, num_minibatches=4,
                max_completion_length=48, learning_rate=1e-4, warmup_steps=8, objective="gspo",
-               eval_num_prompts=200, eval_k=4, eval_steps=20, log_samples_steps=10)
+               eval_num_prompts=200, eval_batch_size=200, eval_k=4, eval_steps=20, log_samples_steps=10)
 
 
 def run_demo(output_dir: str = "runs/demo", seed: int = 0, objective: str = "gspo") -> dict:

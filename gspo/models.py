@@ -18,6 +18,8 @@ import random
 import numpy as np
 import torch
 
+from gspo.given import is_marker, not_rebuildable
+from gspo.gguf import converted, is_gguf
 from gspo.parallel import launched
 from gspo.tasks import build_char_tokenizer
 
@@ -102,7 +104,7 @@ def load_model(
     overrides: dict | None = None,
     attn_implementation: str | None = None,
 ):
-    """Return `(model, tokenizer)` for a preset name, a local directory or a hub name.
+    """Return `(model, tokenizer)` for a preset name, a local directory, a .gguf file or a hub name.
 
     Presets are randomly initialised from `seed` (the caller's RNG state is left untouched);
     `overrides` patches their config fields. For checkpoints `seed` and `overrides` are unused.
@@ -112,6 +114,9 @@ def load_model(
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if is_marker(name_or_path):  # a saved config of a run whose model was handed over from Python
+        raise not_rebuildable("model", name_or_path, "pass the model again (gspo.Trainer(model=...)), or set model "
+                                                     "to its path")
     if name_or_path in PRESETS:
         model, tokenizer = _build_preset(name_or_path, seed, overrides or {}, attention(attn_implementation))
         if dtype != "auto":
@@ -121,6 +126,8 @@ def load_model(
             raise ValueError(
                 f"overrides apply only to presets {list(PRESETS)}, not to {name_or_path!r}"
             )
+        if is_gguf(name_or_path):  # llama.cpp's format: converted once to a checkpoint folder (gspo/gguf.py)
+            name_or_path = str(converted(name_or_path))
         model, tokenizer = _load_pretrained(name_or_path, DTYPES[dtype], trust_remote_code,
                                             attention(attn_implementation))
     model = model.to(device)
@@ -129,14 +136,42 @@ def load_model(
     return model, tokenizer
 
 
-def seeded_model(cfg) -> tuple[torch.device, torch.nn.Module, object]:
-    """Seed every RNG, then load the configured model and tokenizer onto the configured device."""
+def seeded_model(cfg, model=None, tokenizer=None) -> tuple[torch.device, torch.nn.Module, object]:
+    """Seed every RNG, then load the configured model and tokenizer onto the configured device.
+
+    From Python (gspo.Trainer): `model`, a causal LM object to use instead, is moved to the device and cast to
+    `dtype` as a loaded one would be (auto: its own dtype); `tokenizer`, one to use instead of the model's
+    (None: the one loaded with it, or saved beside a model object's weights: `tokenizer_of`).
+    """
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                  seed=cfg.seed, overrides=cfg.model_overrides,
-                                  attn_implementation=cfg.attn_implementation)
+    if model is None:
+        model, loaded = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
+                                   seed=cfg.seed, overrides=cfg.model_overrides,
+                                   attn_implementation=cfg.attn_implementation)
+        tokenizer = loaded if tokenizer is None else tokenizer
+    else:
+        model = model.to(device) if cfg.dtype == "auto" else model.to(device, DTYPES[cfg.dtype])
+        tokenizer = tokenizer_of(model, cfg.trust_remote_code) if tokenizer is None else tokenizer
+    _fix_special_tokens(model, tokenizer)
+    _disable_truncated_sampling(model)
     return device, model, tokenizer
+
+
+def tokenizer_of(model, trust_remote_code: bool = False):
+    """The tokenizer saved beside a model object's weights (its `name_or_path`); a ValueError where there is none."""
+    from transformers import AutoTokenizer
+
+    path = getattr(model, "name_or_path", "")
+    if not path:
+        raise ValueError(f"tokenizer: the {type(model).__name__} object has no name_or_path to load its tokenizer "
+                         "from; pass tokenizer=...")
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise ValueError(f"tokenizer: cannot load one from the model's name_or_path {path!r} "
+                         f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
+                         "pass tokenizer=...") from err
 
 
 def seed_everything(seed: int) -> None:

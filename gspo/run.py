@@ -208,13 +208,31 @@ class NonFiniteGuard:
                 "rewards and inputs, or raise max_consecutive_skips")
 
 
+def stderr_printer(enabled: bool = True, prefix: str = ""):
+    """`say(text)`, which prints `prefix` + text on stderr at once (a notice, or "gspo: loading model ..." as a
+    long phase begins); where not enabled (another rank than the main one, progress off) nothing."""
+    def say(text: str) -> None:
+        if enabled:
+            print(prefix + text, file=sys.stderr, flush=True)
+
+    return say
+
+
 class Progress:
-    """A rich progress bar showing the latest values of a few metrics; a no-op when disabled."""
+    """How far a run is, while it runs; a no-op when disabled.
+
+    On a terminal (stdout a tty) a rich bar with the latest values of the `show` metrics; elsewhere (a log
+    file, a batch job, where a bar would stay blank) one line on stderr every `every` steps and at the last:
+    `train step 4/20  reward/mean 0.3125  ...  (12 s)`, with the `line` metrics (default: `show`) that step has.
+    """
 
     def __init__(self, total: int, enabled: bool = True, label: str = "train",
-                 show: tuple[str, ...] = ("reward/mean", "eval/accuracy")):
-        self.bar, self.show, self.latest = None, show, {}
-        if enabled:
+                 show: tuple[str, ...] = ("reward/mean", "eval/accuracy"), every: int = 1,
+                 line: tuple[str, ...] | None = None):
+        self.bar, self.show, self.latest, self.enabled = None, show, {}, enabled
+        self.total, self.label, self.every, self.line = total, label, every, line or show
+        self.started = time.perf_counter()
+        if enabled and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
 
@@ -224,11 +242,14 @@ class Progress:
             self.bar.start()
 
     def update(self, step: int, metrics: dict) -> None:
-        if self.bar is None:
-            return
-        self.latest.update({k: metrics[k] for k in self.show if k in metrics})
-        text = "  ".join(f"{k} {v:.3f}" for k, v in self.latest.items())
-        self.bar.update(self.task, completed=step, text=text)
+        if self.bar is not None:
+            self.latest.update({k: metrics[k] for k in self.show if k in metrics})
+            text = "  ".join(f"{k} {v:.3f}" for k, v in self.latest.items())
+            self.bar.update(self.task, completed=step, text=text)
+        elif self.enabled and metrics and (step % self.every == 0 or step == self.total):
+            values = "".join(f"  {k} {metrics[k]:.4g}" for k in self.line if k in metrics)
+            print(f"{self.label} step {step}/{self.total}{values}  ({time.perf_counter() - self.started:.0f} s)",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

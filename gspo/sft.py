@@ -17,6 +17,8 @@ import torch
 from gspo.config import SFTConfig, to_dict
 from gspo.data.rows import load_splits
 from gspo.data.evaluation import evaluate
+from gspo.data.rewards import reward_spec
+from gspo.model_card import write_model_card
 from gspo.models import seeded_model
 from gspo.rollout import pad_id
 from gspo.run import Progress, prepare_output_dir, run_lock, save_model
@@ -43,7 +45,8 @@ def _sft(cfg: SFTConfig) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule("constant", cfg.warmup_steps, cfg.max_steps))
     logger = MetricsLogger(out_dir, config=to_dict(cfg))
     rng = random.Random(cfg.seed)
-    progress = Progress(cfg.max_steps, enabled=cfg.progress, label="sft", show=("loss/sft", "eval/accuracy"))
+    progress = Progress(cfg.max_steps, enabled=cfg.progress, label="sft", show=("loss/sft", "eval/accuracy"),
+                        every=cfg.logging_steps)
     accuracy, step = None, 0
     model.train()
     for step in range(1, cfg.max_steps + 1):
@@ -69,6 +72,11 @@ def _sft(cfg: SFTConfig) -> dict:
             break
     progress.close()
     save_model(model, tokenizer, Path(cfg.output_dir) / "model")
+    config, last = {**to_dict(cfg), "reward_funcs": [reward_spec(f) for f in cfg.reward_funcs]}, metrics if step else {}
+    evaluated = {k: v for k, v in last.items() if k.startswith("eval/")}  # the last step evaluates (or stopped it)
+    write_model_card(Path(cfg.output_dir) / "model", config, kind="sft", metrics=last,
+                     evals={step: evaluated} if evaluated else {},
+                     data={"train_rows": len(train_rows), "held_out_rows": len(eval_rows)})
     logger.close()
     return {"steps": step, "eval/accuracy": accuracy, "seconds": time.perf_counter() - started,
             "model_dir": str(Path(cfg.output_dir) / "model")}

@@ -33,12 +33,14 @@ import torch
 
 from gspo.auxiliary import auxiliary_term
 from gspo.baselines import build_baseline
+from gspo.callbacks import Callbacks
 from gspo.checkpoint import (OPTIMIZER_FILE, TRAINER_STATE_FILE, capture_rng, check_data, check_finite_state,
                              check_resumable, discard_newer_checkpoints, load_checkpoint, load_model_weights,
                              load_state_file, load_trainer_state, resolve_resume, save_checkpoint, saved_config,
                              set_aside_damaged)
 from gspo.config import TrainConfig, to_dict
-from gspo.lora import attach_adapters, merged_model
+from gspo.lora import attach_adapters, is_peft, merged_model
+from gspo.model_card import write_model_card
 from gspo.models import resolve_device, seeded_model
 from gspo.parallel import Topology
 from gspo.precision import enable_gradient_checkpointing, forward_precision
@@ -47,23 +49,28 @@ from gspo.data.source import prompt_source
 from gspo.rollout import Generator, eos_ids
 from gspo.routing import build_routing
 from gspo.run import (CRITIC_DIR, MERGED_DIR, NonFiniteGuard, Progress, StepAbandoned, StopSignals,
-                      TrainingAborted, TrainingInterrupted, prepare_output_dir, run_lock, save_model)
+                      TrainingAborted, TrainingInterrupted, prepare_output_dir, run_lock, save_model, stderr_printer)
 from gspo.schedules import lr_schedule
 from gspo.step import Learner, gather_scores, mismatch_stats, prepare, sample_records, step_metrics
 from gspo.tracking import MetricsLogger, check_trackers
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, *, model=None, tokenizer=None, data: dict | None = None, callbacks=()) -> dict:
     """Run GRPO/GSPO as configured; returns a summary (evaluations before/after, time).
 
-    Under torchrun every rank calls this; see gspo/parallel.py for how the work is split.
+    From Python (gspo.Trainer, gspo/api.py) objects may stand in for what the config names: `model` (and its
+    `tokenizer`, None: loaded from the model's path) for the `model` setting, `data` ({name: rows}) for the
+    datasets the config names "object:<name>" (gspo/given.py); `callbacks` are called after every step
+    (gspo/callbacks.py: one may end the run). Under torchrun every rank calls this; see gspo/parallel.py for
+    how the work is split.
     """
+    callbacks = Callbacks(callbacks)  # checked before anything starts
     topology = Topology.setup(resolve_device(cfg.device), cfg.distributed, cfg.dist_timeout_s)
     try:
         if topology.is_main:  # rank 0 logs: its tracker packages are checked before output_dir is created
             check_trackers(cfg.tensorboard, cfg.wandb)
         with run_lock(cfg.output_dir, enabled=topology.is_main):  # one run per output_dir (rank 0 holds it)
-            return _train(cfg, topology)
+            return _train(cfg, topology, model, tokenizer, data, callbacks)
     except TrainingAborted:
         raise
     except RuntimeError as err:  # a failed collective (gloo names a dead peer by address) or a bug
@@ -73,13 +80,15 @@ def train(cfg: TrainConfig) -> dict:
         topology.teardown()
 
 
-def _train(cfg: TrainConfig, topology: Topology) -> dict:
+def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | None, callbacks: Callbacks) -> dict:
     started = time.perf_counter()
     resuming = cfg.resume_from_checkpoint is not None
     out_dir = prepare_output_dir(cfg, resuming) if topology.is_main else Path(cfg.output_dir)  # earlier run: error
     topology.barrier()
     checkpoint = resolve_resume(cfg.resume_from_checkpoint, out_dir) if resuming else None  # hashed in full
-    device, model, tokenizer = seeded_model(cfg)
+    say = stderr_printer(cfg.progress and topology.is_main, "gspo: ")  # a line as each long phase begins
+    say(f"loading model {cfg.model} ...")
+    device, model, tokenizer = seeded_model(cfg, model, tokenizer)  # None: loaded as configured
     enable_gradient_checkpointing(model, cfg.gradient_checkpointing)
     autocast = forward_precision(cfg.bf16, device)  # bf16: every policy forward under autocast, weights fp32
     routing = build_routing(model, cfg.routing_replay, cfg.log_routing_drift, cfg.padding_free)
@@ -99,7 +108,8 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
         load_model_weights(model, checkpoint)  # checked finite before they are copied in
     model = topology.wrap(model)
     B, G, W = cfg.per_device_batch_size, cfg.num_generations, topology.world_size
-    source = prompt_source(cfg, tokenizer, max(1000, cfg.max_steps * B * W))
+    source = prompt_source(cfg, tokenizer, max(1000, cfg.max_steps * B * W), data,
+                           note=stderr_printer(topology.is_main))  # the held-out split, said once
     aux = auxiliary_term(cfg, tokenizer, device, source.train_rows)
     optimizer, scheduler = make_optimizer(model, cfg.learning_rate)
     guard = NonFiniteGuard(cfg.max_consecutive_skips)
@@ -134,17 +144,32 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     # the sampler starts from the weights training starts from (a copy, an engine: loaded now)
     generator = Generator(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
                           recorder=routing.sampling_recorder, records=routing.records_sampling)
+    say(getattr(generator, "reason", f"sampler: {generator.name}"))  # which sampler, and why
     logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
                            config=to_dict(cfg), truncate_after_step=None if checkpoint is None else first - 1,
                            enabled=topology.is_main)
-    if checkpoint is None:
+
+    held_out = sum(map(len, source.eval_rows))  # 0: evaluation off (eval_num_prompts=0, or nothing held out)
+    if not held_out:
+        say(f"evaluation off ({'eval_num_prompts=0' if cfg.eval_num_prompts == 0 else 'no held-out rows'})")
+
+    def evaluate(step: int) -> dict:  # held-out metrics, kept for the summary; none when evaluation is off
+        if not held_out:
+            return {}
+        say(f"evaluating {held_out} prompts x (greedy + {cfg.eval_k} samples) ...")
         with autocast():
-            evals[0] = source.evaluate(model, tokenizer, cfg)
-        logger.log(0, evals[0])
-    progress = Progress(cfg.max_steps, enabled=cfg.progress and topology.is_main)
+            evals[step] = source.evaluate(model, tokenizer, cfg)
+        return evals[step]
+
+    if checkpoint is None and held_out:
+        logger.log(0, evaluate(0))
+    progress = Progress(cfg.max_steps, enabled=cfg.progress and topology.is_main, every=cfg.logging_steps,
+                        line=("reward/mean", "reward/std", "loss/policy", "completion/mean_len", "eval/accuracy",
+                              "eval/reward"))  # without a terminal: the line printed every logging_steps
     progress.update(first - 1, {})
     model.train()
     stop = StopSignals()
+    metrics: dict = {}  # the last step's, for the model card
     try:
         for step in range(first, cfg.max_steps + 1):
             t0 = time.perf_counter()
@@ -184,21 +209,25 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
             metrics = step_metrics(scores, step_stats, {**task_metrics, **batch.stats, **sampler_stats}, group_size=G,
                                    drop_bad=cfg.drop_bad_rewards, skipped=guard.skipped, lr=scheduler.get_last_lr()[0],
                                    t_generate=t_generate, t_rollout=t_rollout, t_train=t_train)
-            # 6. Evaluate, log, checkpoint.
-            if (cfg.eval_steps and step % cfg.eval_steps == 0) or step == cfg.max_steps:
-                with autocast():
-                    evals[step] = source.evaluate(model, tokenizer, cfg)
-                metrics.update(evals[step])
+            # 6. Evaluate, call back (a callback's "stop" makes this the last step, as max_steps would), log, checkpoint.
+            last = step == cfg.max_steps
+            if (cfg.eval_steps and step % cfg.eval_steps == 0) or last:
+                metrics.update(evaluate(step))
+            last = topology.any(callbacks.on_step_end(step, metrics)) or last  # one rank's stop stops them all
+            if last and step not in evals:  # stopped early: the final evaluation
+                metrics.update(evaluate(step))
             logger.log(step, metrics)
             if cfg.log_samples_steps and (step % cfg.log_samples_steps == 0 or step == 1):
                 logger.log_samples(step, sample_records(rollout, cfg.log_samples_count))  # rank 0's rows
             progress.update(step, metrics)
             if topology.any(bool(stop.requested)):  # one rank's signal stops them all
                 stop.requested = stop.requested or signal.SIGTERM
-            if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.max_steps or stop.requested:
+            if (cfg.save_steps and step % cfg.save_steps == 0) or last or stop.requested:
                 saved = save_checkpoint_now(step)
-                if stop.requested and step < cfg.max_steps:  # SIGINT / SIGTERM: stop cleanly, resumable
+                if stop.requested and not last:  # SIGINT / SIGTERM: stop cleanly, resumable
                     raise TrainingInterrupted(stop.requested, step, saved)
+            if last:
+                break
     except StepAbandoned as stopped:  # a signal before the step's first optimizer step: drop it whole
         saved = save_checkpoint_now(step - 1, resume_point)
         raise TrainingInterrupted(stopped.signum, step - 1, saved) from None
@@ -211,8 +240,12 @@ def _train(cfg: TrainConfig, topology: Topology) -> dict:
     full = topology.full_weights(model)  # fsdp: every rank takes part in gathering the shards
     if topology.is_main:
         save_model(model, tokenizer, out_dir / "model", state_dict=full)  # LoRA: the adapter (PEFT's layout)
+        card = dict(kind="rl", evals=evals, metrics=metrics, data={  # the model card: README.md beside the weights
+            "train_rows": sum(map(len, source.train_rows)), "held_out_rows": held_out, "files": source.fingerprints})
+        write_model_card(out_dir / "model", saved_config(cfg, W), adapter=is_peft(model), **card)
         if cfg.lora_save_merged:
             save_model(merged_model(model), tokenizer, out_dir / MERGED_DIR)  # the policy spent: nothing runs after
+            write_model_card(out_dir / MERGED_DIR, saved_config(cfg, W), **card)
     baseline.save(out_dir / CRITIC_DIR)  # PPO: the trained critic (critic_model can start from it)
     topology.barrier()
     return {"evals": evals, "seconds": time.perf_counter() - started, "output_dir": str(out_dir)}

@@ -34,7 +34,7 @@ def test_train_from_yaml_with_override_and_plot_and_eval(tmp_path):
     done = run_gspo("eval", "--model", "out/model", "--task", "add3", "--num-prompts", "3", "--k", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert set(result) == {"eval/accuracy", "eval/mean_at_k", "eval/pass_at_k"}
+    assert set(result) == {"eval/accuracy", "eval/reward", "eval/mean_at_k", "eval/pass_at_k", "eval/sampled_reward"}
     assert 0 <= result["eval/pass_at_k"] <= 1
 
 
@@ -88,6 +88,8 @@ def test_sft_command_saves_a_model(tmp_path):
     first, second = (r["loss/sft"] for r in records)
     assert first > 4.0 and second < first - 0.2, (first, second)  # from about ln(81) = 4.39 (measured: 4.35, 3.99)
     assert (tmp_path / "sft" / "model" / "model.safetensors").is_file()
+    card = (tmp_path / "sft" / "model" / "README.md").read_text()  # the model card, with the held-out score
+    assert "supervised fine-tuning, 2 steps" in card and "| eval/accuracy | " in card and "Train rows: 8" in card
 
 
 def test_every_field_is_documented():
@@ -119,7 +121,12 @@ def test_shipped_configs_validate_and_run_one_step(path, tmp_path):
         (["num_generations=1"], "num_generations must be >= 2"),
         (["reward_funcs=[a, b]", "reward_weights=[1.0]"], "reward_weights has 1 entries but reward_funcs has 2"),
         (["objective=gspo", "aggregation=token_mean"], "would weight gspo sequences by length"),
-        (["top_p=0.9", "use_sampler_logprobs=true"], "truncated"),
+        (["top_p=0.9", "use_sampler_logprobs=true"], "use_sampler_logprobs with top_p=0.9 would train on the "
+                                                     "log-probs of a reshaped distribution"),
+        (["min_p=0.1", "repetition_penalty=1.2", "seeded_sampling=true"],
+         "seeded_sampling draws from the full softmax; min_p=0.1, repetition_penalty=1.2 reshape it"),
+        (["min_p=1.0"], "min_p=1.0 must be in"),
+        (["repetition_penalty=0"], "repetition_penalty"),
         (["task=null"], "set `task`"),
         (["routing_replay=always"], "routing_replay='always' is not one of none, old_policy, rollout"),
     ],
@@ -143,3 +150,13 @@ def test_moe_replay_through_the_cli(tmp_path):
     done = run_gspo("train", "model=tiny-dense", "routing_replay=old_policy", *common, "output_dir=dense",
                     cwd=tmp_path)
     assert done.returncode == 2 and "routing replay needs a Mixture-of-Experts model" in done.stderr
+
+
+def test_demo_flags_of_the_real_model_are_refused_without_it_and_unknown_models_named(capsys, tmp_path):
+    from gspo.cli import main
+
+    assert main(["demo", "--lora", "--output-dir", str(tmp_path / "a")]) == 2
+    assert "--lora and --smoke go with --model" in capsys.readouterr().err
+    assert main(["demo", "--model", "gpt5", "--output-dir", str(tmp_path / "b")]) == 2
+    assert "unknown packaged model 'gpt5'; known: smollm2" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()  # refused before anything was written

@@ -263,3 +263,84 @@ def test_bad_arguments_raise(dense):
         sample(model, ids, mask, max_new_tokens=0, eos_token_ids=[2], pad_token_id=0)
     with pytest.raises(ValueError, match="temperature"):
         sample(model, ids, mask, max_new_tokens=2, eos_token_ids=[2], pad_token_id=0, temperature=0.0)
+
+
+# ----------------------------------------------------------------------------- PEFT models
+
+@pytest.fixture(scope="module")
+def adapted():
+    """A LoRA model whose adapters change its outputs (B initialised at random, not at zero)."""
+    peft = pytest.importorskip("peft")
+    model, tok = load_model("tiny-dense", seed=1, overrides=SMALL)  # its own copy: adapters are put in place
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0,
+                             init_lora_weights=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return peft.get_peft_model(model, config), tok
+
+
+def test_a_lora_model_runs_in_the_own_loop_with_hfs_tokens(adapted, monkeypatch):
+    # issue 32: the loop refused PEFT models ("PeftModelForCausalLM.forward takes no cache argument") and auto
+    # fell back to HF generate in silence
+    model, tok = adapted
+    assert unsupported_reason(model) is None
+    for kw in ({"greedy": True}, {"temperature": 0.7}, {"temperature": 0.7, "top_k": 5},
+               {"temperature": 0.7, "row_seeds": row_seeds(seed=7, step=2, first_row=0, count=8)}):
+        ours, hf = both(model, tok, seed=3, max_new_tokens=10, with_logprobs=True, **kw)
+        assert_same(ours, hf, logprobs=True)
+    calls = counting(monkeypatch, "gspo")
+    generate(model, tok, PROMPTS, 1, max_new_tokens=3)
+    assert calls == [1]  # auto takes the own loop
+
+
+def test_the_adapters_are_active_in_the_own_loop(adapted):
+    model, tok = adapted
+    torch.manual_seed(0)
+    on = generate(model, tok, PROMPTS, 1, greedy=True, max_new_tokens=10, with_logprobs=True, backend="gspo")
+    with model.disable_adapter():
+        torch.manual_seed(0)
+        off = generate(model, tok, PROMPTS, 1, greedy=True, max_new_tokens=10, with_logprobs=True, backend="gspo")
+        torch.manual_seed(0)
+        base_hf = generate(model, tok, PROMPTS, 1, greedy=True, max_new_tokens=10, with_logprobs=True, backend="hf")
+    assert_same(off, base_hf, logprobs=True)
+    assert not torch.allclose(on.sampler_logprobs, off.sampler_logprobs, atol=1e-3)
+
+
+def test_prompt_learning_adapters_stay_on_hf_generate():
+    peft = pytest.importorskip("peft")
+    model, tok = load_model("tiny-dense", seed=1, overrides=SMALL)
+    tuned = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    assert "prompt learning" in unsupported_reason(tuned)
+
+
+def test_the_chosen_sampler_and_why_are_said(dense, adapted):
+    from gspo.rollout.sampling import choose_generator
+
+    assert choose_generator(dense[0], "auto") == ("gspo", "sampler: gspo (generation_backend='auto': the first that "
+                                                          "runs this model)")
+    assert choose_generator(adapted[0], "hf") == ("hf", "sampler: hf (generation_backend='hf')")
+    sliding = {**SMALL, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}
+    name, why = choose_generator(load_model("tiny-dense", seed=0, overrides=sliding)[0], "auto")
+    assert name == "hf" and why.startswith("sampler: hf (generation_backend='auto': not gspo: layer 0 needs a "
+                                           "DynamicSlidingWindowLayer cache")
+
+
+@pytest.mark.parametrize("kw", [{"min_p": 0.9}, {"repetition_penalty": 1.5}, {"repetition_penalty": 0.7, "top_k": 5},
+                                {"repetition_penalty": 1.5, "greedy": True}])
+def test_min_p_and_repetition_penalty_match_hf(dense, kw):
+    # issue 32 point 7; HF generate ignored both before (gspo passed it neutral values)
+    ours, hf = both(*dense, seed=3, temperature=0.7, max_new_tokens=10, with_logprobs=True, **kw)
+    assert_same(ours, hf, logprobs=True)
+    torch.manual_seed(3)
+    plain = generate(*dense, PROMPTS, 2, temperature=0.7, max_new_tokens=10, with_logprobs=True,
+                     greedy=kw.get("greedy", False), top_k=kw.get("top_k", 0), backend="gspo")
+    assert not torch.equal(plain.sampler_logprobs, ours.sampler_logprobs)  # the knob did change the distribution
+
+
+def test_repetition_penalty_leaves_left_padding_alone(dense):
+    # the pad token is not among the tokens a row has seen: HF's prompt_ignore_length, here as there
+    model, tok = dense
+    ours, hf = both(model, tok, greedy=True, max_new_tokens=6, with_logprobs=True, repetition_penalty=3.0)
+    assert_same(ours, hf, logprobs=True)
+    with pytest.raises(ValueError, match="seeded sampling draws from the full softmax"):
+        generate(model, tok, PROMPTS, 1, max_new_tokens=3, min_p=0.1, row_seeds=list(range(4)))

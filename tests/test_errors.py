@@ -354,23 +354,25 @@ REWARD_CASES = [
 def test_reward_failures_are_one_line_and_stop_with_status_2(capsys, tmp_path, reward_module, name, funcs, config,
                                                               message):
     started = time.monotonic()
-    status, err = run_cli(capsys, tmp_path, config={"reward_funcs": funcs, **config})
+    # evaluation off: the first call is training's (an evaluation scores with the same functions, and fails alike)
+    status, err = run_cli(capsys, tmp_path, config={"reward_funcs": funcs, "eval_num_prompts": 0, **config})
     one_line_error(err, message)
-    assert status == 2 and logged_steps(tmp_path / "run") == [0]  # the initial evaluation's line stays
+    assert status == 2 and logged_steps(tmp_path / "run") == []
     assert time.monotonic() - started < 60
 
 
 def test_a_reward_failing_later_keeps_metrics_and_checkpoints(capsys, tmp_path, reward_module):
     sys.modules.pop("errors_rewards", None)  # a fresh call counter
     status, err = run_cli(capsys, tmp_path, config={"reward_funcs": ["errors_rewards:boom_on_second_call"],
-                                                    "save_steps": 1, "max_steps": 3})
+                                                    "save_steps": 1, "max_steps": 3, "eval_num_prompts": 0})
     one_line_error(err, r"'boom_on_second_call' raised ZeroDivisionError: step 2 went wrong")
-    assert status == 2 and logged_steps(tmp_path / "run") == [0, 1]
+    assert status == 2 and logged_steps(tmp_path / "run") == [1]  # evaluation off: only the steps call it
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]
     status, err = run_cli(capsys, tmp_path, config={"reward_funcs": ["errors_rewards:boom_on_second_call"],
-                                                    "save_steps": 1, "max_steps": 3}, args=("--resume", "latest"))
+                                                    "save_steps": 1, "max_steps": 3, "eval_num_prompts": 0},
+                          args=("--resume", "latest"))
     one_line_error(err, r"step 2 went wrong")  # the counter did not reset: it fails again, but resumed at step 2
-    assert logged_steps(tmp_path / "run") == [0, 1]
+    assert logged_steps(tmp_path / "run") == [1]
 
 
 def test_samples_a_reward_hangs_on_are_dropped_and_counted(capsys, tmp_path, reward_module):
@@ -632,12 +634,13 @@ def test_disk_full_during_a_checkpoint(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("timeout", [300, 0], ids=["reward_in_a_thread", "reward_in_the_main_thread"])
 def test_a_signal_while_a_reward_hangs_stops_promptly_at_the_last_completed_step(tmp_path, reward_module, timeout):
+    # evaluation off: its calls would count as the reward's (the third call is then step 3's)
     argv, env = gspo_command(tmp_path, reward_module, max_steps=5, reward_funcs=["errors_rewards:hang_from_step_3"],
-                             reward_timeout_s=timeout)
+                             reward_timeout_s=timeout, eval_num_prompts=0)
     proc = subprocess.Popen(argv, env={**env, "GSPO_TEST_HANG": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 200
-    while logged_steps(tmp_path / "run") != [0, 1, 2]:
+    while logged_steps(tmp_path / "run") != [1, 2]:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     time.sleep(1.0)  # step 3 is now stuck in its reward
@@ -647,21 +650,22 @@ def test_a_signal_while_a_reward_hangs_stops_promptly_at_the_last_completed_step
     assert proc.returncode == 143 and time.monotonic() - sent < 10, err
     assert "dropping this unfinished step" in err and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("gspo train: stopped: SIGTERM after step 2; checkpoint saved")
-    assert (tmp_path / "run" / "checkpoint-2").is_dir() and logged_steps(tmp_path / "run") == [0, 1, 2]
+    assert (tmp_path / "run" / "checkpoint-2").is_dir() and logged_steps(tmp_path / "run") == [1, 2]
     resumed = subprocess.run([*argv, "--resume", "latest"], env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
-    assert logged_steps(tmp_path / "run") == [0, 1, 2, 3, 4, 5]
+    assert logged_steps(tmp_path / "run") == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.slow
 def test_a_reward_stuck_holding_the_gil_ends_the_run_instead_of_hanging_it(tmp_path, reward_module):
     """No Python thread runs again (signal handlers included): faulthandler's C watchdog ends it."""
-    argv, env = gspo_command(tmp_path, reward_module, reward_timeout_s=1, reward_funcs=["errors_rewards:backtrack"])
+    argv, env = gspo_command(tmp_path, reward_module, reward_timeout_s=1, reward_funcs=["errors_rewards:backtrack"],
+                             eval_num_prompts=0)  # stuck in step 1's call (an evaluation would call it first)
     started = time.monotonic()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "Timeout (0:00:07)!" in done.stderr and 'errors_rewards.py", line' in done.stderr  # where it was stuck
-    assert time.monotonic() - started < 60 and logged_steps(tmp_path / "run") == [0]
+    assert time.monotonic() - started < 60 and logged_steps(tmp_path / "run") == []
 
 
 # ------------------------------------------------------------------------------- fuzz

@@ -102,6 +102,9 @@ def test_merged_model_is_the_trained_policy_and_the_adapter_folder_loads(tmp_pat
     train(tiny_cfg(tmp_path, **LORA, lora_save_merged=True))
     run = tmp_path / "run"
     merged = AutoModelForCausalLM.from_pretrained(run / "merged")  # plain transformers, no peft
+    # Each folder's model card says how to load what it holds.
+    assert "library_name: peft" in (run / "model" / "README.md").read_text()
+    assert "library_name: transformers" in (run / "merged" / "README.md").read_text()
     peft = pytest.importorskip("peft")
     base, tok = load_model("tiny-dense", overrides=SMALL)
     policy = peft.PeftModel.from_pretrained(base, run / "model")

@@ -16,6 +16,8 @@ from gspo.data.rewards import (
     answer_match,
     format_reward,
     get_reward_fn,
+    last_number,
+    reward_options,
     make_regex_reward,
     reward_spec,
     score_completions,
@@ -288,6 +290,50 @@ def test_get_reward_fn_builtins_and_user_module(tmp_path, monkeypatch):
         get_reward_fn("acc")
 
 
+def test_reward_module_in_the_current_directory_imports_as_python_m_would(tmp_path, monkeypatch):
+    # The `gspo` script's sys.path has its own folder, not the working directory (as `python -m` would):
+    # `reward_funcs: [my_rewards:fn]` next to the config must still import, with its sibling modules.
+    (tmp_path / "gspo_test_cwd_helper.py").write_text("SCALE = 0.5\n")
+    (tmp_path / "gspo_test_cwd_rewards.py").write_text(textwrap.dedent("""
+        from gspo_test_cwd_helper import SCALE
+        def half_length(prompts, completions, **_):
+            return [SCALE * len(c) for c in completions]
+        """))
+    here = {"", ".", str(tmp_path)}
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in here])  # restored afterwards
+    monkeypatch.chdir(tmp_path)
+    for name in ("gspo_test_cwd_rewards", "gspo_test_cwd_helper"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        fn = get_reward_fn("gspo_test_cwd_rewards:half_length")
+        assert fn(["p", "p"], ["abcd", "ab"]) == [2.0, 1.0]
+    finally:
+        for name in ("gspo_test_cwd_rewards", "gspo_test_cwd_helper"):
+            sys.modules.pop(name, None)
+    with pytest.raises(ValueError, match="cannot import module 'gspo_test_cwd_absent'"):
+        get_reward_fn("gspo_test_cwd_absent:f")
+
+
+def test_reward_from_a_file_path(tmp_path, monkeypatch):
+    folder = tmp_path / "rewards"
+    folder.mkdir()
+    (folder / "gspo_test_file_rewards.py").write_text(
+        "def shout(prompts, completions, **_):\n    return [float(c.isupper()) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the file's folder joins it
+    try:
+        fn = get_reward_fn("rewards/gspo_test_file_rewards.py:shout")  # relative to the working directory
+        assert fn(["p", "p"], ["ABC", "abc"]) == [1.0, 0.0]
+        assert get_reward_fn(f"{folder}/gspo_test_file_rewards.py:shout") is fn  # the same file: the same module
+    finally:
+        sys.modules.pop("gspo_test_file_rewards", None)
+    with pytest.raises(ValueError, match=r"reward 'rewards/none\.py:f': file rewards/none\.py not found"):
+        get_reward_fn("rewards/none.py:f")
+    with pytest.raises(ValueError, match="has no attribute 'whisper'"):
+        get_reward_fn("rewards/gspo_test_file_rewards.py:whisper")
+    sys.modules.pop("gspo_test_file_rewards", None)
+
+
 # ---- RewardModelReward ---------------------------------------------------------------------
 
 def _char_tokenizer():
@@ -340,6 +386,29 @@ def test_reward_model_reward_from_path(tmp_path):
     torch.testing.assert_close(total, torch.tensor(scores), atol=1e-6, rtol=0)
 
 
+def test_reward_model_loads_in_the_configured_dtype_and_device(tmp_path):
+    tokenizer, vocab_size = _char_tokenizer()
+    model = _tiny_classifier(vocab_size)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    cfg = make_config(TrainConfig, {"task": "add3", "reward_funcs": [f"rm:{tmp_path}"],
+                                    "reward_model_dtype": "bfloat16", "reward_model_device": "cpu"})
+    rm = get_reward_fn(cfg.reward_funcs[0], **reward_options(cfg))
+    assert {p.dtype for p in rm.model.parameters()} == {torch.bfloat16} and rm.device == torch.device("cpu")
+    text = ["what is 2+2? #### 4"]
+    ids = torch.tensor([tokenizer(text[0])["input_ids"]])  # (1, L)
+    with torch.no_grad():
+        expected = model.to(torch.bfloat16)(input_ids=ids).logits[0, 0].float().item()
+    assert rm([""], text) == [expected]  # the bf16 model's own score, returned as a float
+    assert get_reward_fn(f"rm:{tmp_path}").model.dtype == torch.float32  # the default stays float32
+    with pytest.raises(ValueError, match="reward_model_dtype='int8' is not one of"):
+        make_config(TrainConfig, {"task": "add3", "reward_model_dtype": "int8"})
+    with pytest.raises(ValueError, match="reward_model_device='gpu' is not one of auto, cpu"):
+        make_config(TrainConfig, {"task": "add3", "reward_model_device": "gpu"})
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        RewardModelReward(str(tmp_path), dtype="half")
+
+
 def test_reward_model_reward_rejects_bad_setup():
     tokenizer, vocab_size = _char_tokenizer()
     with pytest.raises(ValueError, match="num_labels == 1, got num_labels=2"):
@@ -358,7 +427,8 @@ def test_reward_spec_is_the_import_path_get_reward_fn_reads_back():
     assert reward_spec("answer_match") == "answer_match"
     assert reward_spec(answer_match) == "gspo.data.rewards:answer_match"
     assert get_reward_fn(reward_spec(answer_match)) is answer_match
-    assert reward_spec(Scorer()) == f"{__name__}:Scorer"  # an instance has no __qualname__: its class's name
+    # an instance is named by its class, as an object no import path gives back (refused when read back alone)
+    assert reward_spec(Scorer()) == f"object:{__name__}:{Scorer.__qualname__}(...)"
     cfg = make_config(TrainConfig, {"reward_funcs": ["format", answer_match],
                                     "tasks": [{"task": "add3", "reward_funcs": [answer_match]}]})
     saved = saved_config(cfg)
@@ -450,3 +520,11 @@ def test_math_reward_without_math_verify_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import math_verify now raises ImportError
     with pytest.raises(ValueError, match=r"math reward needs math-verify: pip install 'gspo\[math\]'"):
         get_reward_fn("math")
+
+
+def test_last_number_reads_the_last_integer_of_a_worded_answer():
+    completions = ["The sum is 12.", "12", "3+9 = 12, no wait, 13", "twelve", "-4 then 12", "x" + "9" * 5000, "12"]
+    answers = ["12", 12, "12", "12", "12", "12", "n/a"]
+    assert last_number([""] * 7, completions, answer=answers) == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, None]
+    assert last_number([""], ["it is -7"], answer=["-7"]) == [1.0]
+    assert get_reward_fn("last_number") is last_number

@@ -36,7 +36,8 @@ def test_few_steps_change_parameters_and_log_documented_metrics(tmp_path, preset
     assert len(changed(initial_weights(cfg), trained)) > len(trained) // 2, "most parameters should move"
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert set(records[0]) == {"step", "eval/accuracy", "eval/mean_at_k", "eval/pass_at_k"}
+    assert set(records[0]) == {"step", "eval/accuracy", "eval/reward", "eval/mean_at_k", "eval/pass_at_k",
+                               "eval/sampled_reward"}
     for r in records[1:]:
         for key in DOCUMENTED:
             assert math.isfinite(r[key]), (key, r[key])
@@ -143,7 +144,7 @@ def test_user_dataset_with_chat_prompts_and_extra_columns(tmp_path):
         return [float(b) for b in bonus]
 
     cfg = tiny_cfg(tmp_path, task=None, dataset=str(path), reward_funcs=[bonus_reward, "answer_match"],
-                   reward_weights=[0.5, 1.0], max_steps=1)
+                   reward_weights=[0.5, 1.0], max_steps=1, eval_num_prompts=0)  # `seen`: the training step's call
     train(cfg)
     assert len(seen["bonus"]) == 8 and set(seen["bonus"]) <= {0, 1}
     # TRL's conversational format: each prompt as its messages (G copies), each completion one assistant message
@@ -155,7 +156,7 @@ def test_user_dataset_with_chat_prompts_and_extra_columns(tmp_path):
     assert [tok.decode(ids, skip_special_tokens=True) for ids in seen["ids"]] == \
         [c[0]["content"] for c in seen["completions"]]
     assert all(0 < len(ids) <= cfg.max_completion_length for ids in seen["ids"])
-    r = read_metrics(tmp_path / "run")[1]
+    r = read_metrics(tmp_path / "run")[0]  # step 1
     # answer_match (a built-in, reads_text) scored the same completions' text
     assert r["reward/mean"] == pytest.approx(0.5 * r["reward/bonus_reward"] + r["reward/answer_match"], abs=1e-6)
 

@@ -88,7 +88,8 @@ RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_
 
 
 def saved_config(cfg, world_size: int = 1) -> dict:
-    """The config as JSON: reward functions passed as Python callables become "module:name".
+    """The config as JSON: reward functions passed as Python callables become "module:name", or "object:..." where
+    no import path gives them back (an instance, a lambda: `reward_spec`).
 
     Two settings are stored as they act: the global batch (per-device batch x world size), and
     seeded_sampling (always on under torchrun), so a run can resume on another number of ranks.

@@ -1,50 +1,73 @@
-"""Held-out evaluation: greedy accuracy and sampled mean@k / pass@k."""
+"""Held-out evaluation with the run's own reward functions: greedy accuracy and reward, sampled mean@k / pass@k."""
 
 from __future__ import annotations
 
 import torch
 
-from gspo.data.rewards import answer_match, get_reward_fn, score_completions
+from gspo.data.rewards import get_reward_fn, reward_options, score_completions
 from gspo.data.rows import chat_prompts, columns_of
-from gspo.rollout import generate, policy_backend
+from gspo.rollout import generate, policy_backend, row_seeds
+
+EVAL_STEP = 0
+"""The step whose row seeds a seeded evaluation samples with (`row_seeds`): rollouts are steps 1.., so an evaluation
+never repeats their draws, and every evaluation of a run draws the same noise (common random numbers)."""
+
+
+def success_threshold(weights: list[float] | None, num_fns: int, threshold: float | None = None) -> float:
+    """The total reward at which a completion succeeds: `threshold`, or full marks: the sum of the positive
+    weights (every reward in [0, 1] at 1, every penalty at 0). Example: weights [1, 0.5, -0.2]: 1.5."""
+    if threshold is not None:
+        return float(threshold)
+    return float(sum(w for w in (weights or [1.0] * num_fns) if w > 0))
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows: list[dict], cfg, *, sampled: bool = True) -> dict[str, float]:
-    """Greedy accuracy, and mean@k / pass@k of `cfg.eval_k` samples at `cfg.eval_temperature`.
+def evaluate(model, tokenizer, rows: list[dict], cfg, *, reward_fns: list | None = None,
+             reward_weights: list[float] | None = None, sampled: bool = True) -> dict[str, float]:
+    """Held-out scores of `rows`, each completion scored as training scores it: the total reward of `reward_fns`
+    with `reward_weights` (None: built from `cfg.reward_funcs` and `cfg.reward_weights`).
 
-    Sampled with the policy itself (never a stale or low-precision copy, nor an engine).
-
-    Correctness is the `answer_match` reward, so rows need an `answer` column; without one
-    the mean total reward of `cfg.reward_funcs` is reported instead (`eval/reward`).
+    Greedy: eval/reward (mean total reward) and eval/accuracy (the share of prompts whose total reward reaches
+    `success_threshold`, cfg.eval_success_threshold or full marks). Sampled (`cfg.eval_k` per prompt at
+    `cfg.eval_temperature`): eval/sampled_reward, eval/mean_at_k (the share of samples that succeed) and
+    eval/pass_at_k (of prompts with at least one). Sampled with the policy itself (never a stale or
+    low-precision copy, nor an engine), `cfg.eval_batch_size` prompts per generate call; with
+    `cfg.seeded_sampling` every completion has its own seed, so the numbers do not depend on that size.
     """
     if not rows:
         return {}
-    prompts = [r["prompt"] for r in rows]
-    columns = columns_of(rows)
-    k = cfg.eval_k
-    limit = getattr(cfg, "max_prompt_length", 512)
-    common = dict(max_new_tokens=cfg.max_completion_length, max_prompt_length=limit,
+    if reward_fns is None:
+        reward_fns = [get_reward_fn(s, **reward_options(cfg)) for s in cfg.reward_funcs]
+        reward_weights = getattr(cfg, "reward_weights", None)
+    threshold = success_threshold(reward_weights, len(reward_fns), getattr(cfg, "eval_success_threshold", None))
+    k, size, n = cfg.eval_k, cfg.eval_batch_size, len(rows)
+    seeded = getattr(cfg, "seeded_sampling", False)
+    common = dict(max_new_tokens=cfg.max_completion_length, max_prompt_length=getattr(cfg, "max_prompt_length", 512),
                   truncate_prompts=getattr(cfg, "truncate_prompts", "error"),
                   backend=policy_backend(getattr(cfg, "generation_backend", "auto")))
-    runs = {"greedy": generate(model, tokenizer, prompts, 1, greedy=True, **common)}
+    starts = range(0, n, size)
+
+    def score(runs: list, copies: int) -> torch.Tensor:  # total rewards (n * copies,) of the chunks' completions
+        rewards, _ = score_completions(
+            reward_fns, reward_weights, [p for r in runs for p in r.prompts], [c for r in runs for c in r.completions],
+            columns_of(rows, copies), drop_bad=getattr(cfg, "drop_bad_rewards", False),
+            timeout_s=cfg.reward_timeout_s, chat=chat_prompts(rows, copies),
+            completion_ids=[ids for r in runs for ids in r.completion_token_ids()])
+        return rewards
+
+    def succeeded(total: torch.Tensor) -> torch.Tensor:  # float32 totals: a weighted sum may miss by a rounding
+        return (total >= threshold - 1e-6 * max(1.0, abs(threshold))).float()
+
+    greedy = score([generate(model, tokenizer, [r["prompt"] for r in rows[i : i + size]], 1, greedy=True, **common)
+                    for i in starts], 1)  # (n,)
+    out = {"eval/accuracy": succeeded(greedy).mean().item(), "eval/reward": greedy.nanmean().item()}
     if sampled:
-        runs["sampled"] = generate(model, tokenizer, prompts, k, temperature=cfg.eval_temperature, **common)
-    if "answer" in columns:
-        out = {"eval/accuracy": float(torch.tensor(answer_match(prompts, runs["greedy"].completions, **columns)).mean())}
-        if sampled:
-            right = torch.tensor(answer_match(runs["sampled"].prompts, runs["sampled"].completions,
-                                              **columns_of(rows, k))).view(-1, k)  # (n, k)
-            out["eval/mean_at_k"] = right.mean().item()
-            out["eval/pass_at_k"] = (right.max(dim=1).values > 0).float().mean().item()
-        return out
-    reward_fns = [get_reward_fn(s, sandbox=cfg.sandbox) for s in cfg.reward_funcs]
-    score = dict(timeout_s=cfg.reward_timeout_s)
-    weights = getattr(cfg, "reward_weights", None)
-    out = {"eval/reward": score_completions(reward_fns, weights, prompts, runs["greedy"].completions, columns,
-                                            chat=chat_prompts(rows), **score)[0].mean().item()}
-    if sampled:
-        r, _ = score_completions(reward_fns, weights, runs["sampled"].prompts, runs["sampled"].completions,
-                                 columns_of(rows, k), chat=chat_prompts(rows, k), **score)
-        out["eval/sampled_reward"] = r.mean().item()
+        runs = [generate(model, tokenizer, [r["prompt"] for r in rows[i : i + size]], k,
+                         temperature=cfg.eval_temperature, **common,  # seeds by global row number: chunk-free
+                         row_seeds=row_seeds(cfg.seed, EVAL_STEP, i * k, len(rows[i : i + size]) * k) if seeded
+                         else None) for i in starts]
+        total = score(runs, k).view(n, k)  # (n, k)
+        success = succeeded(total)  # (n, k)
+        out.update({"eval/mean_at_k": success.mean().item(), "eval/pass_at_k": success.amax(dim=1).mean().item(),
+                    "eval/sampled_reward": total.nanmean().item()})
     return out

@@ -33,8 +33,8 @@ import torch
 
 from gspo.advantages import group_stats
 from gspo.data.evaluation import evaluate
-from gspo.data.rewards import get_reward_fn, reward_spec, score_completions
-from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits, state_count
+from gspo.data.rewards import get_reward_fn, reward_options, reward_spec, score_completions
+from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits, state_count, stderr_line
 from gspo.tasks import TASKS
 
 WEIGHTINGS = ("static", "dynamic")
@@ -49,7 +49,7 @@ class TaskSpec:
     name: str  # metrics go under task/<name>/
     task: str | None  # a built-in task (gspo.tasks.TASKS), or None with `dataset`
     dataset: str | None  # a local data file or folder
-    eval_dataset: str | None  # held-out data for `dataset` (default: a 10% split of it)
+    eval_dataset: str | None  # held-out data for `dataset` (default: the run's eval_holdout of it)
     reward_funcs: list  # reward specs (names, "module:function") or callables
     reward_weights: list | None  # one per reward function; None: all 1
     weight: float  # static weight, and the prior of the dynamic rule (> 0, normalised over tasks)
@@ -227,7 +227,8 @@ class TaskMixture:
 
     def __init__(self, specs: list[TaskSpec], train_rows: list[list[dict]], eval_rows: list[list[dict]], *,
                  weighting: str = "static", floor: float = 0.0, smoothing: float = 0.8,
-                 progress_coef: float = 0.0, seed: int = 0, sandbox: str = "os", fingerprints: dict | None = None):
+                 progress_coef: float = 0.0, seed: int = 0, reward_kwargs: dict | None = None,
+                 fingerprints: dict | None = None):
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting={weighting!r} is not one of {', '.join(WEIGHTINGS)}")
         if not 0 <= smoothing < 1:
@@ -237,7 +238,7 @@ class TaskMixture:
                              "row lists")
         self.specs, self.eval_rows = specs, eval_rows
         self.samplers = [PromptSampler(rows, seed) for rows in train_rows]
-        self.reward_fns = [[get_reward_fn(f, sandbox=sandbox) for f in s.reward_funcs] for s in specs]
+        self.reward_fns = [[get_reward_fn(f, **(reward_kwargs or {})) for f in s.reward_funcs] for s in specs]
         self.weighting, self.floor, self.smoothing, self.progress_coef, self.seed = (
             weighting, floor, smoothing, progress_coef, seed)
         self.prior = [s.weight for s in specs]
@@ -248,14 +249,15 @@ class TaskMixture:
         self.weights = self._weights()
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, num_train: int) -> "TaskMixture":
+    def from_config(cls, cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line) -> "TaskMixture":
         """The mixture of a TrainConfig with `tasks`: each task's data loaded as a single-task run would."""
         specs, fingerprints = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights), {}
         splits = [load_splits(dataclasses.replace(cfg, task=s.task, dataset=s.dataset, eval_dataset=s.eval_dataset),
-                              tokenizer, num_train, fingerprints) for s in specs]
+                              tokenizer, num_train, fingerprints, given, note) for s in specs]
         return cls(specs, [train for train, _ in splits], [held for _, held in splits], weighting=cfg.task_weighting,
                    floor=cfg.task_weight_floor, smoothing=cfg.task_weight_smoothing,
-                   progress_coef=cfg.task_progress_coef, seed=cfg.seed, sandbox=cfg.sandbox, fingerprints=fingerprints)
+                   progress_coef=cfg.task_progress_coef, seed=cfg.seed, reward_kwargs=reward_options(cfg),
+                   fingerprints=fingerprints)
 
     @property
     def train_rows(self) -> list[list[dict]]:
@@ -340,15 +342,15 @@ class TaskMixture:
         return metrics
 
     def evaluate(self, model, tokenizer, cfg) -> dict[str, float]:
-        """`gspo.data.evaluation.evaluate` on each task's held-out rows with its reward functions.
+        """`gspo.data.evaluation.evaluate` on each task's held-out rows with its reward functions and weights.
 
         Per task `task/<name>/eval_accuracy` (and eval_mean_at_k, ...); `eval/<metric>` is the
         unweighted mean over the tasks that report it, whatever the sampling weights.
         """
         out, by_metric = {}, {}
-        for spec, rows in zip(self.specs, self.eval_rows):
-            task_cfg = dataclasses.replace(cfg, reward_funcs=spec.reward_funcs, reward_weights=spec.reward_weights)
-            for key, value in evaluate(model, tokenizer, rows, task_cfg).items():
+        for spec, fns, rows in zip(self.specs, self.reward_fns, self.eval_rows):
+            for key, value in evaluate(model, tokenizer, rows, cfg, reward_fns=fns,
+                                       reward_weights=spec.reward_weights).items():
                 out[f"task/{spec.name}/{key.replace('/', '_')}"] = value  # eval/accuracy -> eval_accuracy
                 by_metric.setdefault(key, []).append(value)
         out.update({key: sum(values) / len(values) for key, values in by_metric.items()})

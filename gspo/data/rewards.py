@@ -18,6 +18,7 @@ import contextlib
 import copy
 import faulthandler
 import importlib
+import importlib.util
 import inspect
 import math
 import numbers
@@ -27,9 +28,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from gspo.given import is_marker, marker, not_rebuildable
 
 __all__ = [
     "answer_match",
@@ -175,6 +179,26 @@ def make_regex_reward(pattern: str, name: str) -> RewardFn:
 # 1.0 iff the completion ends with "#### <number>", optionally followed by whitespace.
 format_reward = make_regex_reward(rf"(?s).*{_MARKER}\s*{_NUMBER}\s*", "format")
 
+_INTEGER = re.compile(r"-?\d+")
+
+
+@reads_text
+def last_number(prompts: list[str], completions: list[str], answer: list, **_) -> list[float | None]:
+    """1.0 where the last integer in the completion equals the `answer` column's (an int, or a str of
+    one), else 0.0; None where the answer is not an integer. For models that answer in words: "The
+    sum is 12." scores 1 for answer 12, as does "12"."""
+    rewards: list[float | None] = []
+    for completion, expected in zip(completions, answer, strict=True):
+        try:
+            target = int(str(expected).strip())
+        except ValueError:
+            rewards.append(None)
+            continue
+        found = _INTEGER.findall(completion)
+        last = found[-1] if found else ""
+        rewards.append(float(0 < len(last) <= 1000 and int(last) == target))  # 1000: int() refuses 4300+ digits
+    return rewards
+
 
 class RewardModelReward:
     """Scores `prompt + completion` with a sequence-classification reward model (num_labels == 1).
@@ -183,15 +207,22 @@ class RewardModelReward:
     loaded from the same path unless `tokenizer` is given), or a model object plus `tokenizer`.
     Returns `logits[:, 0]` per text. Texts are right-padded (HF classifiers pool the last
     non-pad token); a tokenizer without a pad token pads with eos, so texts should not end in eos.
-    With `max_length`, texts are truncated on the tokenizer's `truncation_side`.
+    With `max_length`, texts are truncated on the tokenizer's `truncation_side`. The model is
+    scored on `device` (a torch device or gspo's names: auto is cuda where available) in `dtype`
+    (float32, bfloat16, float16, or auto: a checkpoint's own dtype, a model object's as it is).
     """
 
     __name__ = "reward_model"
     reads_text = True  # it scores prompt + completion as one text (a chat prompt rendered by the template)
 
     def __init__(
-        self, model_or_path, *, tokenizer=None, batch_size: int = 16, device="cpu", max_length=None
+        self, model_or_path, *, tokenizer=None, batch_size: int = 16, device="cpu", max_length=None,
+        dtype: str = "float32",
     ):
+        from gspo.models import DTYPES, resolve_device
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
@@ -199,7 +230,7 @@ class RewardModelReward:
         if isinstance(model_or_path, (str, bytes)) or hasattr(model_or_path, "__fspath__"):
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-            model = AutoModelForSequenceClassification.from_pretrained(model_or_path)
+            model = AutoModelForSequenceClassification.from_pretrained(model_or_path, dtype=DTYPES[dtype])
             if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(model_or_path)
         else:
@@ -217,7 +248,8 @@ class RewardModelReward:
             tokenizer.pad_token = tokenizer.eos_token
         # HF classifiers find each row's last real token by comparing ids with config.pad_token_id.
         model.config.pad_token_id = tokenizer.pad_token_id
-        self.model = model.to(device).eval()
+        device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+        self.model = model.to(device=device, **({} if dtype == "auto" else {"dtype": DTYPES[dtype]})).eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.device = device
@@ -260,17 +292,25 @@ _BUILTINS: dict[str, RewardFn] = {
     "math": math_reward,
     "format": format_reward,
     "code_tests": code_tests,
+    "last_number": last_number,
 }
 
 
-def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
+def reward_options(cfg) -> dict:
+    """The keyword arguments of `get_reward_fn` that a config sets: code_tests' sandbox, a reward model's place."""
+    return {"sandbox": cfg.sandbox, "rm_device": getattr(cfg, "reward_model_device", "cpu"),
+            "rm_dtype": getattr(cfg, "reward_model_dtype", "float32")}
+
+
+def get_reward_fn(spec, *, sandbox: str = "os", rm_device: str = "cpu", rm_dtype: str = "float32") -> RewardFn:
     """A reward function from a spec.
 
     Specs: a built-in name ("answer_match", "math": math-verify against the `answer` column,
     "format", "code_tests": sandboxed Python run against the `tests` column, see
     gspo.data.sandbox); "rm:<path>", a sequence-classification
-    reward model saved at <path> (scored on the CPU, or pass a RewardModelReward object);
-    a user's "package.module:function"; or, from Python, the callable itself.
+    reward model saved at <path> (scored on `rm_device` in `rm_dtype`, or pass a RewardModelReward object);
+    a user's "package.module:function" (found on sys.path, else in the working directory, as `python -m`
+    finds it) or "path/to/file.py:function"; or, from Python, the callable itself.
     `sandbox` ("os" or "weak") is the isolation code_tests gets; with "os" a machine that offers
     no operating-system boundary refuses code_tests here, before any training.
     """
@@ -278,6 +318,9 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"reward spec must be a non-empty str, got {spec!r}")
+    if is_marker(spec):  # an instance or lambda a run was given from Python (reward_spec)
+        raise not_rebuildable("reward", spec, "pass the same reward functions again (gspo.Trainer(reward_funcs=...)), "
+                                              "or name importable ones as 'module:function'")
     if spec == "code_tests":
         from gspo.data.sandbox import code_reward
 
@@ -290,15 +333,19 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
     if spec in _BUILTINS:
         return _BUILTINS[spec]
     if spec.startswith("rm:"):
-        return RewardModelReward(spec[3:])
+        return RewardModelReward(spec[3:], device=rm_device, dtype=rm_dtype)
     if ":" not in spec:
         raise ValueError(
             f"unknown reward {spec!r}: use a built-in ({', '.join(sorted(_BUILTINS))}) "
             "or an import path 'package.module:function'"
         )
     module_name, _, attr = spec.partition(":")
+    if spec.rpartition(":")[0].endswith(".py"):  # a file: "my_rewards.py:fn", "path/to/rewards.py:fn"
+        module_name, _, attr = spec.rpartition(":")
+        if not Path(module_name).is_file():
+            raise ValueError(f"reward {spec!r}: file {module_name} not found (relative to {Path.cwd()})")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name)
     except ImportError as err:
         raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {err}") from err
     except (Exception, SystemExit) as err:  # the module's own code failed as it ran: name where
@@ -312,6 +359,43 @@ def get_reward_fn(spec, *, sandbox: str = "os") -> RewardFn:
     return fn
 
 
+def _import_module(name: str):
+    """The module of a reward spec: a file path ending in .py, or a module name found on sys.path or else in the
+    working directory, as `python -m` would find it (the `gspo` script's sys.path holds its own folder instead).
+    The folder found is appended to sys.path, for the module's own imports of its neighbours; appended, so that
+    a neighbour named like an installed package never shadows it."""
+    if name.endswith(".py"):
+        path = Path(name).resolve()
+        known = sys.modules.get(path.stem)
+        if known is not None and Path(getattr(known, "__file__", None) or "/").resolve() == path:
+            return known  # a second function of the same file
+        _importable(path.parent)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        owned = sys.modules.setdefault(path.stem, module) is module  # for pickle, dataclasses, the next spec
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            if owned:
+                del sys.modules[path.stem]
+            raise
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        top = name.partition(".")[0]
+        if err.name != top or not any((Path.cwd() / f).exists() for f in (f"{top}.py", top)):
+            raise  # not a module of the working directory (or one that imports a missing module)
+    _importable(Path.cwd())
+    return importlib.import_module(name)
+
+
+def _importable(folder: Path) -> None:
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+        importlib.invalidate_caches()
+
+
 def _raised_at(err: BaseException) -> str:
     """'<file> line <n>': the innermost frame of `err`'s traceback (a SyntaxError: its own file and line)."""
     if isinstance(err, SyntaxError):
@@ -321,9 +405,18 @@ def _raised_at(err: BaseException) -> str:
 
 
 def reward_spec(fn) -> str:
-    """The spec a saved config records for a reward function: a spec string unchanged, a callable as
-    "module:qualname" (the import path `get_reward_fn` reads back for a module-level function)."""
-    return fn if isinstance(fn, str) else f"{fn.__module__}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+    """The spec a saved config records for a reward function: a spec string unchanged; a callable by the
+    import path `get_reward_fn` reads back to that very function ("module:qualname"), else by its built-in
+    name; an instance, a lambda or a nested function as "object:module:name" (gspo.given), which names it
+    but is refused when read back without it."""
+    if isinstance(fn, str):
+        return fn
+    module, name = getattr(fn, "__module__", None) or type(fn).__module__, getattr(fn, "__qualname__", None)
+    if name is not None and getattr(sys.modules.get(module), name, None) is fn:
+        return f"{module}:{name}"
+    builtin = [key for key, value in _BUILTINS.items() if value is fn]
+    return builtin[0] if builtin else marker(f"{module}:{name or type(fn).__qualname__ + '(...)'}")
+
 
 def _fn_name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__

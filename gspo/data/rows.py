@@ -14,8 +14,11 @@ import hashlib
 import io
 import json
 import random
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+from gspo.given import is_marker, not_rebuildable
 from gspo.tasks import get_task
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -30,13 +33,19 @@ class Row(dict):
         self.where = where
 
 
-def load_rows(path: str, prompt_column: str = "prompt") -> list[Row]:
-    """Rows from a local .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder.
+def load_rows(path: str, prompt_column: str = "prompt", given: dict | None = None) -> list[Row]:
+    """Rows from a local .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder, or, for a name that
+    `given` holds ({"object:train_dataset": a datasets.Dataset or a list of dicts}: gspo.Trainer), from memory.
 
     Every problem is a ValueError naming the file and, where there is one, the line.
     """
     p = Path(path)
-    if p.is_dir():
+    if given and path in given:
+        rows = _records(path, given[path])
+    elif is_marker(path):  # a saved config of a run whose data was handed over from Python
+        raise not_rebuildable("dataset", path, "pass the data again (gspo.Trainer(train_dataset=..., "
+                                               "eval_dataset=...)), or set dataset to a file")
+    elif p.is_dir():
         rows = _read_table(p, None)
     elif p.is_file():
         kind = _FORMATS.get(p.suffix.lower())
@@ -56,6 +65,18 @@ def load_rows(path: str, prompt_column: str = "prompt") -> list[Row]:
     if prompt_column != "prompt":
         for r in rows:
             r["prompt"] = r.pop(prompt_column)
+    return rows
+
+
+def _records(name: str, records) -> list[Row]:
+    """Rows of in-memory records (a datasets.Dataset, a list of dicts), each a copy: training renders chat prompts
+    in place."""
+    rows = []
+    for i, record in enumerate(records):
+        if not isinstance(record, Mapping):
+            raise ValueError(f"dataset: {name} row {i}: expected a mapping of column: value, got "
+                             f"{type(record).__name__}")
+        rows.append(Row(dict(record), f"{name} row {i}"))
     return rows
 
 
@@ -188,9 +209,10 @@ MESSAGES = "prompt_messages"
 """Where `render_prompts` keeps a chat prompt's messages: reward functions get them, as in TRL (`chat_prompts`)."""
 
 
-def render_prompts(rows: list[dict], tokenizer) -> list[dict]:
-    """Turn chat-message prompts into text with the tokenizer's chat template (in place); the
-    messages stay in the row under `MESSAGES`, for rewards written for conversational data."""
+def render_prompts(rows: list[dict], tokenizer, template_kwargs: dict | None = None) -> list[dict]:
+    """Turn chat-message prompts into text with the tokenizer's chat template (in place), given
+    `template_kwargs` (chat_template_kwargs, e.g. {"enable_thinking": False}); the messages stay in the
+    row under `MESSAGES`, for rewards written for conversational data."""
     for i, r in enumerate(rows):
         prompt = r["prompt"]
         if isinstance(prompt, list):
@@ -201,7 +223,8 @@ def render_prompts(rows: list[dict], tokenizer) -> list[dict]:
                 raise RowError(f"dataset: {where(r, i)}: chat messages must be a non-empty list of "
                                f"{{role, content}} string pairs, got {prompt!r:.80}", i)
             try:
-                r["prompt"] = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                r["prompt"] = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                            **(template_kwargs or {}))
                 r[MESSAGES] = prompt
             except Exception as err:  # the template is user data too (jinja errors, missing roles)
                 raise RowError(f"dataset: {where(r, i)}: the chat template failed on these messages "
@@ -220,12 +243,12 @@ class RowError(ValueError):
         self.index = index
 
 
-def check_rows(rows: list[dict], tokenizer, max_prompt_length: int | None = None, truncate: str = "error"
-               ) -> list[dict]:
+def check_rows(rows: list[dict], tokenizer, max_prompt_length: int | None = None, truncate: str = "error",
+               template_kwargs: dict | None = None) -> list[dict]:
     """`render_prompts`, then (given `max_prompt_length`) `check_prompt_lengths`: of several bad rows,
     whatever is wrong with each, the first is named. Returns `rows`, rendered in place."""
     try:
-        render_prompts(rows, tokenizer)
+        render_prompts(rows, tokenizer, template_kwargs)
     except RowError as err:
         if max_prompt_length is not None:  # a too-long prompt before the row render_prompts refused comes first
             check_prompt_lengths(rows[: err.index], tokenizer, max_prompt_length, truncate)
@@ -268,28 +291,58 @@ def data_fingerprint(rows: list[dict]) -> dict:
     return {"rows": len(rows), "sha256": digest.hexdigest()}
 
 
-def load_splits(cfg, tokenizer, num_train: int, fingerprints: dict | None = None) -> tuple[list[dict], list[dict]]:
+def holdout_count(rows: int, holdout: float, name: str = "dataset") -> int:
+    """How many of `rows` rows `eval_holdout` holds out: a fraction (< 1) of them, at least one; or a count (>= 1);
+    0: none. At least one row is left to train on; a count that leaves none is a ValueError naming `name`.
+    Example: 0.1 of 30 rows: 3 (of 9 rows: 1; of 1 row: 0)."""
+    if holdout >= 1:
+        if holdout >= rows:
+            raise ValueError(f"dataset: eval_holdout={holdout:g} holds out every row of {name} ({rows} rows); hold "
+                             "out fewer, or give an eval_dataset")
+        return int(holdout)
+    if holdout <= 0 or rows < 2:
+        return 0
+    return min(rows - 1, max(1, int(rows * holdout + 1e-9)))  # 1e-9: 0.1 * 70 is 7, not 6.99...
+
+
+def stderr_line(line: str) -> None:
+    """Print a notice (one line) to stderr at once."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def load_splits(cfg, tokenizer, num_train: int, fingerprints: dict | None = None, given: dict | None = None,
+                note=stderr_line) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) for a config with `task` or `dataset` fields.
 
     `fingerprints` (a dict), when given, gets {file: data_fingerprint(its rows)} of each data file read.
+    `given`: in-memory data by the name `dataset` / `eval_dataset` hold ("object:train_dataset", see load_rows).
     Every prompt used is checked here (`check_rows`; with a TrainConfig's max_prompt_length, its length).
+    A `dataset` without `eval_dataset` gives `eval_holdout` of its rows to evaluation and says so through
+    `note` (a line to stderr; the trainer's other ranks pass a no-op). eval_num_prompts=0: no held-out rows.
     """
-    limits = (getattr(cfg, "max_prompt_length", None), getattr(cfg, "truncate_prompts", "error"))  # SFT: none
+    limits = (getattr(cfg, "max_prompt_length", None), getattr(cfg, "truncate_prompts", "error"),  # SFT: none
+              getattr(cfg, "chat_template_kwargs", None))
     if cfg.dataset is not None:
-        rows = load_rows(cfg.dataset, cfg.prompt_column)
+        rows = load_rows(cfg.dataset, cfg.prompt_column, given)
         if fingerprints is not None:  # before rendering, which rewrites chat prompts in place
             fingerprints[cfg.dataset] = data_fingerprint(rows)
         check_rows(rows, tokenizer, *limits)  # every row in file order, before a split shuffles them
         if cfg.eval_dataset is not None:
-            train, held_out = rows, load_rows(cfg.eval_dataset, cfg.prompt_column)
+            train, held_out = rows, load_rows(cfg.eval_dataset, cfg.prompt_column, given)
             if fingerprints is not None:
                 fingerprints[cfg.eval_dataset] = data_fingerprint(held_out)
             check_rows(held_out[: cfg.eval_num_prompts], tokenizer, *limits)
         else:
             shuffled = rows[:]
             random.Random(cfg.seed).shuffle(shuffled)
-            n_eval = max(1, len(rows) // 10) if len(rows) > 1 else 0
+            holdout = getattr(cfg, "eval_holdout", 0.1)
+            n_eval = holdout_count(len(rows), holdout, cfg.dataset) if cfg.eval_num_prompts else 0  # 0: eval off
             held_out, train = shuffled[:n_eval], shuffled[n_eval:]
+            if cfg.eval_num_prompts:
+                used = (f"; each evaluation uses {cfg.eval_num_prompts} of them (eval_num_prompts)"
+                        if n_eval > cfg.eval_num_prompts else "" if n_eval else ": no evaluation")
+                note(f"eval: holding out {n_eval} of {len(rows)} rows of {cfg.dataset} (eval_holdout={holdout:g})"
+                     f"{used}")
         return train, held_out[: cfg.eval_num_prompts]
     task = get_task(cfg.task)
     train = [Row(r, f"task {cfg.task} train example {i}") for i, r in enumerate(task.dataset("train", num_train,

@@ -12,16 +12,17 @@ import torch
 
 from gspo.data.evaluation import evaluate
 from gspo.data.mixture import TaskMixture
-from gspo.data.rewards import get_reward_fn, score_completions
-from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits
+from gspo.data.rewards import get_reward_fn, reward_options, score_completions
+from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits, stderr_line
 
 
-def prompt_source(cfg, tokenizer, num_train: int):
+def prompt_source(cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line):
     """`TaskMixture` for a config with `tasks`, else `SingleTask`; every row is checked now, not when first drawn:
     its prompt and length (`load_splits`), and the columns a reward function reads, where it has a
-    `check_rows(rows)` (code_tests: its tests)."""
-    source = TaskMixture.from_config(cfg, tokenizer, num_train) if cfg.tasks else SingleTask.from_config(
-        cfg, tokenizer, num_train)
+    `check_rows(rows)` (code_tests: its tests). `given`: in-memory data by the names the config's dataset
+    settings hold (gspo.Trainer; see `load_rows`). `note`: where the held-out split is said (`load_splits`)."""
+    source = TaskMixture.from_config(cfg, tokenizer, num_train, given, note) if cfg.tasks else SingleTask.from_config(
+        cfg, tokenizer, num_train, given, note)
     fns_per_task = source.reward_fns if cfg.tasks else [source.reward_fns]
     for fns, train, held_out in zip(fns_per_task, source.train_rows, source.eval_rows, strict=True):
         for check in filter(None, (getattr(fn, "check_rows", None) for fn in fns)):
@@ -41,10 +42,11 @@ class SingleTask:
         self.fingerprints = fingerprints or {}  # {data file: data_fingerprint}, recorded in checkpoints
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, num_train: int) -> "SingleTask":
+    def from_config(cls, cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line) -> "SingleTask":
         fingerprints = {}
-        train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=num_train, fingerprints=fingerprints)
-        reward_fns = [get_reward_fn(spec, sandbox=cfg.sandbox) for spec in cfg.reward_funcs]
+        train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=num_train, fingerprints=fingerprints, given=given,
+                                            note=note)
+        reward_fns = [get_reward_fn(spec, **reward_options(cfg)) for spec in cfg.reward_funcs]
         return cls(train_rows, eval_rows, reward_fns, cfg.reward_weights, cfg.seed, fingerprints)
 
     @property
@@ -70,7 +72,8 @@ class SingleTask:
         return {}  # one task: nothing per task to report or reweigh
 
     def evaluate(self, model, tokenizer, cfg) -> dict[str, float]:
-        return evaluate(model, tokenizer, self.held_out, cfg)
+        return evaluate(model, tokenizer, self.held_out, cfg, reward_fns=self.reward_fns,
+                        reward_weights=self.reward_weights)
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

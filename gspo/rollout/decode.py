@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from gspo.logprobs import is_fsdp2
+from gspo.lora import is_peft, plain_model
 
 __all__ = ["PrefixKVLayer", "prefix_cache", "sample", "unsupported_reason"]
 
@@ -139,11 +140,26 @@ _HF_ONLY_FIELDS = {
 }
 
 
+def _prompt_learning(model) -> bool:
+    """A PeftModel whose active adapter adds virtual tokens (prefix / prompt tuning): PEFT's own forward
+    and generate insert them; the loop runs the base model, so it would leave them out."""
+    configs = getattr(model, "peft_config", {})
+    active = getattr(model, "active_adapter", None)
+    return bool(getattr(configs.get(active) if isinstance(active, str) else None, "is_prompt_learning", False))
+
+
 def unsupported_reason(model) -> str | None:
-    """Why `sample` cannot stand in for HF `generate` on `model`, or None if it can."""
+    """Why `sample` cannot stand in for HF `generate` on `model`, or None if it can.
+
+    A PEFT model is run through its base model, whose layers carry the adapters (active as in the
+    PeftModel: LoRA and its kin); prompt-learning adapters need PEFT's own forward and stay on HF.
+    """
     if is_fsdp2(model):
         return ("the model is FSDP2-sharded: every rank must run the same number of forwards "
                 "(HF generate with synced_gpus)")
+    if is_peft(model) and _prompt_learning(model):
+        return "its PEFT adapter is prompt learning (virtual tokens PEFT's own forward inserts)"
+    model = plain_model(model)
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "generation_config"):
         return f"{type(model).__name__} is not a Hugging Face generative model"
@@ -200,6 +216,8 @@ def sample(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     greedy: bool = False,
     seeded_sampler=None,
     with_logprobs: bool = False,
@@ -209,13 +227,17 @@ def sample(
     Token choice as HF `generate`: `greedy` takes argmax(logits); `seeded_sampler` (called as
     `seeded_sampler(input_ids, logits)`, e.g. `rollout.SeededSampler`) returns scores whose argmax
     is taken; otherwise scores = logits / temperature, then top-k (if top_k != 0), top-p (if < 1),
-    and one `torch.multinomial(softmax(scores), 1)` per step from the global RNG.
+    min-p (if > 0), and one `torch.multinomial(softmax(scores), 1)` per step from the global RNG.
+    `repetition_penalty` != 1 first rescales the logits of every token already in the row (prompt and
+    completion, padding left out), greedy too, as HF's processor does.
     Stops when every row has emitted an EOS or after `max_new_tokens`; T is the number of tokens
     produced, and rows that finished earlier hold `pad_token_id` after their EOS.
     `logprobs[:, t]` is log_softmax of the scores token t was chosen from (the processed scores;
     for `seeded_sampler` logits / temperature, the distribution it samples), at that token.
-    The caller puts the model in eval mode; `unsupported_reason(model)` must be None.
+    The caller puts the model in eval mode; `unsupported_reason(model)` must be None. A PeftModel
+    runs through its base model, the adapters active.
     """
+    model = plain_model(model)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     if not greedy and not temperature > 0:
@@ -225,14 +247,23 @@ def sample(
                          f"and {tuple(prompt_mask.shape)}")
     if not eos_token_ids:
         raise ValueError("eos_token_ids must name at least one token")
-    warpers = []  # HF's own warper classes, in HF's order: identical truncation
+    if seeded_sampler is not None and (min_p or repetition_penalty != 1.0):
+        raise ValueError("seeded sampling draws from the full softmax: min_p and repetition_penalty are not supported")
+    processors, warpers = [], []  # HF's own classes, in HF's order: identical scores and truncation
+    if repetition_penalty != 1.0:
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        left_padding = (prompt_mask != 0).int().argmax(dim=1)  # (N,) as HF's generate computes it
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty, prompt_ignore_length=left_padding))
     if not greedy and seeded_sampler is None:
-        from transformers import TopKLogitsWarper, TopPLogitsWarper
+        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         if top_k != 0:
             warpers.append(TopKLogitsWarper(top_k=top_k))
         if top_p is not None and top_p < 1.0:
             warpers.append(TopPLogitsWarper(top_p=top_p))
+        if min_p:
+            warpers.append(MinPLogitsWarper(min_p=min_p))
 
     N, P = prompt_ids.shape
     device = prompt_ids.device
@@ -263,6 +294,8 @@ def sample(
             # (N, V) float32 scores, copied as HF does: frees a full-prompt logits tensor, joins devices
             logits = out.logits[:, -1].to(device=device, dtype=torch.float32, copy=True)
             del out
+            for process in processors:
+                logits = process(ids[:, : P + t], logits)  # (N, V) e.g. repeated tokens' logits rescaled
             if seeded_sampler is not None:
                 token = seeded_sampler(ids[:, : P + t], logits).argmax(-1)  # (N,) argmax(logits / T + Gumbel)
                 scores = logits / temperature if with_logprobs else None  # (N, V) the distribution sampled

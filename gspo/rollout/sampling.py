@@ -35,6 +35,8 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     greedy: bool = False,
     max_prompt_length: int = 512,
     truncate_prompts: str = "error",
@@ -46,8 +48,9 @@ def generate(
 ) -> Rollout:
     """Sample `num_generations` completions for each prompt (KV-cached decoding).
 
-    No truncation of the distribution unless asked: top_k=0 and top_p=1 sample the full
-    softmax(logits / temperature), the distribution the trainer's log-probs are taken over.
+    No truncation of the distribution unless asked: top_k=0, top_p=1, min_p=0 and
+    repetition_penalty=1 sample the full softmax(logits / temperature), the distribution the
+    trainer's log-probs are taken over.
     `with_logprobs` keeps the sampler's own log-probs of the chosen tokens.
     `routing_recorder`: `gspo.moe.record_routing(model)`; the experts chosen in the prefill and
     every decode step are kept in `Rollout.routing`, padded to the (N, P+T) layout of `input_ids`
@@ -78,8 +81,9 @@ def generate(
     if row_seeds is not None and not greedy:
         if len(row_seeds) != prompt_ids.shape[0]:
             raise ValueError(f"row_seeds: {len(row_seeds)} seeds for {prompt_ids.shape[0]} completions")
-        if top_p < 1 or top_k:
-            raise ValueError("row_seeds: seeded sampling draws from the full softmax; top_p/top_k are not supported")
+        if top_p < 1 or top_k or min_p or repetition_penalty != 1.0:
+            raise ValueError("row_seeds: seeded sampling draws from the full softmax; top_p/top_k/min_p/"
+                             "repetition_penalty are not supported")
         seeded = SeededSampler(row_seeds, temperature, device)
     was_training = model.training
     model.eval()
@@ -91,8 +95,8 @@ def generate(
     with torch.inference_mode(not is_fsdp2(model)), recording as recorder:
         completion_ids, sampler_lp = GENERATORS[chosen].sample(
             sampler, prompt_ids, prompt_mask, eos=eos, pad=pad, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, greedy=greedy, seeded=seeded, with_logprobs=with_logprobs,
-            group_size=num_generations)  # (N, T), (N, T)
+            top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, greedy=greedy,
+            seeded=seeded, with_logprobs=with_logprobs, group_size=num_generations)  # (N, T), (N, T)
     model.train(was_training)
     cmask = completion_mask_from_ids(completion_ids, eos)  # (N, T)
     completion_ids = torch.where(cmask, completion_ids, torch.full_like(completion_ids, pad))
@@ -123,7 +127,8 @@ class GeneratorBackend:
     """A registered way to sample completions, and what it can do (checked when a Generator is built).
 
     `sample(sampler, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k,
-    greedy, seeded, with_logprobs, group_size) -> (completion ids (N, T), sampler log-probs (N, T) or
+    min_p, repetition_penalty, greedy, seeded, with_logprobs, group_size) -> (completion ids (N, T),
+    sampler log-probs (N, T) or
     None)`, where `sampler` is the model (or its copy) or, with `start`, the engine it returned; rows
     come in groups of `group_size` copies of a prompt. `unsupported(model)`: why it cannot run
     `model`, or None. `start(policy, tokenizer, cfg)`: an engine of its own for a run, with
@@ -161,28 +166,42 @@ def policy_backend(backend: str) -> str:
 
 def pick_generator(model, backend: str) -> str:
     """The registered generator `backend` names, or for "auto" the first that can run `model`."""
+    return choose_generator(model, backend)[0]
+
+
+def choose_generator(model, backend: str) -> tuple[str, str]:
+    """(the generator `pick_generator` takes, why: a line for the log saying which and, for "auto",
+    why each one before it was passed over)."""
     if backend not in generator_choices():
         raise ValueError(f"backend must be one of {', '.join(map(repr, generator_choices()))}; got {backend!r}")
     if backend != "auto":
         reason = GENERATORS[backend].unsupported(model)
         if reason is not None:
             raise ValueError(f"backend={backend!r} cannot run this model: {reason}")
-        return backend
-    return next(name for name, b in GENERATORS.items() if b.unsupported(model) is None)
+        return backend, f"sampler: {backend} (generation_backend={backend!r})"
+    passed_over = []
+    for name, b in GENERATORS.items():
+        reason = b.unsupported(model)
+        if reason is None:
+            why = "; ".join(f"not {other}: {r}" for other, r in passed_over) or "the first that runs this model"
+            return name, f"sampler: {name} (generation_backend='auto': {why})"
+        passed_over.append((name, reason))
+    raise ValueError("no registered generator can run this model: " + "; ".join(f"{n}: {r}" for n, r in passed_over))
 
 
-def _native_sample(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, greedy,
-                   seeded, with_logprobs, group_size) -> tuple[Tensor, Tensor | None]:
+def _native_sample(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, min_p,
+                   repetition_penalty, greedy, seeded, with_logprobs, group_size) -> tuple[Tensor, Tensor | None]:
     """gspo's decode loop (gspo/rollout/decode.py): preallocated KV cache, the same tokens as HF for the same seed."""
     return decode.sample(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_ids=eos,
-                         pad_token_id=pad, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
-                         seeded_sampler=seeded, with_logprobs=with_logprobs)
+                         pad_token_id=pad, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                         repetition_penalty=repetition_penalty, greedy=greedy, seeded_sampler=seeded,
+                         with_logprobs=with_logprobs)
 
 
-def _hf_generate(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, greedy,
-                 seeded, with_logprobs, group_size) -> tuple[Tensor, Tensor | None]:
+def _hf_generate(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, min_p,
+                 repetition_penalty, greedy, seeded, with_logprobs, group_size) -> tuple[Tensor, Tensor | None]:
     """HF `generate`: completion ids (N, T) and, if asked, the sampler's log-probs (N, T)."""
-    sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p or None}
     if seeded is not None:
         sampling = {"logits_processor": LogitsProcessorList([seeded])}  # argmax of logits/T + Gumbel noise
     out = model.generate(
@@ -192,8 +211,9 @@ def _hf_generate(model, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, te
         max_new_tokens=max_new_tokens,
         pad_token_id=pad,
         eos_token_id=eos,
-        # neutralise distribution-changing defaults a checkpoint's generation_config may carry
-        repetition_penalty=1.0, min_p=None, typical_p=1.0, no_repeat_ngram_size=0,
+        # ours, and neutral values for the distribution-changing defaults a checkpoint's generation_config may carry
+        repetition_penalty=repetition_penalty, typical_p=1.0, no_repeat_ngram_size=0,
+        **({} if "min_p" in sampling else {"min_p": None}),
         return_dict_in_generate=True,
         output_scores=with_logprobs and seeded is None,
         output_logits=with_logprobs and seeded is not None,
@@ -368,7 +388,7 @@ class Generator:
 
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, recorder=lambda model: None, records: bool = False):
         self.model, self.tokenizer, self.cfg, self.seeded, self.recorder = model, tokenizer, cfg, seeded, recorder
-        self.name = pick_generator(model, cfg.generation_backend)
+        self.name, self.reason = choose_generator(model, cfg.generation_backend)  # reason: a line for the log
         backend = GENERATORS[self.name]
         with_logprobs = keeps_sampler_logprobs(cfg, engine=backend.start is not None)
         needs = {"seeded_rows": seeded, "routing_record": records, "logprobs": with_logprobs}
@@ -386,8 +406,8 @@ class Generator:
         sampler = self.sampler.model if isinstance(self.sampler, PolicySampler) else self.sampler
         try:
             return generate(self.model, self.tokenizer, prompts, G, max_new_tokens=cfg.max_completion_length,
-                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                            max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts,
+                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                            repetition_penalty=cfg.repetition_penalty, max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts,
                             with_logprobs=self.with_logprobs,
                             routing_recorder=self.recorder(sampler),
                             row_seeds=row_seeds(cfg.seed, step, first_row, len(prompts) * G) if self.seeded else None,

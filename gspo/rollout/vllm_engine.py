@@ -276,8 +276,8 @@ class VLLMEngine:
         _OPEN.discard(self)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, greedy,
-               seeded, with_logprobs, group_size) -> tuple[Tensor, Tensor | None]:
+    def sample(self, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, min_p,
+               repetition_penalty, greedy, seeded, with_logprobs, group_size) -> tuple[Tensor, Tensor | None]:
         """Completion ids (N, T) right-padded with `pad`, and mu (N, T) when `with_logprobs`.
 
         One request per prompt (rows g*G .. g*G+G-1) with n = G; its j-th completion is row g*G + j.
@@ -300,7 +300,8 @@ class VLLMEngine:
             params.append(SamplingParams(
                 n=G, max_tokens=min(max_new_tokens, room), stop_token_ids=list(eos), detokenize=False,
                 temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                top_k=0 if greedy else top_k, logprobs=0 if with_logprobs else None,  # 0: the sampled token's only
+                top_k=0 if greedy else top_k, min_p=0.0 if greedy else min_p, repetition_penalty=repetition_penalty,
+                logprobs=0 if with_logprobs else None,  # 0: the sampled token's only
                 seed=None if seeded is None else _group_seed(seeded.seeds, first, G)))
         if self.sleeps:
             self.llm.wake_up()

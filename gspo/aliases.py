@@ -1,0 +1,286 @@
+"""Other names for config settings: gspo's former names and TRL GRPOConfig's (TRL 1.16).
+
+A YAML file, a `key=value` override or a mapping given to `make_config` may use them. `translate`
+reads each into gspo's own settings before the config is built, so a run's saved
+train_config.json holds gspo names only. Two tables, each the single source of its names:
+
+- `ALIASES`: a name whose meaning gspo has, with the gspo setting it sets, a converter where the
+  value needs one (TRL's `per_device_train_batch_size` counts completions, gspo's setting prompts)
+  and a note on how the meanings line up. A value whose TRL meaning gspo lacks is refused by the
+  converter, with a hint.
+- `REFUSED`: TRL names whose meaning differs from every gspo setting; each is an error with a hint
+  instead of "unknown key".
+
+An alias given together with a gspo setting it sets is an error naming both. Nothing here imports
+torch; the values an alias produces are checked by `gspo.config.validate` like any others.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Alias:
+    """Another name for a gspo setting."""
+
+    target: str | tuple[str, ...]
+    """The gspo setting(s) it sets (report_to sets several)."""
+    convert: Callable[[object, dict, dict], dict] | None = None
+    """(value, the whole mapping given, the config's defaults) -> {gspo setting: value}; None: the value as given."""
+    note: str = ""
+    """How the meanings line up (the README's TRL table says the same)."""
+    old: bool = False
+    """gspo's own former name rather than TRL's."""
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.target,) if isinstance(self.target, str) else self.target
+
+
+def _whole(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config: {name}={value!r} has the wrong type: expected int")
+    return value
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config: {name}={value!r} has the wrong type: expected float")
+    return float(value)
+
+
+def _note(text: str) -> None:
+    print(f"config: note: {text}", file=sys.stderr, flush=True)
+
+
+def _choose(name: str, value, table: dict):
+    """table[value] for a TRL value gspo has the meaning of; an error listing TRL's values otherwise."""
+    if isinstance(value, (str, bool)) and value in table:
+        return table[value]
+    raise ValueError(f"config: {name}={value!r} is not one of TRL's {', '.join(map(repr, table))}")
+
+
+def _cispo(values: dict) -> bool:
+    return values.get("loss_type") == "cispo" or values.get("objective") == "cispo"
+
+
+def _epsilon(value, values: dict, defaults: dict) -> dict:
+    """TRL's epsilon: the lower clip, and the upper one too unless epsilon_high (clip_high) is given."""
+    loss = values.get("loss_type")
+    if loss in ("cispo", "sapo"):
+        raise ValueError(f"config: epsilon: TRL's loss_type={loss} ignores it ("
+                         + ("no lower clip; gspo's cispo default clip_low 1.0 is the same" if loss == "cispo"
+                            else "a soft gate, no clip") + "); drop it")
+    both = "epsilon_high" not in values and "clip_high" not in values  # TRL: epsilon_high defaults to epsilon
+    return {"clip_low": value, **({"clip_high": value} if both else {})}
+
+
+def _epsilon_high(value, values: dict, defaults: dict) -> dict:
+    """TRL's epsilon_high: ratio <= 1 + epsilon_high; under cispo the largest weight itself."""
+    if values.get("loss_type") == "sapo":
+        raise ValueError("config: epsilon_high: TRL's loss_type=sapo ignores it (a soft gate, no clip); drop it")
+    if _cispo(values):  # TRL clamps cispo's weight at epsilon_high itself; gspo at 1 + clip_high
+        high = _number("epsilon_high", value) - 1.0
+        _note(f"epsilon_high={value!r} is cispo's largest weight in TRL: read as clip_high={high!r} (1 + clip_high)")
+        return {"clip_high": high}
+    return {"clip_high": value}
+
+
+SAMPLING_LEVELS = {"token": "grpo", "sequence": "gspo"}
+"""TRL's importance_sampling_level -> gspo's objective (for TRL's clipped losses)."""
+
+LOSS_TYPES = {"grpo": ("aggregation", "seq_mean_token_mean"), "dapo": ("aggregation", "token_mean"),
+              "dr_grpo": ("aggregation", "seq_mean_token_sum_norm"), "cispo": ("objective", "cispo"),
+              "sapo": ("objective", "sapo")}
+"""TRL's loss_type -> the gspo setting and value of the same meaning: an aggregation of the clipped
+ratio loss (grpo: mean over tokens then sequences; dapo: over all the step's tokens, as gspo's
+token_mean, across processes too; dr_grpo: token sums over max_completion_length), or an objective
+that comes with its own (cispo: token_mean; sapo: seq_mean_token_mean, TRL's too)."""
+
+LOSS_TYPES_REFUSED = {
+    "bnpo": "it normalises by each process's own token count; gspo's token_mean counts the whole step's "
+            "tokens across processes (TRL's dapo): use loss_type: dapo",
+    "luspo": "gspo has no LUSPO objective (register one with gspo.objectives.register_objective)",
+    "vespo": "gspo has no VESPO objective (register one with gspo.objectives.register_objective)",
+}
+"""TRL loss types whose meaning gspo lacks -> the hint."""
+
+
+def _objective_of_loss(values: dict):
+    """The objective TRL's loss_type names (cispo, sapo), or None for the clipped-ratio losses."""
+    setting = LOSS_TYPES.get(values.get("loss_type"), (None, None))
+    return setting[1] if setting[0] == "objective" else None
+
+
+def _sampling_level(value, values: dict, defaults: dict) -> dict:
+    objective = _choose("importance_sampling_level", value, SAMPLING_LEVELS)
+    named = _objective_of_loss(values)
+    if named is None:
+        return {"objective": objective}
+    if value != "token":  # TRL's sequence-level cispo / sapo
+        raise ValueError(f"config: importance_sampling_level={value!r} with loss_type={named}: gspo's {named} "
+                         "objective has token ratios only; use importance_sampling_level: token")
+    return {}  # the loss_type sets the objective
+
+
+def _loss_type(value, values: dict, defaults: dict) -> dict:
+    if value in LOSS_TYPES_REFUSED:
+        raise ValueError(f"config: loss_type={value!r} (TRL): {LOSS_TYPES_REFUSED[value]}")
+    key, gspo_value = _choose("loss_type", value, LOSS_TYPES)
+    if key == "aggregation":  # the objective it aggregates must accept it (GSPO: only a mean over sequences)
+        from gspo.objectives import OBJECTIVES, check_aggregation
+
+        level = values.get("importance_sampling_level")
+        objective = SAMPLING_LEVELS.get(level) or values.get("objective", defaults["objective"])
+        try:
+            if objective in OBJECTIVES:  # an unknown objective is named by validation
+                check_aggregation(objective, gspo_value)
+        except ValueError as err:
+            hint = ("use loss_type: grpo" if level else
+                    "use loss_type: grpo, or importance_sampling_level: token (TRL's default: objective grpo)")
+            raise ValueError(f"config: loss_type={value!r} (TRL; aggregation {gspo_value}) with objective "
+                             f"{objective!r}: {err}; {hint}") from None
+    return {key: gspo_value}
+
+
+SCALE_REWARDS = {"group": "group", True: "group", "batch": "batch", "none": "none", False: "none"}
+"""TRL's scale_rewards -> gspo's advantage_estimator: the same centring in the group and division by
+the group's / the batch's std or none (gspo's std is the population one; TRL's divides by n - 1)."""
+
+
+def _scale_rewards(value, values: dict, defaults: dict) -> dict:
+    return {"advantage_estimator": _choose("scale_rewards", value, SCALE_REWARDS)}
+
+
+REPORT_TO = ("tensorboard", "wandb")
+"""TRL's report_to integrations gspo logs to: each is a gspo setting of the same name (metrics.jsonl is always written)."""
+
+
+def _report_to(value, values: dict, defaults: dict) -> dict:
+    names = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"config: report_to={value!r} must be a name or a list of names")
+    names = [n for n in names if n != "none"]
+    if "all" in names:
+        raise ValueError("config: report_to='all' (TRL: every installed integration): name them, e.g. "
+                         f"report_to: [{', '.join(REPORT_TO)}]")
+    unknown = [n for n in names if n not in REPORT_TO]
+    if unknown:
+        raise ValueError(f"config: report_to: {', '.join(map(repr, unknown))} is not one gspo logs to; it writes "
+                         f"metrics.jsonl and, if asked, {', '.join(REPORT_TO)}")
+    return {name: name in names for name in REPORT_TO}
+
+
+def _use_vllm(value, values: dict, defaults: dict) -> dict:
+    if not isinstance(value, bool):
+        raise ValueError(f"config: use_vllm={value!r} has the wrong type: expected bool")
+    return {"generation_backend": "vllm" if value else "auto"}  # auto never picks vllm
+
+
+def _vllm_mode(value, values: dict, defaults: dict) -> dict:
+    if value == "server":
+        raise ValueError("config: vllm_mode=server (TRL): gspo runs vLLM only colocated in the training process "
+                         "(generation_backend: vllm); a separate vLLM server is not supported")
+    if value != "colocate":
+        raise ValueError(f"config: vllm_mode={value!r} is not one of TRL's 'colocate', 'server'")
+    return {}  # colocated is what use_vllm / generation_backend: vllm runs
+
+
+def _completions_to_prompts(value, values: dict, defaults: dict) -> dict:
+    """TRL's per_device_train_batch_size: completions per optimizer step; one rollout is
+    steps_per_generation (default 1) of them, and gspo's per_device_batch_size counts its prompts."""
+    per_step = _whole("per_device_train_batch_size", value)
+    g = _whole("num_generations", values.get("num_generations", defaults["num_generations"]))
+    given = next((n for n in ("steps_per_generation", "num_minibatches") if n in values), None)
+    steps = _whole(given, values[given]) if given else 1
+    completions = per_step * steps
+    times = f" x {given}={steps}" if given else ""
+    if completions % g:
+        raise ValueError(f"config: per_device_train_batch_size={per_step} (TRL: completions per step){times} = "
+                         f"{completions} completions is not a multiple of num_generations={g}; gspo counts "
+                         "prompts: set per_device_batch_size")
+    minibatches = steps if given else defaults["num_minibatches"]
+    _note(f"per_device_train_batch_size={per_step} counts completions per step (TRL){times}: read as "
+          f"per_device_batch_size={completions // g} prompts x num_generations={g} = {completions} completions per "
+          f"rollout, trained in num_minibatches={minibatches} optimizer steps"
+          + ("" if given else " (TRL: steps_per_generation, default 1)"))
+    return {"per_device_batch_size": completions // g}
+
+
+ALIASES: dict[str, Alias] = {
+    "advantage_scale": Alias("advantage_estimator", old=True, note="gspo's former name"),
+    "beta": Alias("kl_coef", note="KL penalty weight; 0 loads no reference model"),
+    "epsilon": Alias(("clip_low", "clip_high"), _epsilon,
+                     "lower clip, ratio >= 1 - epsilon; also the upper one unless epsilon_high is given"),
+    "epsilon_high": Alias("clip_high", _epsilon_high,
+                          "upper clip, ratio <= 1 + epsilon_high; with cispo TRL's largest weight: clip_high = "
+                          "epsilon_high - 1"),
+    "importance_sampling_level": Alias("objective", _sampling_level, "token: grpo, sequence: gspo"),
+    "loss_type": Alias(("aggregation", "objective"), _loss_type,
+                       "grpo: seq_mean_token_mean, dapo: token_mean, dr_grpo: seq_mean_token_sum_norm, "
+                       "cispo / sapo: the objective; bnpo, luspo, vespo refused"),
+    "scale_rewards": Alias("advantage_estimator", _scale_rewards, "group / true: group, batch: batch, none / false: none"),
+    "steps_per_generation": Alias("num_minibatches", note="optimizer steps per rollout batch"),
+    "num_iterations": Alias("num_epochs", note="passes over each rollout batch"),
+    "report_to": Alias(REPORT_TO, _report_to, "tensorboard, wandb, none: the booleans of those names"),
+    "use_vllm": Alias("generation_backend", _use_vllm, "true: vllm, false: auto"),
+    "vllm_mode": Alias("generation_backend", _vllm_mode, "colocate: what gspo's vllm runs; server refused"),
+    "per_device_train_batch_size": Alias("per_device_batch_size", _completions_to_prompts,
+                                         "completions per step x steps_per_generation / num_generations (a note says "
+                                         "the result)"),
+}
+"""Other name -> what it sets (see the module docstring)."""
+
+REFUSED: dict[str, tuple[str, str]] = {
+    "gradient_accumulation_steps": ("num_minibatches", "gspo accumulates no micro-batches: a rollout of "
+                                    "per_device_batch_size prompts x num_generations is split into num_minibatches "
+                                    "optimizer steps; set those"),
+    "generation_batch_size": ("per_device_batch_size", "TRL counts the completions of all processes; gspo samples "
+                              "per_device_batch_size prompts x num_generations per process; set per_device_batch_size"),
+    "num_train_epochs": ("max_steps", "gspo runs max_steps RL steps of one rollout batch each, not passes over the "
+                         "dataset; set max_steps"),
+    "vllm_importance_sampling_correction": ("rollout_correction", "TRL corrects vLLM's mismatch by default; gspo "
+                                            "only when asked: set rollout_correction (default none)"),
+    "vllm_importance_sampling_mode": ("rollout_correction", "set rollout_correction (token_tis, seq_tis, token_mis, "
+                                      "seq_mis or geo_mis); its thresholds have other defaults"),
+    "vllm_importance_sampling_clip_max": ("rollout_correction_high", "set rollout_correction_high (with "
+                                          "rollout_correction)"),
+    "vllm_importance_sampling_cap": ("rollout_correction_high", "set rollout_correction_high (with rollout_correction)"),
+    "vllm_importance_sampling_clip_min": ("rollout_correction_low", "set rollout_correction_low (with "
+                                          "rollout_correction; *_tis take none)"),
+    "log_completions": ("log_samples_steps", "gspo writes log_samples_count completions to samples.jsonl every "
+                        "log_samples_steps steps; set those"),
+    "num_completions_to_print": ("log_samples_count", "gspo writes log_samples_count completions to samples.jsonl "
+                                 "every log_samples_steps steps; set log_samples_count"),
+}
+"""TRL name whose meaning differs -> (the gspo setting to use instead, the hint)."""
+
+
+def translate(values: dict, defaults: dict) -> dict:
+    """`values` with every other name read into gspo settings.
+
+    defaults: the config class's fields and their defaults. A name whose settings the class does
+    not have is left alone (it then fails as an unknown key). Both names given: an error.
+    """
+    for name in values:
+        if name in REFUSED and name not in defaults and REFUSED[name][0] in defaults:
+            raise ValueError(f"config: {name!r} is TRL's, but gspo has no setting of that meaning: {REFUSED[name][1]}")
+    out = dict(values)
+    set_by: dict[str, str] = {}
+    for name, alias in ALIASES.items():
+        if name not in values or name in defaults or not all(t in defaults for t in alias.targets):
+            continue
+        value = out.pop(name)
+        settings = alias.convert(value, values, defaults) if alias.convert else {alias.target: value}
+        for key, setting in settings.items():
+            if key in values:
+                whose = "the old name of" if alias.old else "TRL's name for"
+                raise ValueError(f"config: {name!r} is {whose} {key!r}, which is given too; give only one of them")
+            if key in set_by:
+                raise ValueError(f"config: {set_by[key]!r} and {name!r} both set {key!r}; give only one of them")
+            set_by[key] = name
+            out[key] = setting
+    return out

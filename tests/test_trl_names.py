@@ -1,0 +1,210 @@
+"""TRL GRPOConfig's names as aliases of gspo settings (gspo/aliases.py): each read into gspo's own,
+the ones whose meaning differs refused with a hint, both names an error, saved configs in gspo names."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from conftest import ROOT
+from gspo.advantages import estimator_choices
+from gspo.aliases import ALIASES, LOSS_TYPES, REFUSED, REPORT_TO, SAMPLING_LEVELS, SCALE_REWARDS
+from gspo.config import SFTConfig, TrainConfig, load_config, make_config, renamed, to_dict
+from gspo.objectives import AGGREGATIONS, OBJECTIVES
+from gspo.rollout import generator_choices
+
+
+def settings(cfg, names) -> dict:
+    return {name: getattr(cfg, name) for name in names}
+
+
+@pytest.mark.parametrize("trl, gspo", [
+    ({"beta": 0.04}, {"kl_coef": 0.04}),
+    # epsilon alone is both clips (TRL: epsilon_high defaults to epsilon), not gspo's per-objective upper default
+    ({"importance_sampling_level": "token", "epsilon": 0.1}, {"objective": "grpo", "clip_low": 0.1, "clip_high": 0.1}),
+    ({"epsilon": 3e-4, "epsilon_high": 4e-4}, {"clip_low": 3e-4, "clip_high": 4e-4}),
+    ({"epsilon": 0.1, "clip_high": 0.3, "importance_sampling_level": "token"},
+     {"clip_low": 0.1, "clip_high": 0.3, "objective": "grpo"}),
+    ({"importance_sampling_level": "token", "epsilon_high": 0.28}, {"objective": "grpo", "clip_high": 0.28}),
+    # cispo: TRL clamps the weight at epsilon_high itself, gspo at 1 + clip_high
+    ({"loss_type": "cispo", "epsilon_high": 5.0}, {"objective": "cispo", "clip_high": 4.0}),
+    ({"importance_sampling_level": "sequence"}, {"objective": "gspo"}),
+    ({"importance_sampling_level": "token"}, {"objective": "grpo"}),
+    ({"importance_sampling_level": "sequence", "loss_type": "grpo"},
+     {"objective": "gspo", "aggregation": "seq_mean_token_mean"}),
+    ({"importance_sampling_level": "token", "loss_type": "dapo"}, {"objective": "grpo", "aggregation": "token_mean"}),
+    ({"importance_sampling_level": "token", "loss_type": "dr_grpo"},
+     {"objective": "grpo", "aggregation": "seq_mean_token_sum_norm"}),
+    ({"loss_type": "cispo"}, {"objective": "cispo"}),
+    ({"importance_sampling_level": "token", "loss_type": "sapo"}, {"objective": "sapo"}),
+    ({"scale_rewards": "group"}, {"advantage_estimator": "group"}),
+    ({"scale_rewards": True}, {"advantage_estimator": "group"}),
+    ({"scale_rewards": "batch"}, {"advantage_estimator": "batch"}),
+    ({"scale_rewards": "none"}, {"advantage_estimator": "none"}),
+    ({"scale_rewards": False}, {"advantage_estimator": "none"}),
+    ({"steps_per_generation": 2}, {"num_minibatches": 2}),
+    ({"num_iterations": 3}, {"num_epochs": 3}),
+    ({"report_to": "tensorboard"}, {"tensorboard": True, "wandb": False}),
+    ({"report_to": ["tensorboard", "wandb"]}, {"tensorboard": True, "wandb": True}),
+    ({"report_to": "none"}, {"tensorboard": False, "wandb": False}),
+    ({"report_to": []}, {"tensorboard": False, "wandb": False}),
+    ({"use_vllm": True}, {"generation_backend": "vllm"}),
+    ({"use_vllm": True, "vllm_mode": "colocate"}, {"generation_backend": "vllm"}),
+    ({"use_vllm": False}, {"generation_backend": "auto"}),
+    # completions per step -> prompts per rollout: 16 / 8 generations; with 4 steps per rollout 16 * 4 / 8
+    ({"per_device_train_batch_size": 16}, {"per_device_batch_size": 2}),
+    ({"per_device_train_batch_size": 16, "steps_per_generation": 4}, {"per_device_batch_size": 8, "num_minibatches": 4}),
+    ({"per_device_train_batch_size": 6, "num_generations": 3, "num_minibatches": 2},
+     {"per_device_batch_size": 4, "num_generations": 3, "num_minibatches": 2}),
+    ({"advantage_scale": "rloo"}, {"advantage_estimator": "rloo"}),  # gspo's former name
+], ids=lambda case: ",".join(f"{k}={v}" for k, v in case.items()) if isinstance(case, dict) else None)
+def test_trl_name_builds_the_same_config_as_the_gspo_name(trl, gspo):
+    cfg = make_config(TrainConfig, trl)
+    assert settings(cfg, gspo) == gspo
+    assert to_dict(cfg) == to_dict(make_config(TrainConfig, gspo))  # nothing else moved
+
+
+def test_every_alias_and_refusal_has_a_test_or_a_row():
+    tested = set()
+    for mark in test_trl_name_builds_the_same_config_as_the_gspo_name.pytestmark:
+        if mark.name == "parametrize":
+            tested |= {name for trl, _ in mark.args[1] for name in trl}
+    assert set(ALIASES) <= tested
+    assert set(REFUSED) == {name for name, _ in REFUSED_CASES}
+
+
+def test_per_device_train_batch_size_is_converted_with_a_note(capsys):
+    cfg = make_config(TrainConfig, {"per_device_train_batch_size": 16, "num_generations": 4})
+    assert (cfg.per_device_batch_size, cfg.num_generations, cfg.num_minibatches) == (4, 4, 4)
+    assert capsys.readouterr().err == (
+        "config: note: per_device_train_batch_size=16 counts completions per step (TRL): read as "
+        "per_device_batch_size=4 prompts x num_generations=4 = 16 completions per rollout, trained in "
+        "num_minibatches=4 optimizer steps (TRL: steps_per_generation, default 1)\n")
+    make_config(TrainConfig, {"per_device_batch_size": 4, "num_generations": 4})
+    assert capsys.readouterr().err == ""  # gspo's own name: no note
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"per_device_train_batch_size": 12}, "per_device_train_batch_size=12 \\(TRL: completions per step\\) = 12 "
+                                          "completions is not a multiple of num_generations=8"),
+    ({"per_device_train_batch_size": 6, "steps_per_generation": 2, "num_generations": 8},
+     "x steps_per_generation=2 = 12 completions is not a multiple of num_generations=8"),
+    ({"per_device_train_batch_size": "8"}, "per_device_train_batch_size='8' has the wrong type: expected int"),
+    ({"loss_type": "bnpo"}, "loss_type='bnpo' \\(TRL\\): it normalises by each process's own token count"),
+    ({"loss_type": "luspo"}, "gspo has no LUSPO objective"),
+    ({"loss_type": "vespo"}, "gspo has no VESPO objective"),
+    ({"loss_type": "ppo"}, "loss_type='ppo' is not one of TRL's 'grpo', 'dapo', 'dr_grpo', 'cispo', 'sapo'"),
+    # TRL's default objective is token-level; gspo's (gspo) refuses a length-weighted aggregation
+    ({"loss_type": "dapo"}, "loss_type='dapo' \\(TRL; aggregation token_mean\\) with objective 'gspo': aggregation: "
+                            "'token_mean' would weight gspo sequences by length"),
+    ({"loss_type": "dapo"}, "importance_sampling_level: token \\(TRL's default: objective grpo\\)"),
+    ({"importance_sampling_level": "sequence", "loss_type": "dr_grpo"}, "with objective 'gspo'.*; use loss_type: grpo$"),
+    ({"importance_sampling_level": "sequence", "loss_type": "cispo"},
+     "importance_sampling_level='sequence' with loss_type=cispo: gspo's cispo objective has token ratios only"),
+    ({"importance_sampling_level": "seq"}, "importance_sampling_level='seq' is not one of TRL's 'token', 'sequence'"),
+    ({"loss_type": "cispo", "epsilon": 0.2}, "epsilon: TRL's loss_type=cispo ignores it"),
+    ({"loss_type": "sapo", "epsilon_high": 0.2}, "epsilon_high: TRL's loss_type=sapo ignores it"),
+    ({"scale_rewards": "std"}, "scale_rewards='std' is not one of TRL's 'group', True, 'batch', 'none', False"),
+    ({"scale_rewards": 1}, "scale_rewards=1 is not one of TRL's"),
+    ({"report_to": "all"}, "report_to='all' \\(TRL: every installed integration\\): name them, e.g. "
+                           "report_to: \\[tensorboard, wandb\\]"),
+    ({"report_to": ["wandb", "mlflow"]}, "report_to: 'mlflow' is not one gspo logs to"),
+    ({"use_vllm": "yes"}, "use_vllm='yes' has the wrong type: expected bool"),
+    ({"use_vllm": True, "vllm_mode": "server"}, "vllm_mode=server \\(TRL\\): gspo runs vLLM only colocated"),
+    ({"vllm_mode": "remote"}, "vllm_mode='remote' is not one of TRL's 'colocate', 'server'"),
+])
+def test_trl_values_without_a_gspo_meaning_are_refused_with_a_hint(values, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(TrainConfig, values)
+
+
+REFUSED_CASES = [
+    ("gradient_accumulation_steps", "gspo accumulates no micro-batches.*num_minibatches"),
+    ("generation_batch_size", "set per_device_batch_size"),
+    ("num_train_epochs", "gspo runs max_steps RL steps"),
+    ("vllm_importance_sampling_correction", "set rollout_correction"),
+    ("vllm_importance_sampling_mode", "set rollout_correction"),
+    ("vllm_importance_sampling_clip_max", "set rollout_correction_high"),
+    ("vllm_importance_sampling_cap", "set rollout_correction_high"),
+    ("vllm_importance_sampling_clip_min", "set rollout_correction_low"),
+    ("log_completions", "log_samples_steps"),
+    ("num_completions_to_print", "set log_samples_count"),
+]
+
+
+@pytest.mark.parametrize("name, hint", REFUSED_CASES)
+def test_trl_names_of_another_meaning_are_refused_with_a_hint(name, hint):
+    with pytest.raises(ValueError, match=f"^config: '{name}' is TRL's, but gspo has no setting of that meaning: .*{hint}"):
+        make_config(TrainConfig, {name: 1})
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"beta": 0.1, "kl_coef": 0.1}, "'beta' is TRL's name for 'kl_coef', which is given too; give only one of them"),
+    ({"num_iterations": 2, "num_epochs": 2}, "'num_iterations' is TRL's name for 'num_epochs'"),
+    ({"epsilon": 0.1, "clip_low": 0.1}, "'epsilon' is TRL's name for 'clip_low'"),
+    ({"epsilon_high": 0.3, "clip_high": 0.3}, "'epsilon_high' is TRL's name for 'clip_high'"),
+    ({"importance_sampling_level": "token", "objective": "grpo"}, "'importance_sampling_level' is TRL's name for "
+                                                                  "'objective'"),
+    ({"loss_type": "cispo", "objective": "cispo"}, "'loss_type' is TRL's name for 'objective'"),
+    ({"loss_type": "grpo", "aggregation": "token_mean"}, "'loss_type' is TRL's name for 'aggregation'"),
+    ({"scale_rewards": "batch", "advantage_estimator": "batch"}, "'scale_rewards' is TRL's name for "
+                                                                 "'advantage_estimator'"),
+    ({"scale_rewards": "batch", "advantage_scale": "batch"}, "'advantage_scale' and 'scale_rewards' both set "
+                                                             "'advantage_estimator'; give only one of them"),
+    ({"steps_per_generation": 2, "num_minibatches": 2}, "'steps_per_generation' is TRL's name for 'num_minibatches'"),
+    ({"report_to": "tensorboard", "wandb": True}, "'report_to' is TRL's name for 'wandb'"),
+    ({"use_vllm": True, "generation_backend": "vllm"}, "'use_vllm' is TRL's name for 'generation_backend'"),
+    ({"per_device_train_batch_size": 16, "per_device_batch_size": 2}, "'per_device_train_batch_size' is TRL's name "
+                                                                      "for 'per_device_batch_size'"),
+    ({"advantage_scale": "group", "advantage_estimator": "rloo"}, "'advantage_scale' is the old name of "
+                                                                  "'advantage_estimator'"),
+])
+def test_an_alias_with_its_gspo_name_is_an_error_naming_both(values, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_config(TrainConfig, values)
+
+
+def test_yaml_file_and_overrides_with_trl_names_build_the_gspo_config(tmp_path):
+    trl = tmp_path / "trl.yaml"
+    trl.write_text("beta: 0.04\nepsilon: 3e-4\nepsilon_high: 4e-4\nimportance_sampling_level: sequence\n"
+                   "loss_type: grpo\nscale_rewards: batch\nsteps_per_generation: 2\nnum_iterations: 2\n"
+                   "report_to: [tensorboard]\nper_device_train_batch_size: 8\nnum_generations: 4\n")
+    ours = tmp_path / "gspo.yaml"
+    ours.write_text("kl_coef: 0.04\nclip_low: 3e-4\nclip_high: 4e-4\nobjective: gspo\n"
+                    "aggregation: seq_mean_token_mean\nadvantage_estimator: batch\nnum_minibatches: 2\n"
+                    "num_epochs: 2\ntensorboard: true\nper_device_batch_size: 4\nnum_generations: 4\n")
+    cfg = load_config(TrainConfig, trl)
+    assert to_dict(cfg) == to_dict(load_config(TrainConfig, ours))
+    assert (cfg.per_device_batch_size, cfg.num_minibatches, cfg.kl_coef, cfg.advantage_estimator) == (4, 2, 0.04, "batch")
+    # an override in TRL's name wins over the file's value of that name; the saved config has gspo names only
+    cfg = load_config(TrainConfig, trl, ["beta=0.1", "num_iterations=3"])
+    assert (cfg.kl_coef, cfg.num_epochs) == (0.1, 3)
+    saved = json.loads(json.dumps(to_dict(cfg)))
+    assert not set(saved) & (set(ALIASES) | set(REFUSED))
+    assert make_config(TrainConfig, renamed(saved)) == cfg  # what resume does with a saved train_config.json
+
+
+def test_every_alias_sets_a_value_gspo_accepts():
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for name, alias in ALIASES.items():
+        assert name not in fields and set(alias.targets) <= fields, name
+    assert all(see in fields and name not in fields for name, (see, _) in REFUSED.items())
+    assert set(SAMPLING_LEVELS.values()) <= set(OBJECTIVES)
+    assert {v for k, v in LOSS_TYPES.values() if k == "objective"} <= set(OBJECTIVES)
+    assert {v for k, v in LOSS_TYPES.values() if k == "aggregation"} <= set(AGGREGATIONS)
+    assert set(SCALE_REWARDS.values()) <= set(estimator_choices())
+    assert {"vllm", "auto"} <= set(generator_choices()) and set(REPORT_TO) <= fields
+
+
+def test_trl_names_are_not_read_into_a_config_without_those_settings():
+    with pytest.raises(ValueError, match="unknown key 'beta'"):
+        make_config(SFTConfig, {"beta": 0.1})
+
+
+def test_readme_trl_table_names_every_alias_and_refusal():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("Field names follow TRL"):]
+    table = table[:table.index("\n\n", table.index("| gspo |"))]
+    for name in [n for n, a in ALIASES.items() if not a.old] + list(REFUSED):
+        assert re.search(f"`{name}[`:]", table), name  # `name` or `name: value`
