@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--objectives", nargs="+", default=["gspo", "grpo"])
     p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=("full", "lora"))
     p.add_argument("--out", default=str(REPO / "runs" / "bench" / "real_demo"))
+    p.add_argument("--note", default="", help="the conditions (threads, runs side by side, load), kept in the result")
     args = p.parse_args()
     runs = []
     for mode in args.modes:
@@ -56,7 +57,7 @@ def main() -> None:
                                             "sampled_gain_mean": statistics.fmean(sampled)}
             print(f"{objective} {mode}: greedy gain {statistics.fmean(gains):+.1%} (per seed "
                   f"{', '.join(f'{g:+.0%}' for g in gains)}), sampled mean@4 gain {statistics.fmean(sampled):+.1%}")
-    print("wrote", write_result("real_demo", {"runs": runs, "gains": means}))
+    print("wrote", write_result("real_demo", {"note": args.note, "runs": runs, "gains": means}))
 
 
 if __name__ == "__main__":
