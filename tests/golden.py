@@ -10,11 +10,15 @@ temporary output_dir, and keeps metrics.jsonl without its wall-clock keys and th
 (model/model.safetensors: a sha256 over the tensors in sorted key order, and per-tensor sum, norm
 and largest magnitude).
 
-Comparison. One process: every metric bitwise equal (NaN == NaN) and the same weight hash, when
-torch, transformers and the CPU (avx512f, torch's CPU capability) are those of the recording;
-otherwise metrics to rtol=1e-5 and the weight statistics to the tolerance below, hash skipped.
-Two processes: always the tolerance of tests/test_dist.py (metrics rel 1e-3, abs 1e-9, counts and
-rewards exact; weights 5e-5 of a tensor's largest magnitude, applied to its sum, norm and max).
+Comparison, always made (never skipped). One process: every metric bitwise equal (NaN == NaN) and
+the same weight hash, when torch, transformers and the CPU (avx512f, torch's CPU capability) are
+those of the recording. Otherwise a tolerance: DIST_EXACT (rewards, lengths, accuracies) exact (a
+sampled token that flips changes them, and that is reported, not hidden), every other metric to
+rel 1e-3 or abs 1e-6, the weight statistics to 5e-5 of a tensor's largest magnitude, hash skipped.
+Measured: goldens recorded with transformers 5.24 on an AVX2 CPU, rerun with 5.25 on AVX-512
+(2026-12-04): no token flipped in any case; the largest metric difference was loss/policy of
+moe_none_drift, 2.3726e-05 vs 2.3756e-05 (rel 1.3e-3, abs 3e-8). Two processes: always the
+tolerance of tests/test_dist.py (metrics rel 1e-3, abs 1e-9, the same exact keys, weights as above).
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script too: conftest is beside it
+from conftest import SMALL, SMALL_MOE  # noqa: E402  (the tiny models' sizes, defined once)
+
 HERE = Path(__file__).resolve().parent
 GOLDEN_DIR = HERE / "golden"
 TIMING_PREFIXES = ("time/", "throughput/")  # the only wall-clock keys gspo logs
-FALLBACK_RTOL, ABS = 1e-5, 1e-9
+FALLBACK_REL, FALLBACK_ABS, ABS = 1e-3, 1e-6, 1e-9  # another environment; ABS: two processes
 DIST_METRIC_REL, DIST_WEIGHT_REL = 1e-3, 5e-5  # tests/test_dist.py, assert_same_run
 DIST_EXACT = ("step", "reward/mean", "reward/std", "completion/mean_len", "completion/max_len",
               "groups/zero_std_frac", "lr", "eval/accuracy", "eval/mean_at_k", "guard/skipped_steps")
@@ -43,10 +50,6 @@ def text_hash(prompts, completions, **_):
     return [sum(map(ord, c)) % 5 / 4 for c in completions]
 
 
-SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 32}
-SMALL_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "head_dim": 32}
 BASE = dict(model="tiny-dense", model_overrides=SMALL, task="add3", max_steps=3, per_device_batch_size=2,
             num_generations=4, num_minibatches=2, max_completion_length=8, learning_rate=1e-3,
             reward_funcs=["answer_match", text_hash], eval_num_prompts=2, eval_k=2, progress=False, device="cpu",
@@ -153,10 +156,10 @@ def same(a, b) -> bool:
     return a == b or (a is None and b is None)  # metrics.jsonl writes NaN as null
 
 
-def close(a, b, rel: float) -> bool:
+def close(a, b, rel: float, abs_tol: float = ABS) -> bool:
     if a is None or b is None or isinstance(a, bool) or not isinstance(a, (int, float)):
         return same(a, b)
-    return math.isclose(a, b, rel_tol=rel, abs_tol=ABS)
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_tol)
 
 
 def metric_difference(old: list[dict], new: list[dict], mode: str) -> str | None:
@@ -167,8 +170,8 @@ def metric_difference(old: list[dict], new: list[dict], mode: str) -> str | None
             if key not in ro or key not in rn:
                 return f"step {step}: key {key!r} only in the {'golden' if key in ro else 'new run'}"
             a, b = ro[key], rn[key]
-            ok = (same(a, b) if mode == "exact" else close(a, b, FALLBACK_RTOL) if mode == "fallback"
-                  else same(a, b) if key in DIST_EXACT else close(a, b, DIST_METRIC_REL))
+            ok = (same(a, b) if mode == "exact" or key in DIST_EXACT  # a flipped token changes these
+                  else close(a, b, FALLBACK_REL, FALLBACK_ABS) if mode == "fallback" else close(a, b, DIST_METRIC_REL))
             if not ok:
                 return f"step {step} {key}: golden {a!r}, now {b!r}"
     if len(old) != len(new):
@@ -211,7 +214,8 @@ def compare(golden: dict, new: dict) -> tuple[bool, str]:
         changed = {k: (v, new["env"][k]) for k, v in golden["env"].items() if new["env"].get(k) != v}
         problem = (metric_difference(golden["metrics"], new["metrics"], "fallback")
                    or weight_difference(golden["weights"]["stats"], new["weights"]["stats"], DIST_WEIGHT_REL))
-        tolerance = f"within rtol={FALLBACK_RTOL}, weight hash skipped (environment differs: {changed})"
+        tolerance = (f"within rel {FALLBACK_REL} / abs {FALLBACK_ABS}, rewards and counts exact, weight hash "
+                     f"skipped (environment differs: {changed})")
     if problem:
         return False, f"differs: {problem}"
     return True, ("identical" if bitwise else tolerance) + (f" (new metrics, not in the golden: {', '.join(added)})"
