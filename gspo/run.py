@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from gspo.checkpoint import clean_stale, remove_tree, umask_modes
+from gspo.data.rows import stderr_line
 from gspo.tracking import METRICS_FILE, SAMPLES_FILE
 
 
@@ -213,7 +214,7 @@ def stderr_printer(enabled: bool = True, prefix: str = ""):
     long phase begins); where not enabled (another rank than the main one, progress off) nothing."""
     def say(text: str) -> None:
         if enabled:
-            print(prefix + text, file=sys.stderr, flush=True)
+            stderr_line(prefix + text)
 
     return say
 
