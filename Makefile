@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo demo-real smoke-real test test-fast test-vllm lab-regimes clean
+.PHONY: setup demo demo-real smoke-real test test-fast test-vllm lab-regimes docs lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,16 @@ demo-real: setup $(VENV)/.real
 smoke-real: setup $(VENV)/.real
 	HF_HUB_OFFLINE=1 $(VENV)/bin/gspo demo --model smollm2 --smoke --output-dir runs/smoke-real
 	HF_HUB_OFFLINE=1 $(VENV)/bin/gspo demo --model smollm2 --smoke --lora --output-dir runs/smoke-real-lora
+
+# ruff with the rule set in pyproject.toml (ruff comes with the test extra)
+lint: setup
+	$(VENV)/bin/ruff check gspo tests benchmarks examples
+
+# The documentation site (mkdocs.yml, docs/): the docs extra, then a strict build into site/, where any
+# warning (a broken link or anchor, a page missing from the nav) fails it.
+docs: setup
+	$(PY) -m pip install --quiet -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 test-fast: setup  # the lane for development: everything but @pytest.mark.slow (torchrun, subprocess runs, labs, > ~3 s)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow"

@@ -22,8 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (MODEL_50M, machine, median, served_as_worker, status_kib, table, worker_result,
-                    write_result)
+from common import MODEL_50M, machine, median, served_as_worker, status_kib, table, worker_result, write_result
 
 VARIANTS = {
     "full fp32": {},

@@ -9,7 +9,7 @@ Qwen3-style dense model (8 layers, hidden 640, head_dim 64). One rollout = B pro
 of up to T tokens at temperature 1, the sampler's log-probs (mu) kept by every backend (a vllm run
 always keeps them). Completion tokens per second count the tokens actually sampled (rows stop at
 EOS); backends alternate within each repeat (a shared machine's load hits them alike); medians.
-The push is `Generator.sync` after a nudge of every weight: reload, MoE repacking (none here),
+The push is `Sampler.sync` after a nudge of every weight: reload, MoE repacking (none here),
 prefix-cache reset and the probe check, which is also timed alone.
 """
 
@@ -39,7 +39,7 @@ def run_case(name: str, backends: list[str], repeats: int, out_dir: str) -> dict
     from gspo.config import TrainConfig, make_config
     from gspo.logprobs import completion_logprobs
     from gspo.models import count_parameters, load_model
-    from gspo.rollout import GENERATORS, Generator, generate
+    from gspo.rollout import GENERATORS, Sampler, generate
     from gspo.tasks import get_task
 
     overrides, B, G, T = CASES[name]
@@ -55,7 +55,7 @@ def run_case(name: str, backends: list[str], repeats: int, out_dir: str) -> dict
                                         "generation_backend": "vllm", "per_device_batch_size": B,
                                         "num_generations": G, "max_completion_length": T, "max_prompt_length": 32,
                                         "device": "cpu", "progress": False, "output_dir": out_dir})
-        generator = Generator(model, tokenizer, cfg, seeded=False)
+        generator = Sampler(model, tokenizer, cfg, seeded=False)
 
     def sample(backend: str, step: int):
         if backend == "vllm":

@@ -31,7 +31,6 @@ from common import machine, median, served_as_worker, status_kib, table, worker_
 from gspo.logprobs import default_chunk_rows  # noqa: E402
 
 
-
 def mem_available_gib() -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):

@@ -33,7 +33,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table, write_result  # noqa: E402
-
 from gspo.config import SFTConfig, TrainConfig, make_config  # noqa: E402
 from gspo.tracking import read_jsonl  # noqa: E402
 
@@ -45,7 +44,7 @@ def cold_start(work: Path, tasks: list[str], args) -> tuple[str, dict]:
 
     The accuracy is greedy, on the held-out problems of the RL runs with seed 0.
     """
-    from gspo.data.evaluation import evaluate
+    from gspo.data.evaluation import Evaluation, evaluate
     from gspo.models import load_model
     from gspo.sft import sft
     from gspo.tasks import get_task
@@ -74,7 +73,7 @@ def cold_start(work: Path, tasks: list[str], args) -> tuple[str, dict]:
     accuracy = {}
     for t in tasks:  # the RL runs' held-out problems (seed 10_000: TrainConfig's default eval split)
         rows = get_task(t).dataset("test", args.eval_prompts, 10_000)
-        accuracy[t] = evaluate(model, tokenizer, rows, cfg, sampled=False)["eval/accuracy"]
+        accuracy[t] = evaluate(model, tokenizer, rows, Evaluation.of(cfg), sampled=False)["eval/accuracy"]
     summary_file.write_text(json.dumps({"settings": settings, "accuracy": accuracy}, indent=1))
     return str(model_dir), accuracy
 

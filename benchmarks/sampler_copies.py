@@ -36,7 +36,7 @@ def main() -> None:
     from gspo.correction import mismatch_metrics, mismatch_moments
     from gspo.logprobs import completion_logprobs
     from gspo.models import count_parameters, seeded_model
-    from gspo.rollout import Generator
+    from gspo.rollout import Sampler
 
     torch.set_num_threads(args.threads)
     prompts = [f"{100 + 37 * i}+{205 + 11 * i}=" for i in range(16)]
@@ -48,7 +48,7 @@ def main() -> None:
         cfg = make_config(TrainConfig, base)
         _, model, tokenizer = seeded_model(cfg)
         params = count_parameters(model)
-        generators = {name: Generator(model, tokenizer, make_config(TrainConfig, {**base, **kw}), seeded=True)
+        generators = {name: Sampler(model, tokenizer, make_config(TrainConfig, {**base, **kw}), seeded=True)
                       for name, kw in VARIANTS.items()}
         times = {name: [] for name in VARIANTS}
         pushes = {name: [] for name in VARIANTS}

@@ -41,8 +41,8 @@ def forced_length_model(work_dir: Path) -> str:
 
 
 def run_point(model_dir: str, B: int, G: int, T: int, M: int, steps: int, skip_first: int, out_dir: Path) -> dict:
-    import gspo.trainer as trainer
     import gspo.tracking as tracking
+    import gspo.trainer as trainer
     from gspo.config import TrainConfig, make_config
 
     cfg = make_config(TrainConfig, dict(
@@ -50,9 +50,9 @@ def run_point(model_dir: str, B: int, G: int, T: int, M: int, steps: int, skip_f
         num_minibatches=M, max_completion_length=T, learning_rate=1e-5, eval_num_prompts=1, eval_k=1,
         log_samples_steps=0, progress=False, overwrite_output_dir=True, device="cpu", output_dir=str(out_dir)))
     records, gen_s = {}, []
-    from gspo.rollout import Generator  # the trainer's rollout sampler (evaluation samples elsewhere)
+    from gspo.rollout import Sampler  # the trainer's rollout sampler (evaluation samples elsewhere)
 
-    original_log, original_generate = tracking.MetricsLogger.log, Generator.sample
+    original_log, original_generate = tracking.MetricsLogger.log, Sampler.sample
 
     def log(self, step, metrics):
         records[step] = dict(metrics)
@@ -64,11 +64,11 @@ def run_point(model_dir: str, B: int, G: int, T: int, M: int, steps: int, skip_f
         gen_s.append(time.perf_counter() - t0)
         return out
 
-    tracking.MetricsLogger.log, Generator.sample = log, generate
+    tracking.MetricsLogger.log, Sampler.sample = log, generate
     try:
         trainer.train(cfg)
     finally:
-        tracking.MetricsLogger.log, Generator.sample = original_log, original_generate
+        tracking.MetricsLogger.log, Sampler.sample = original_log, original_generate
     timed = range(skip_first + 1, steps + 1)
     lens = [records[s]["completion/mean_len"] for s in timed]
     if min(lens) < T:
@@ -87,7 +87,7 @@ def print_sweep(name: str, key: str, points: list[dict]) -> None:
     for i, p in enumerate(points):
         prev = points[i - 1] if i else None
 
-        def grow(k):
+        def grow(k, p=p, prev=prev):
             return f" (x{p[k] / prev[k]:.2f})" if prev else ""
 
         rows.append([p[key], p["tokens"], f"{p['generate_s']:.2f}{grow('generate_s')}",

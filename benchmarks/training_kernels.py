@@ -1,4 +1,4 @@
-"""Two levers for the training forward that BENCHMARKS.md section 9 measured and did not take: the eager
+"""Two levers for the training forward that docs/benchmarks.md section 9 measured and did not take: the eager
 attention kernel instead of sdpa, and `torch.compile(dynamic=True)` of the backbone (its compile time too).
 
     python benchmarks/training_kernels.py --model runs/bench/vs_trl/cold_start/model --threads 1

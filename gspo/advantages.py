@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 
 ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
-"""The registry, name -> estimator(rewards, group_size, eps, valid) -> (N,) advantages; config's `advantage_estimator`."""
+"""The registry, name -> estimator(rewards, group_size, eps, valid) -> (N,) advantages; config's
+`advantage_estimator`."""
 TOKEN_ESTIMATORS = ("gae",)
 """Estimators that need a critic and give one advantage per token (gspo/baselines.py)."""
 
@@ -51,11 +52,11 @@ def unregister_estimator(name: str) -> None:
         raise ValueError(f"advantage estimator {name!r} is not registered")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "group", eps: float = 1e-4,
                      valid: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = (r_i - mean of its group) / (std + eps). rewards: (N,) -> advantages (N,).
 
-    scale: a registered estimator (ESTIMATORS). "group" divides by the group's std (DeepSeekMath
+    estimator: a registered estimator (ESTIMATORS). "group" divides by the group's std (DeepSeekMath
     sec. 4.1.2, GSPO eq. (6)); "batch" by the std of the whole batch (REINFORCE++-baseline); "none" only
     centres (Dr. GRPO argues the std division biases toward easy or hard prompts); "rloo" subtracts
     the mean of the other samples; "reinforce_pp" uses no group at all (the batch's mean and std).
@@ -73,8 +74,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         raise ValueError(f"group_size: must be a positive int, got {group_size!r}")
     if rewards.numel() == 0 or rewards.numel() % group_size:
         raise ValueError(f"rewards: length {rewards.numel()} is not a positive multiple of group_size {group_size}")
-    if scale not in ESTIMATORS:
-        raise ValueError(f"scale: unknown {scale!r}; choose one of {', '.join(ESTIMATORS)}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: unknown {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
     if valid is None:
         valid = torch.ones_like(rewards, dtype=torch.bool)
     elif valid.shape != rewards.shape or valid.dtype != torch.bool:
@@ -85,7 +86,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         raise ValueError(f"rewards: non-finite value at index {int(bad.nonzero()[0, 0])}")
     if eps <= 0:
         raise ValueError(f"eps: must be > 0, got {eps}")
-    return ESTIMATORS[scale](rewards, group_size, eps, None if valid.all() else valid)
+    return ESTIMATORS[estimator](rewards, group_size, eps, None if valid.all() else valid)
 
 
 @register_estimator("group")

@@ -18,8 +18,8 @@ torch; the values an alias produces are checked by `gspo.config.validate` like a
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Alias:
     convert: Callable[[object, dict, dict], dict] | None = None
     """(value, the whole mapping given, the config's defaults) -> {gspo setting: value}; None: the value as given."""
     note: str = ""
-    """How the meanings line up (the README's TRL table says the same)."""
+    """How the meanings line up (docs/trl.md's table says the same)."""
     old: bool = False
     """gspo's own former name rather than TRL's."""
 
@@ -156,7 +156,8 @@ def _scale_rewards(value, values: dict, defaults: dict) -> dict:
 
 
 REPORT_TO = ("tensorboard", "wandb")
-"""TRL's report_to integrations gspo logs to: each is a gspo setting of the same name (metrics.jsonl is always written)."""
+"""TRL's report_to integrations gspo logs to: each is a gspo setting of the same name (metrics.jsonl is always
+written)."""
 
 
 def _report_to(value, values: dict, defaults: dict) -> dict:
@@ -222,7 +223,8 @@ ALIASES: dict[str, Alias] = {
     "loss_type": Alias(("aggregation", "objective"), _loss_type,
                        "grpo: seq_mean_token_mean, dapo: token_mean, dr_grpo: seq_mean_token_sum_norm, "
                        "cispo / sapo: the objective; bnpo, luspo, vespo refused"),
-    "scale_rewards": Alias("advantage_estimator", _scale_rewards, "group / true: group, batch: batch, none / false: none"),
+    "scale_rewards": Alias("advantage_estimator", _scale_rewards,
+                           "group / true: group, batch: batch, none / false: none"),
     "steps_per_generation": Alias("num_minibatches", note="optimizer steps per rollout batch"),
     "num_iterations": Alias("num_epochs", note="passes over each rollout batch"),
     "report_to": Alias(REPORT_TO, _report_to, "tensorboard, wandb, none: the booleans of those names"),
@@ -248,7 +250,8 @@ REFUSED: dict[str, tuple[str, str]] = {
                                       "seq_mis or geo_mis); its thresholds have other defaults"),
     "vllm_importance_sampling_clip_max": ("rollout_correction_high", "set rollout_correction_high (with "
                                           "rollout_correction)"),
-    "vllm_importance_sampling_cap": ("rollout_correction_high", "set rollout_correction_high (with rollout_correction)"),
+    "vllm_importance_sampling_cap": ("rollout_correction_high", "set rollout_correction_high (with "
+                                     "rollout_correction)"),
     "vllm_importance_sampling_clip_min": ("rollout_correction_low", "set rollout_correction_low (with "
                                           "rollout_correction; *_tis take none)"),
     "log_completions": ("log_samples_steps", "gspo writes log_samples_count completions to samples.jsonl every "

@@ -16,11 +16,25 @@ refused in one line, naming them.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Union
 
 from gspo.callbacks import Callbacks
 from gspo.config import TrainConfig, make_config, to_dict
 from gspo.given import marker
+
+if TYPE_CHECKING:  # annotations only: importing gspo stays free of torch and transformers
+    from datasets import Dataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+ModelLike = Union[str, "os.PathLike[str]", "PreTrainedModel"]
+"""A preset name, a local path or hub name, or a causal LM object."""
+RewardLike = str | Callable[..., Any]
+"""A built-in reward name, "module:function", "rm:<path>", or a function / instance with `__call__`."""
+DataLike = Union[str, "os.PathLike[str]", "Dataset", Sequence[Mapping[str, Any]]]
+"""A datasets.Dataset, a list of rows (dicts with a `prompt`), or a data file."""
+Callback = Callable[[int, dict], Any] | object
+"""A function of (step, metrics), or an object with `on_step_end(step, metrics)`; returning "stop" ends the run."""
 
 TRAIN_DATA, EVAL_DATA = marker("train_dataset"), marker("eval_dataset")
 """What `dataset` / `eval_dataset` hold when the data was handed over in memory."""
@@ -41,8 +55,10 @@ class Trainer:
         step; returning "stop" ends the run there (gspo/callbacks.py).
     """
 
-    def __init__(self, model=None, reward_funcs=None, *, train_dataset=None, eval_dataset=None, tokenizer=None,
-                 config: TrainConfig | None = None, callbacks=(), **settings):
+    def __init__(self, model: ModelLike | None = None, reward_funcs: RewardLike | Sequence[RewardLike] | None = None,
+                 *, train_dataset: DataLike | None = None, eval_dataset: DataLike | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None, config: TrainConfig | None = None,
+                 callbacks: Iterable[Callback] = (), **settings: Any) -> None:
         if config is not None and not isinstance(config, TrainConfig):
             raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
         values = {**(to_dict(config) if config is not None else {}), **settings}
@@ -70,31 +86,34 @@ class Trainer:
 
             self.tokenizer = tokenizer_of(self.model, self.config.trust_remote_code)
 
-    def train(self) -> dict:
+    def train(self) -> dict[str, Any]:
         """Train; returns the summary: {"evals": {step: held-out metrics}, "seconds", "output_dir", "model" (the
         saved model's folder), "plots" (the PNGs written)}."""
         return train_and_plot(self.config, model=self.model, tokenizer=self.tokenizer, data=self.data,
                               callbacks=self.callbacks)
 
 
-def GRPOTrainer(model=None, reward_funcs=None, **kwargs) -> Trainer:
+def GRPOTrainer(model: ModelLike | None = None, reward_funcs: RewardLike | Sequence[RewardLike] | None = None,
+                **kwargs: Any) -> Trainer:
     """`Trainer` with objective="grpo": token-level ratios clipped at 0.2 (DeepSeekMath's GRPO)."""
     return _preset("grpo", model, reward_funcs, kwargs)
 
 
-def GSPOTrainer(model=None, reward_funcs=None, **kwargs) -> Trainer:
+def GSPOTrainer(model: ModelLike | None = None, reward_funcs: RewardLike | Sequence[RewardLike] | None = None,
+                **kwargs: Any) -> Trainer:
     """`Trainer` with objective="gspo": one length-normalised ratio per sequence (the GSPO paper)."""
     return _preset("gspo", model, reward_funcs, kwargs)
 
 
-def _preset(objective: str, model, reward_funcs, kwargs: dict) -> Trainer:
+def _preset(objective: str, model: ModelLike | None, reward_funcs: RewardLike | Sequence[RewardLike] | None,
+            kwargs: dict[str, Any]) -> Trainer:
     if "objective" in kwargs:
         raise ValueError(f"{objective.upper()}Trainer sets objective={objective!r}; use Trainer(objective=...) "
                          "for another")
     return Trainer(model, reward_funcs, objective=objective, **kwargs)
 
 
-def train_and_plot(cfg: TrainConfig, **given) -> dict:
+def train_and_plot(cfg: TrainConfig, **given: Any) -> dict[str, Any]:
     """`gspo.trainer.train(cfg, **given)`, then plots of its metrics: what `gspo train` and `Trainer.train` run.
     Returns train's summary with "model" (the saved model's folder) and "plots" (the PNGs' paths)."""
     from gspo.report import plot_run

@@ -8,16 +8,19 @@ reference answers, coef * NLL(reference | prompt), with its own forward outside 
 
 from __future__ import annotations
 
-from gspo.step import logprob_options
+from gspo.config import SFTTermSettings
 from gspo.supervised import reference_chunks, require_references, sft_backward, sft_coef_at
 
 
-def auxiliary_term(cfg, tokenizer, device, train_rows: list[list[dict]]):
+def auxiliary_term(term: SFTTermSettings, tokenizer, device, train_rows: list[list[dict]], *, logp_kwargs: dict,
+                   max_steps: int, num_minibatches: int, max_prompt_length: int, truncate_prompts: str):
     """The configured term: `SFTTerm` when sft_coef > 0 (some training row must have a reference), else `NoTerm`."""
-    if cfg.sft_coef <= 0:
+    if term.sft_coef <= 0:
         return NoTerm()
-    require_references(train_rows, cfg.sft_column)
-    return SFTTerm(cfg, tokenizer, device)
+    require_references(train_rows, term.sft_column)
+    return SFTTerm(term, tokenizer, device, logp_kwargs=logp_kwargs, max_steps=max_steps,
+                   num_minibatches=num_minibatches,
+                   prompts=dict(max_prompt_length=max_prompt_length, truncate_prompts=truncate_prompts))
 
 
 class NoTerm:
@@ -31,21 +34,22 @@ class NoTerm:
 class SFTTerm:
     """coef * NLL of the references, the coefficient on `sft_schedule` over the run."""
 
-    def __init__(self, cfg, tokenizer, device):
-        self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
+    def __init__(self, term: SFTTermSettings, tokenizer, device, *, logp_kwargs: dict, max_steps: int,
+                 num_minibatches: int, prompts: dict):
+        self.term, self.tokenizer, self.device, self.prompts = term, tokenizer, device, prompts
+        self.max_steps, self.num_minibatches = max_steps, num_minibatches
         self.coef, self.refs = 0.0, None
-        self.logp_kwargs = logprob_options(cfg)  # the NLL under the distribution the RL loss trains
+        self.logp_kwargs = logp_kwargs  # the NLL under the distribution the RL loss trains
 
     def begin_step(self, step: int, rows: list[dict]) -> None:
         """This step's coefficient and references: the global batch's rows with a reference, in M parts.
 
         Under torchrun every rank fits the whole (small) part i and takes 1/world of its gradient.
         """
-        cfg = self.cfg
-        self.coef = sft_coef_at(step, cfg.max_steps, cfg.sft_coef, cfg.sft_schedule)
-        self.refs = reference_chunks(rows, self.tokenizer, cfg.num_minibatches, cfg.sft_column,
-                                     max_prompt_length=cfg.max_prompt_length, device=self.device,
-                                     truncate_prompts=cfg.truncate_prompts) if self.coef > 0 else None
+        term = self.term
+        self.coef = sft_coef_at(step, self.max_steps, term.sft_coef, term.sft_schedule)
+        self.refs = reference_chunks(rows, self.tokenizer, self.num_minibatches, term.sft_column, device=self.device,
+                                     **self.prompts) if self.coef > 0 else None
 
     def backward(self, i: int, model, scale: float) -> tuple[object, dict]:
         """Backpropagate coef * NLL of reference part i (gradients add to the policy loss's)."""

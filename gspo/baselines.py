@@ -22,6 +22,7 @@ import torch
 
 from gspo.advantages import gae, group_advantages
 from gspo.checkpoint import CRITIC_FILE, check_finite_state, load_state_file
+from gspo.config import AdvantageSettings, section
 from gspo.critic import completion_values, load_value_model, save_value_model, terminal_rewards, value_model_from
 from gspo.parallel import Part, Topology
 from gspo.rollout import Rollout
@@ -61,7 +62,8 @@ def build_baseline(cfg, policy, topology: Topology, make_optimizer, checkpoint=N
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         guard.load_state_dict(state["guard"])
-    return CriticBaseline(cfg, critic, optimizer, scheduler, guard, topology)
+    return CriticBaseline(section(cfg, AdvantageSettings), critic, optimizer, scheduler, guard, topology,
+                          kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, packed=cfg.padding_free)
 
 
 class GroupBaseline:
@@ -73,7 +75,7 @@ class GroupBaseline:
         self.estimator, self.group_size = estimator, group_size
 
     def estimate(self, rollout: Rollout, scores, parts: list[Part], topology: Topology) -> dict:
-        advantages = group_advantages(scores.rewards, self.group_size, scale=self.estimator,
+        advantages = group_advantages(scores.rewards, self.group_size, estimator=self.estimator,
                                       valid=scores.valid)  # (N,) every rank the same
         rollout.advantages = advantages[topology.batch_share(rollout.num_sequences)].to(rollout.input_ids.device)
         kept = advantages[scores.valid].double()  # (N_valid,)
@@ -92,15 +94,16 @@ class GroupBaseline:
 class CriticBaseline:
     """PPO's learned baseline: values once per rollout, GAE, the critic fitted on every minibatch."""
 
-    def __init__(self, cfg, critic, optimizer, scheduler, guard: NonFiniteGuard, topology: Topology):
+    def __init__(self, adv: AdvantageSettings, critic, optimizer, scheduler, guard: NonFiniteGuard,
+                 topology: Topology, *, kl_coef: float, max_grad_norm: float, packed: bool):
         self.critic, self.optimizer, self.scheduler, self.guard, self.topology = (critic, optimizer, scheduler, guard,
                                                                                   topology)
-        self.gamma, self.lam, self.clip = cfg.gae_gamma, cfg.gae_lambda, cfg.value_clip
-        self.whiten = cfg.whiten_advantages
-        self.vf_coef, self.max_grad_norm = cfg.vf_coef, cfg.max_grad_norm
-        self.kl_reward_coef = cfg.kl_coef if cfg.kl_in_reward else 0.0  # 0: the KL stays in the loss (or is off)
-        self.needs_pi_old = cfg.kl_in_reward
-        self.packed = cfg.padding_free  # the critic's forwards padding-free too
+        self.gamma, self.lam, self.clip = adv.gae_gamma, adv.gae_lambda, adv.value_clip
+        self.whiten = adv.whiten_advantages
+        self.vf_coef, self.max_grad_norm = adv.vf_coef, max_grad_norm
+        self.kl_reward_coef = kl_coef if adv.kl_in_reward else 0.0  # 0: the KL stays in the loss (or is off)
+        self.needs_pi_old = adv.kl_in_reward
+        self.packed = packed  # the critic's forwards padding-free too (padding_free)
 
     def estimate(self, rollout: Rollout, scores, parts: list[Part], topology: Topology) -> dict:
         """Per-token advantages (n, T), old_values and returns of this rank's rows; `advantages/*` and
@@ -132,7 +135,7 @@ class CriticBaseline:
             mb = rollout.select(part.index)
             values = completion_values(self.critic, mb.input_ids, mb.attention_mask, mb.completion_len,
                                        self.packed)  # (n, t)
-            if part.weight:  # a stand-in row's forward is only there for fsdp's collectives
+            if not part.stand_in:  # a stand-in row's forward is only there for fsdp's collectives
                 out[part.index, : mb.completion_len] = values
         return out
 
@@ -146,7 +149,7 @@ class CriticBaseline:
         self.optimizer.zero_grad(set_to_none=True)
         self.topology.backward(self.vf_coef * loss * fitted, part.by_tokens())  # its share of the token mean
         self.topology.average_gradients(self.critic)
-        tokens = part.weight * float(keep.sum())
+        tokens = 0.0 if part.stand_in else float(keep.sum())
         shared = self.topology.reduce(stats, dict.fromkeys(stats, tokens))
         norm = grad_norm(self.critic, self.max_grad_norm)
         # the critic's own non-finite guard: its weights never take a NaN step

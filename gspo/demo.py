@@ -67,5 +67,6 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0, objective: str = "gsp
     print(f"  {f'sampled mean@{k} (T=1)':24}{before['eval/mean_at_k']:>12.1%}{after['eval/mean_at_k']:>14.1%}")
     print(f"  {f'pass@{k}':24}{before['eval/pass_at_k']:>12.1%}{after['eval/pass_at_k']:>14.1%}")
     print(f"time: {summary['seconds']:.0f} s (SFT {summary['sft_seconds']:.0f} s, RL {summary['rl_seconds']:.0f} s)")
-    print(f"plots: {summary['plots']} ({len(plots)} PNGs)   model: {summary['model']}   summary: {out / 'summary.json'}")
+    print(f"plots: {summary['plots']} ({len(plots)} PNGs)   model: {summary['model']}   "
+          f"summary: {out / 'summary.json'}")
     return summary

@@ -13,6 +13,7 @@ instead of keeping them alive. `naive_completion_logprobs` is the plain full-log
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["PackedLayout", "completion_logprobs", "naive_completion_logprobs", "packed_layout", "padding_free_layout",
-           "position_ids_from_mask"]
+__all__ = ["PackedLayout", "completion_logprobs", "minibatch_logprobs", "naive_completion_logprobs", "packed_layout",
+           "padding_free_layout", "position_ids_from_mask"]
 
 # Config fields of HF models whose forward modifies logits after the output head
 # (Gemma2/3 and NanoChat: softcapping; Cohere: logit_scale; Granite divides / HyperCLOVA X
@@ -32,7 +33,7 @@ _LOGIT_POSTPROCESS_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_s
 
 # Default chunk: as many rows as keep one chunk's fp32 (rows, V) logits at 2**26 elements (256 MiB).
 # The backward recomputation holds ~5 such tensors, so the peak is ~1.3 GiB whatever the vocabulary:
-# 441 rows at Qwen's V = 151,936; every row at once for the tiny presets (V = 81). BENCHMARKS.md, item 2.
+# 441 rows at Qwen's V = 151,936; every row at once for the tiny presets (V = 81). docs/benchmarks.md, item 2.
 CHUNK_ELEMENTS = 2**26
 
 
@@ -334,3 +335,23 @@ def _packed_logprobs(backbone, head, layout: PackedLayout, input_ids: Tensor, at
     logp = logp_m.new_zeros(N, T).masked_scatter(scored, logp_m)  # (N, T)
     entropy = ent_m.new_zeros(N, T).masked_scatter(scored, ent_m) if with_entropy else None  # (N, T)
     return logp, entropy
+
+
+def minibatch_logprobs(model, rollout, minibatches, logp_kwargs: dict, *, writes=None, around=None) -> Tensor:
+    """(N, T) log-probs of a rollout's completions, computed minibatch by minibatch on the trimmed shapes
+    training uses (the dense pi_old, pi_ref; gspo.routing.MoERouting wraps it to record or replay experts).
+
+    `minibatches`: (n,) row-index tensors of `rollout` (a gspo.rollout.Rollout); `writes`: one bool per
+    minibatch, False for a forward that must run but whose result is not kept (a stand-in row);
+    `around(j, idx, mb, keep)`: a context manager each forward runs inside (None: nothing around it).
+    """
+    out = torch.zeros(rollout.completion_mask.shape, dtype=torch.float32, device=rollout.input_ids.device)  # (N, T)
+    for j, idx in enumerate(minibatches):
+        mb = rollout.select(idx)
+        keep = writes is None or writes[j]
+        with nullcontext() if around is None else around(j, idx, mb, keep):
+            logp, _ = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
+                                          **logp_kwargs)  # (n, t)
+        if keep:
+            out[idx, : mb.completion_len] = logp
+    return out

@@ -1,6 +1,6 @@
 """LoRA through PEFT (the `peft` extra): low-rank adapters trained on a frozen base.
 
-    model = attach_adapters(model, cfg)  # cfg.lora_r > 0 or a `peft:` block; otherwise the model itself
+    model = attach_adapters(model, section(cfg, LoraSettings))  # lora_r > 0 or a `peft:` block; else the model
 
 Only the adapters require grad, so the optimizer, its state and a checkpoint hold only them; the
 base with its adapters off is the reference policy (gspo/reference.py), so kl_coef > 0 keeps one
@@ -20,20 +20,20 @@ DEFAULT_TARGETS = "all-linear"  # every linear layer but the output head (PEFT's
 _FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 
-def lora_settings(cfg) -> dict | None:
+def lora_settings(lora) -> dict | None:
     """The `peft.LoraConfig` keywords of a run, or None for full fine-tuning.
 
     A `peft:` block is taken as written (any LoraConfig field; r is required); otherwise the lora_*
     fields, with lora_r = 0 meaning full fine-tuning. Setting both is an error, named.
     """
-    block = getattr(cfg, "peft", None)
+    block = lora.peft
     if block is None:
-        if not cfg.lora_r:
+        if not lora.lora_r:
             return None
-        return {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
-                "target_modules": cfg.lora_target_modules}
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in _FIELDS}
-    also = [name for name in _FIELDS if getattr(cfg, name) != defaults[name]]
+        return {"r": lora.lora_r, "lora_alpha": lora.lora_alpha, "lora_dropout": lora.lora_dropout,
+                "target_modules": lora.lora_target_modules}
+    defaults = {f.name: f.default for f in dataclasses.fields(lora) if f.name in _FIELDS}
+    also = [name for name in _FIELDS if getattr(lora, name) != defaults[name]]
     if also:
         raise ValueError(f"config: give LoRA settings either as a `peft:` block or as {', '.join(_FIELDS)}, "
                          f"not both (set: peft and {', '.join(also)})")
@@ -45,18 +45,15 @@ def lora_settings(cfg) -> dict | None:
     return settings
 
 
-def check_lora(cfg) -> None:
-    """Config-time checks: settings consistent, peft installed, a setting PEFT refuses named (before loading)."""
-    settings = lora_settings(cfg)
-    if settings is None:
-        return
-    if cfg.distributed == "fsdp":
-        raise ValueError("config: LoRA with distributed=fsdp is not supported; use distributed=ddp (adapters "
-                         "are small: replicas cost little)")
-    _lora_config(settings)
+def check_lora(lora) -> None:
+    """Config-time checks of a LoraSettings: consistent, peft installed, a setting PEFT refuses named (before
+    loading). LoRA under fsdp is refused by gspo.config.train.check_train."""
+    settings = lora_settings(lora)
+    if settings is not None:
+        _lora_config(settings)
 
 
-def attach_adapters(model, cfg):
+def attach_adapters(model, lora):
     """`model` with LoRA adapters (a peft PeftModel), or `model` itself for full fine-tuning.
 
     "all-linear" is resolved here, to the nn.Linear layers (GPT-2's Conv1D too) but the output head:
@@ -64,7 +61,7 @@ def attach_adapters(model, cfg):
     (its mapping of the v4 layer names). The experts can still be named in a `peft:` block's
     target_parameters; a setting that reaches a router is refused.
     """
-    settings = lora_settings(cfg)
+    settings = lora_settings(lora)  # a LoraSettings (gspo.config)
     if settings is None:
         return model
     from peft import get_peft_model

@@ -5,7 +5,7 @@
 
 Presets use the character tokenizer of `gspo.tasks`, are saved with `save_pretrained`, and
 reload with plain `AutoModelForCausalLM` / `AutoTokenizer`: nothing of ours is needed to read them.
-`seeded_model(cfg)` is where every run starts: RNGs seeded, device chosen (`resolve_device`), model loaded.
+`seeded_model(settings)` is where every run starts: RNGs seeded, device chosen (`resolve_device`), model loaded.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import random
 import numpy as np
 import torch
 
-from gspo.given import is_marker, not_rebuildable
 from gspo.gguf import converted, is_gguf
+from gspo.given import is_marker, not_rebuildable
 from gspo.parallel import launched
 from gspo.tasks import build_char_tokenizer
 
@@ -136,23 +136,24 @@ def load_model(
     return model, tokenizer
 
 
-def seeded_model(cfg, model=None, tokenizer=None) -> tuple[torch.device, torch.nn.Module, object]:
-    """Seed every RNG, then load the configured model and tokenizer onto the configured device.
+def seeded_model(settings, model=None, tokenizer=None) -> tuple[torch.device, torch.nn.Module, object]:
+    """Seed every RNG, then load the model and tokenizer a ModelSettings (gspo.config) names onto its device.
 
     From Python (gspo.Trainer): `model`, a causal LM object to use instead, is moved to the device and cast to
     `dtype` as a loaded one would be (auto: its own dtype); `tokenizer`, one to use instead of the model's
     (None: the one loaded with it, or saved beside a model object's weights: `tokenizer_of`).
     """
-    seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
+    seed_everything(settings.seed)
+    device = resolve_device(settings.device)
     if model is None:
-        model, loaded = load_model(cfg.model, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                   seed=cfg.seed, overrides=cfg.model_overrides,
-                                   attn_implementation=cfg.attn_implementation)
+        model, loaded = load_model(settings.model, dtype=settings.dtype, device=device,
+                                   trust_remote_code=settings.trust_remote_code,
+                                   seed=settings.seed, overrides=settings.model_overrides,
+                                   attn_implementation=settings.attn_implementation)
         tokenizer = loaded if tokenizer is None else tokenizer
     else:
-        model = model.to(device) if cfg.dtype == "auto" else model.to(device, DTYPES[cfg.dtype])
-        tokenizer = tokenizer_of(model, cfg.trust_remote_code) if tokenizer is None else tokenizer
+        model = model.to(device) if settings.dtype == "auto" else model.to(device, DTYPES[settings.dtype])
+        tokenizer = tokenizer_of(model, settings.trust_remote_code) if tokenizer is None else tokenizer
     _fix_special_tokens(model, tokenizer)
     _disable_truncated_sampling(model)
     return device, model, tokenizer

@@ -376,9 +376,11 @@ def replay_routing(model: nn.Module, record: RoutingRecord) -> Iterator[RoutingR
         raise ValueError(f"record is for router layers {record.layers} but the model's routers are at {layers}")
     for router in routers:
         if record.top_k != router.module.top_k:
-            raise ValueError(f"record has top_k={record.top_k} but router {router.name} uses top_k={router.module.top_k}")
+            raise ValueError(f"record has top_k={record.top_k} but router {router.name} "
+                             f"uses top_k={router.module.top_k}")
         if record.indices.numel() and int(record.indices.max()) >= router.module.num_experts:
-            raise ValueError(f"record names expert {int(record.indices.max())} but the model has {router.module.num_experts}")
+            raise ValueError(f"record names expert {int(record.indices.max())} "
+                             f"but the model has {router.module.num_experts}")
     if any(r.module in _REPLAYING for r in routers):
         raise ValueError("replay_routing is already active on this model; nested replay is not supported")
 

@@ -94,7 +94,8 @@ def register_objective(name: str, *, default_clip: tuple[float | None, float | N
     if name in OBJECTIVES:
         raise ValueError(f"objective {name!r} is already registered")
     if default_aggregation not in AGGREGATIONS:
-        raise ValueError(f"default_aggregation: unknown {default_aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+        raise ValueError(f"default_aggregation: unknown {default_aggregation!r}; "
+                         f"choose one of {', '.join(AGGREGATIONS)}")
     if length_neutral and default_aggregation != "seq_mean_token_mean":
         raise ValueError("default_aggregation: a length-neutral objective aggregates with seq_mean_token_mean")
     if ratio_unit not in ("tokens", "sequences"):
@@ -173,6 +174,7 @@ def policy_loss(
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
     correction_weight: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss for one minibatch.
 
@@ -193,6 +195,9 @@ def policy_loss(
         sapo_tau_pos, sapo_tau_neg: SAPO gate temperatures for A > 0 and A < 0.
         correction_weight: (N, T) factor of a rollout correction on each token's term
             (`gspo.correction.behaviour_weights`), treated as a constant; None: no correction.
+        validate: check the options (`check_loss_options`) and the tensors' values (0/1 mask, a token in
+            every row, finite on completion tokens: each a device sync). The trainer checks its options once
+            when it is built and passes False; a non-finite value then reaches the non-finite guard.
 
     Returns:
         (loss, stats): scalar loss, and a dict of detached 0-d tensors named
@@ -203,12 +208,16 @@ def policy_loss(
     """
     spec = _objective(objective)
     aggregation = spec.default_aggregation if aggregation is None else aggregation
-    mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, objective, aggregation,
-                         norm_length, kl_coef, kl_estimator)
+    _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs)
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs: required when kl_coef > 0")
+    if validate:
+        check_loss_options(objective, aggregation, norm_length, kl_coef, kl_estimator, clip_low, clip_high)
+        _check_values(logprobs, old_logprobs, advantages, mask, ref_logprobs)
+    mask = mask if mask.dtype == torch.bool else mask.bool()  # (N, T)
     default_low, default_high = spec.default_clip
     low = default_low if clip_low is None else clip_low
     high = default_high if clip_high is None else clip_high
-    check_clip(objective, clip_low, clip_high)
     check_correction(objective, correction_weight, tuple(logprobs.shape))
 
     maskf = mask.to(logprobs.dtype)  # (N, T)
@@ -433,9 +442,22 @@ def check_aggregation(objective: str, aggregation: str) -> None:
                          "over sequences, so use 'seq_mean_token_mean' (the default)")
 
 
-def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, objective, aggregation,
-                  norm_length, kl_coef, kl_estimator) -> torch.Tensor:
-    """Validate shapes and values; returns the mask as bool (N, T)."""
+def check_loss_options(objective: str, aggregation: str | None, norm_length: int | None, kl_coef: float,
+                       kl_estimator: str, clip_low: float | None = None, clip_high: float | None = None) -> None:
+    """ValueError unless `policy_loss`'s options make sense together (aggregation None: the objective's)."""
+    aggregation = _objective(objective).default_aggregation if aggregation is None else aggregation
+    check_aggregation(objective, aggregation)
+    if aggregation == "seq_mean_token_sum_norm" and (norm_length is None or norm_length <= 0):
+        raise ValueError("norm_length: seq_mean_token_sum_norm needs a positive constant (e.g. max completion length)")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator: unknown {kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+    if not math.isfinite(kl_coef) or kl_coef < 0:
+        raise ValueError(f"kl_coef: must be a finite number >= 0, got {kl_coef!r}")
+    check_clip(objective, clip_low, clip_high)
+
+
+def _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs) -> None:
+    """Types and shapes (no device sync)."""
     for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -452,6 +474,12 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, object
         raise ValueError(f"logprobs: empty batch of shape {shape}")
     if tuple(advantages.shape) not in ((shape[0],), shape):
         raise ValueError(f"advantages: expected shape ({shape[0]},) or {shape}, got {tuple(advantages.shape)}")
+    if ref_logprobs is not None and tuple(ref_logprobs.shape) != shape:
+        raise ValueError(f"ref_logprobs: shape {tuple(ref_logprobs.shape)} does not match logprobs {shape}")
+
+
+def _check_values(logprobs, old_logprobs, advantages, mask, ref_logprobs) -> None:
+    """A 0/1 mask with a token in every row, values finite on completion tokens (each check a device sync)."""
     if mask.dtype != torch.bool:
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("mask: values must be 0 or 1")
@@ -459,17 +487,6 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, object
     empty = (~mask.any(-1)).nonzero()
     if empty.numel():
         raise ValueError(f"mask: row {int(empty[0, 0])} has no completion tokens; drop empty sequences first")
-    check_aggregation(objective, aggregation)
-    if aggregation == "seq_mean_token_sum_norm" and (norm_length is None or norm_length <= 0):
-        raise ValueError("norm_length: seq_mean_token_sum_norm needs a positive constant (e.g. max completion length)")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator: unknown {kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
-    if not math.isfinite(kl_coef) or kl_coef < 0:
-        raise ValueError(f"kl_coef: must be a finite number >= 0, got {kl_coef!r}")
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs: required when kl_coef > 0")
-    if ref_logprobs is not None and tuple(ref_logprobs.shape) != shape:
-        raise ValueError(f"ref_logprobs: shape {tuple(ref_logprobs.shape)} does not match logprobs {shape}")
     # Only real tokens must be finite; padding is ignored whatever it holds.
     named = [("logprobs", logprobs), ("old_logprobs", old_logprobs)]
     if ref_logprobs is not None:
@@ -484,7 +501,6 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, object
         adv_bad = adv_bad & mask
     if adv_bad.any():
         raise ValueError(f"advantages: non-finite value at {tuple(int(x) for x in adv_bad.nonzero()[0])}")
-    return mask
 
 
 def stat_units(objective: str, aggregation: str | None = None) -> dict[str, str]:

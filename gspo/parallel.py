@@ -51,7 +51,7 @@ class Part:
     """This rank's rows of one global minibatch: `index` numbers rows of its local rollout (N_local,).
 
     `units`: this rank's count of the units the loss averages over (sequences or tokens), `total`
-    the global minibatch's. `weight` 0 marks a stand-in row (a rank holding none of the minibatch): it
+    the global minibatch's. `stand_in` marks a stand-in row (a rank holding none of the minibatch): it
     runs the forwards every fsdp rank must run, and counts for nothing.
     """
 
@@ -62,11 +62,11 @@ class Part:
     total_tokens: float = 0.0  # the global minibatch's
 
     @property
-    def weight(self) -> float:
-        """1 for this rank's real rows, 0 for a stand-in (every real row counts at least one unit)."""
-        return 1.0 if self.units else 0.0
+    def stand_in(self) -> bool:
+        """True for a stand-in row, False for this rank's real rows (every real row counts at least one unit)."""
+        return not self.units
 
-    def by_tokens(self) -> "Part":
+    def by_tokens(self) -> Part:
         """The same rows, shared out by completion tokens (for a token-mean loss such as the critic's)."""
         return Part(self.index, self.tokens, self.total_tokens, self.tokens, self.total_tokens)
 
@@ -101,7 +101,7 @@ class Topology:
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
-    def setup(device: torch.device, mode: str, timeout_s: float) -> "Topology":
+    def setup(device: torch.device, mode: str, timeout_s: float) -> Topology:
         """Join the process group torchrun describes in the environment: gloo on CPU, nccl on CUDA."""
         if not launched():
             return Topology(mode=mode)
@@ -200,15 +200,15 @@ class Topology:
         """Weight of this rank's loss (a mean over `part.units`) so gradients combine into the global
         minibatch's gradient: ddp sums gradients across ranks, fsdp averages them (hence world_size)."""
         share = part.units / part.total if part.total else 0.0
-        return part.weight * share * (self.world_size if self.sharded else 1)
+        return 0.0 if part.stand_in else share * (self.world_size if self.sharded else 1)
 
     def backward(self, loss: torch.Tensor, part: Part) -> None:
         """Backpropagate this rank's share of the minibatch loss (`loss_scale`; 1 in one process).
 
-        A stand-in row (weight 0) skips it under ddp, where a parameter no rank used must keep grad
+        A stand-in row skips it under ddp, where a parameter no rank used must keep grad
         None; fsdp's backward is collective, so there it runs, scaled by 0.
         """
-        if part.weight or self.sharded:
+        if not part.stand_in or self.sharded:
             (loss * self.loss_scale(part)).backward()
 
     def replicated_scale(self) -> float:

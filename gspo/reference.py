@@ -1,6 +1,6 @@
 """The reference policy pi_ref of the KL term (kl_coef > 0), a plug of the trainer:
 
-    reference = reference_policy(cfg, model, topology)  # before the policy is wrapped or trained
+    reference = reference_policy(cfg.kl_coef, model, topology)  # before the policy is wrapped or trained
     rollout.ref_logprobs = reference.logprobs(rollout, minibatches, logp_kwargs, writes)  # (n, T) or None
 
 none (kl_coef = 0: nothing computed), a frozen copy of the starting policy (full fine-tuning), or the
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import copy
 
+from gspo.logprobs import minibatch_logprobs
 from gspo.lora import is_peft
 from gspo.parallel import Topology
-from gspo.routing import minibatch_logprobs
 
 
 class NoReference:
@@ -46,9 +46,10 @@ class AdaptersOff:
             return minibatch_logprobs(self.model, rollout, minibatches, logp_kwargs, writes=writes)  # (n, T)
 
 
-def reference_policy(cfg, model, topology: Topology):
-    """The run's reference plug; `model` is the bare policy as training starts (adapters attached)."""
-    if cfg.kl_coef <= 0:
+def reference_policy(kl_coef: float, model, topology: Topology):
+    """The run's reference plug (none at kl_coef 0); `model` is the bare policy as training starts (adapters
+    attached)."""
+    if kl_coef <= 0:
         return NoReference()
     return AdaptersOff(model) if is_peft(model) else FrozenReference(model, topology)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from gspo.tracking import METRICS_FILE, read_jsonl
 

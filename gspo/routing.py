@@ -15,9 +15,23 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from gspo.logprobs import PackedLayout, completion_logprobs, is_fsdp2, padding_free_layout, position_ids_from_mask
-from gspo.moe import (REPLAY_MODES, RoutingRecord, expert_change_counts, find_routers, record_routing,
-                      replay_routing, require_replay_support, unsupported_moe)
+from gspo.logprobs import (
+    PackedLayout,
+    is_fsdp2,
+    minibatch_logprobs,
+    padding_free_layout,
+    position_ids_from_mask,
+)
+from gspo.moe import (
+    REPLAY_MODES,
+    RoutingRecord,
+    expert_change_counts,
+    find_routers,
+    record_routing,
+    replay_routing,
+    require_replay_support,
+    unsupported_moe,
+)
 from gspo.rollout import Rollout
 
 
@@ -47,7 +61,7 @@ class NoRouting:
     def logprobs(self, model, rollout: Rollout, minibatches, logp_kwargs, writes=None) -> torch.Tensor:
         return minibatch_logprobs(model, rollout, minibatches, logp_kwargs, writes=writes)
 
-    def watch(self, mb: Rollout, weight: float = 1.0, model=None) -> "_NoWatch":
+    def watch(self, mb: Rollout, stand_in: bool = False, model=None) -> _NoWatch:
         return _NoWatch()
 
 
@@ -87,12 +101,12 @@ class MoERouting:
             rollout.routing = recorded
         return logp
 
-    def watch(self, mb: Rollout, weight: float = 1.0, model=None) -> "_Watch":
+    def watch(self, mb: Rollout, stand_in: bool = False, model=None) -> _Watch:
         """The routing of minibatch `mb`'s training forward through `model` (the policy as trained: a DDP
         wrapper runs padded; None: the routers' model)."""
         forward = self.model if model is None else model
         layout = padding_free_layout(forward, mb.attention_mask, mb.completion_len) if self.packed else None
-        return _Watch(self, mb, weight, layout)
+        return _Watch(self, mb, 0.0 if stand_in else 1.0, layout)
 
 
 class _Watch:
@@ -129,7 +143,8 @@ class _Watch:
         self.before = from_layout(recorder.record(), self.layout)
 
     def after_step(self) -> tuple[dict, dict]:
-        """(stats, weights) after the optimizer step: `moe/expert_change_frac` (and per layer), `moe/replay_mismatch_frac`."""
+        """(stats, weights) after the optimizer step: `moe/expert_change_frac` (and per layer),
+        `moe/replay_mismatch_frac`."""
         stats, weights = {}, {}
         positions = completion_positions(self.mb)
         if self.routing.drift:  # after the step, free routing again: which expert choices did it change?
@@ -152,40 +167,32 @@ def add_fraction(stats: dict, weights: dict, name: str, changed, total, layers, 
 
 
 # ------------------------------------------------------------------------------- forwards
-def minibatch_logprobs(model, rollout: Rollout, minibatches, logp_kwargs, *, replay: bool = False,
-                       writes=None) -> torch.Tensor:
-    """(N, T) log-probs computed minibatch by minibatch, on the trimmed shapes training uses.
-
-    `replay`: route every forward by `rollout.routing` (gspo.moe.replay_routing).
-    """
-    return minibatch_logprobs_and_routing(model, rollout, minibatches, logp_kwargs, replay=replay, writes=writes)[0]
-
-
 def minibatch_logprobs_and_routing(model, rollout: Rollout, minibatches, logp_kwargs, *, replay: bool = False,
                                    record: bool = False, writes=None) -> tuple[torch.Tensor, RoutingRecord | None]:
-    """`minibatch_logprobs`, and with `record` the experts those forwards used.
+    """gspo.logprobs.minibatch_logprobs with every forward routed by `rollout.routing` (`replay`), and with
+    `record` the experts those forwards used.
 
     The record is full width, (R, N, P+T, k) like `rollout.input_ids`: each minibatch's trimmed
     columns are written back in place and the trimmed-away (all-padding) ones are -1, so a
     later epoch's reshuffled minibatches can `select` and replay it. `writes`: one bool per
     minibatch, False for a forward that must run but whose result is not kept (a stand-in row).
     """
-    out = torch.zeros(rollout.completion_mask.shape, dtype=torch.float32, device=rollout.input_ids.device)
     full = None
-    for j, idx in enumerate(minibatches):
-        mb = rollout.select(idx)
+
+    @contextmanager
+    def around(j, idx, mb, keep):
+        nonlocal full
         hooked = (replay or record) and logp_kwargs.get("packed", False)  # records move between the layouts
         layout = padding_free_layout(model, mb.attention_mask, mb.completion_len) if hooked else None
         with replay_routing(model, to_layout(mb.routing, layout)) if replay else nullcontext():
             with record_routing(model) if record else nullcontext() as recorder:
-                logp, _ = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
-                                              **logp_kwargs)
-        if writes is not None and not writes[j]:
-            continue
-        out[idx, : mb.completion_len] = logp
-        if record:
+                yield
+        if record and keep:
             full = widen_record(rollout, idx, from_layout(recorder.record(), layout), into=full)  # (R, N, P+T, k)
-    return out, full
+
+    logp = minibatch_logprobs(model, rollout, minibatches, logp_kwargs, writes=writes,
+                              around=around if replay or record else None)  # (N, T)
+    return logp, full
 
 
 def widen_record(rollout: Rollout, rows: torch.Tensor, part: RoutingRecord, into: RoutingRecord | None = None

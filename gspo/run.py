@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from gspo.checkpoint import clean_stale, remove_tree, umask_modes
+from gspo.config import OutputSettings
 from gspo.data.rows import stderr_line
 from gspo.tracking import METRICS_FILE, SAMPLES_FILE
 
@@ -100,18 +101,19 @@ def _holder(fd: int) -> str:
     return os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "holder unknown"
 
 
-def prepare_output_dir(cfg, resuming: bool = False) -> Path:
+def prepare_output_dir(output: OutputSettings, resuming: bool = False, *, resumable: bool = True) -> Path:
     """The run's folder; an earlier run's files there are an error unless overwriting or resuming.
 
     Call it holding `run_lock`: it removes half-written checkpoints, which only a dead run leaves.
+    `resumable`: the error suggests --resume (gspo train; not sft).
     """
-    out = Path(cfg.output_dir)
+    out = Path(output.output_dir)
     clean_stale(out) if out.is_dir() else None  # half-written checkpoints of a killed run
     old = [out / METRICS_FILE, out / SAMPLES_FILE, out / CRITIC_DIR, *sorted(out.glob("checkpoint-*"))]
     old = [p for p in old if os.path.lexists(p)]  # a link to a checkpoint (even a dangling one) too
     if old and not resuming:
-        if not cfg.overwrite_output_dir:
-            resume = "continue it with --resume latest, " if hasattr(cfg, "resume_from_checkpoint") else ""  # not sft
+        if not output.overwrite_output_dir:
+            resume = "continue it with --resume latest, " if resumable else ""
             raise ValueError(f"output_dir {out} already holds a run ({old[0].name}); {resume}choose another "
                              "output_dir, or set overwrite_output_dir=true to delete it")
         for path in old:

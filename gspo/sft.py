@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from gspo.config import SFTConfig, to_dict
-from gspo.data.rows import load_splits
-from gspo.data.evaluation import evaluate
+from gspo.config import ModelSettings, OutputSettings, SFTConfig, section, to_dict
+from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.rewards import reward_spec
+from gspo.data.rows import config_splits
 from gspo.model_card import write_model_card
 from gspo.models import seeded_model
 from gspo.rollout import pad_id
@@ -35,9 +35,9 @@ def sft(cfg: SFTConfig) -> dict:
 
 def _sft(cfg: SFTConfig) -> dict:
     started = time.perf_counter()
-    out_dir = prepare_output_dir(cfg)
-    device, model, tokenizer = seeded_model(cfg)
-    train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=cfg.num_examples)
+    out_dir = prepare_output_dir(section(cfg, OutputSettings), resumable=False)
+    device, model, tokenizer = seeded_model(section(cfg, ModelSettings))
+    train_rows, eval_rows = config_splits(cfg, tokenizer, cfg.num_examples)
     if cfg.dataset is not None and cfg.num_examples:
         train_rows = train_rows[: cfg.num_examples]
     pairs = encode_pairs(tokenizer, train_rows, cfg.answer_column, cfg.max_length)
@@ -63,7 +63,7 @@ def _sft(cfg: SFTConfig) -> dict:
         scheduler.step()
         metrics = {"loss/sft": loss.item()}
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
-            metrics.update(evaluate(model, tokenizer, eval_rows, cfg, sampled=False))
+            metrics.update(evaluate(model, tokenizer, eval_rows, Evaluation.of(cfg), sampled=False))
             model.train()
             accuracy = metrics.get("eval/accuracy")
         logger.log(step, metrics)

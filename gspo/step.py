@@ -16,10 +16,12 @@ import numpy as np
 import torch
 
 from gspo.advantages import group_stats
+from gspo.config import BatchSettings, CorrectionSettings, ObjectiveSettings, PrecisionSettings
 from gspo.correction import behaviour_weights, correction_units, mismatch_metrics, mismatch_moments
 from gspo.logprobs import completion_logprobs
-from gspo.objectives import policy_loss, stat_units
+from gspo.objectives import check_loss_options, policy_loss, stat_units
 from gspo.parallel import Part, Topology
+from gspo.plugs import AuxiliaryTerm, Baseline, Reference, Routing
 from gspo.rollout import Rollout
 
 
@@ -68,7 +70,8 @@ class Batch:
                 yield i, part, self.first_on_policy and epoch == 0 and i == 0
 
 
-def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routing, model, reference, baseline,
+def prepare(rollout: Rollout, scores: Scores, *, plan: BatchSettings, objective: ObjectiveSettings, logp_kwargs: dict,
+            topology: Topology, routing: Routing, model, reference: Reference, baseline: Baseline,
             shuffle: torch.Generator) -> Batch:
     """The minibatch plan of every epoch, pi_old and pi_ref log-probs, advantages: the step's Batch.
 
@@ -81,23 +84,22 @@ def prepare(rollout: Rollout, scores: Scores, *, cfg, topology: Topology, routin
     routing replay "old_policy" (GSPO sec. 5.3) needs the experts this forward records.
     With use_sampler_logprobs (GSPO sec. 5.4) the sampler's likelihoods (mu) serve as pi_old.
     """
-    device, M = rollout.input_ids.device, cfg.num_minibatches
+    device, M = rollout.input_ids.device, plan.num_minibatches
     rollout.rewards = scores.rewards[topology.batch_share(rollout.num_sequences)].to(device)  # (n,)
-    token_units = stat_units(cfg.objective, cfg.aggregation)["loss/policy"] == "tokens"  # what a share counts
+    token_units = stat_units(objective.objective, objective.aggregation)["loss/policy"] == "tokens"  # a share counts
     N = len(scores.rewards)
     epochs = [[topology.part(idx, rollout.num_sequences, scores.lengths, token_units)
-               for idx in torch.randperm(N, generator=shuffle).chunk(M)] for _ in range(cfg.num_epochs)]
-    first_on_policy = not cfg.use_sampler_logprobs and not routing.records_pi_old and not baseline.needs_pi_old
-    logp_kwargs = logprob_options(cfg)
+               for idx in torch.randperm(N, generator=shuffle).chunk(M)] for _ in range(plan.num_epochs)]
+    first_on_policy = not objective.use_sampler_logprobs and not routing.records_pi_old and not baseline.needs_pi_old
     with torch.no_grad():
-        if cfg.use_sampler_logprobs:
+        if objective.use_sampler_logprobs:
             rollout.old_logprobs = rollout.sampler_logprobs  # (n, T)
         else:
             parts = epochs[0][1:] if first_on_policy else epochs[0]
             rollout.old_logprobs = routing.logprobs(model, rollout, [p.index for p in parts], logp_kwargs,
-                                                    writes=[p.weight > 0 for p in parts])  # (n, T)
+                                                    writes=[not p.stand_in for p in parts])  # (n, T)
         rollout.ref_logprobs = reference.logprobs(rollout, [p.index for p in epochs[0]], logp_kwargs,
-                                                  writes=[p.weight > 0 for p in epochs[0]])  # (n, T) or None
+                                                  writes=[not p.stand_in for p in epochs[0]])  # (n, T) or None
         stats = baseline.estimate(rollout, scores, epochs[0], topology)  # rollout.advantages (n,) or (n, T)
     return Batch(rollout, epochs, first_on_policy, stats)
 
@@ -106,38 +108,36 @@ class Learner:
     """One optimizer step per minibatch: policy loss (+ auxiliary term), guard, statistics; then the
     baseline's own step (a critic's value loss; nothing for the group baseline).
 
-    A rollout correction (cfg.rollout_correction) weighs each minibatch's terms by pi_old/mu,
-    from its pi_old (for the on-policy minibatch: its own first forward) and the sampler's mu.
+    A rollout correction (`correction`) weighs each minibatch's terms by pi_old/mu, from its pi_old
+    (for the on-policy minibatch: its own first forward) and the sampler's mu. `loss_kwargs`: the
+    objective's options (`loss_options`), `logp_kwargs` the forwards' (`logprob_options`).
     """
 
-    def __init__(self, cfg, model, optimizer, scheduler, guard, *, topology: Topology, routing, aux, baseline,
-                 loss_fn=policy_loss, autocast=nullcontext):
+    def __init__(self, model, optimizer, scheduler, guard, *, loss_kwargs: dict, logp_kwargs: dict,
+                 correction: CorrectionSettings, max_grad_norm: float, topology: Topology, routing: Routing,
+                 aux: AuxiliaryTerm, baseline: Baseline, loss_fn=policy_loss, autocast=nullcontext):
         self.model, self.optimizer, self.scheduler, self.guard = model, optimizer, scheduler, guard
         self.autocast = autocast  # the forwards' precision (gspo/precision.py); backwards run outside it
         self.topology, self.routing, self.aux, self.baseline, self.loss_fn = topology, routing, aux, baseline, loss_fn
-        self.max_grad_norm = cfg.max_grad_norm
-        kl_coef = 0.0 if cfg.kl_in_reward else cfg.kl_coef  # folded into the rewards instead (gae)
-        self.loss_kwargs = dict(objective=cfg.objective, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                aggregation=cfg.aggregation, norm_length=cfg.max_completion_length,
-                                kl_coef=kl_coef, kl_estimator=cfg.kl_estimator)
-        self.logp_kwargs = logprob_options(cfg)
-        self.correction = (cfg.rollout_correction, cfg.rollout_correction_low, cfg.rollout_correction_high)
-        units = stat_units(cfg.objective, cfg.aggregation)  # and the loss and entropy, for recombining across ranks
-        self.units = {**units, **correction_units(cfg.rollout_correction), "loss": units["loss/policy"],
+        self.max_grad_norm, self.loss_kwargs, self.logp_kwargs = max_grad_norm, loss_kwargs, logp_kwargs
+        self.correction = (correction.rollout_correction, correction.rollout_correction_low,
+                           correction.rollout_correction_high)
+        units = stat_units(loss_kwargs["objective"], loss_kwargs["aggregation"])  # and the loss and entropy, for
+        self.units = {**units, **correction_units(correction.rollout_correction), "loss": units["loss/policy"],  # ranks
                       "entropy": "tokens"}
 
     def update(self, batch: Batch, i: int, part: Part, *, on_policy: bool, step: int) -> dict:
         """Train minibatch `i` (this rank's `part` of it); returns its statistics (single-process values)."""
         rollout, model = batch.rollout, self.model
         mb = rollout.select(part.index)
-        watch = self.routing.watch(mb, part.weight, model)
+        watch = self.routing.watch(mb, part.stand_in, model)
         with watch.replaying():
             with self.autocast(), watch.recording():
                 logp, entropy = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
                                                     with_entropy=True, **self.logp_kwargs)  # (n, t), (n, t)
             if on_policy:  # prepare left this minibatch's pi_old to this forward
                 mb.old_logprobs = logp.detach()  # (n, t)
-                if part.weight:
+                if not part.stand_in:
                     rollout.old_logprobs[part.index, : mb.completion_len] = mb.old_logprobs
             weight, correction_stats = behaviour_weights(mb.old_logprobs, mb.sampler_logprobs, mb.completion_mask,
                                                          *self.correction)  # (n, t) or None
@@ -151,7 +151,8 @@ class Learner:
         self.topology.average_gradients(model)
         mask = mb.completion_mask
         local = {**stats, "loss": loss.detach(), "entropy": (entropy.detach() * mask).sum() / mask.sum()}
-        counts = {"sequences": part.weight * mb.num_sequences, "tokens": part.weight * float(mask.sum())}
+        real = 0.0 if part.stand_in else 1.0  # a stand-in row's statistics count for nothing
+        counts = {"sequences": real * mb.num_sequences, "tokens": real * float(mask.sum())}
         shared = self.topology.reduce(local, {k: counts[self.units.get(k, "tokens")] for k in local})
         loss, mean_entropy = shared.pop("loss") + term, shared.pop("entropy")
         stats = {**shared, **aux_stats, "grad/norm": grad_norm(model, self.max_grad_norm)}
@@ -176,9 +177,20 @@ def mismatch_stats(rollout: Rollout, topology: Topology) -> dict[str, float]:
     return mismatch_metrics(topology.reduce(moments, {k: counts[u] for k, u in units.items()}))
 
 
-def logprob_options(cfg) -> dict:
+def logprob_options(temperature: float, precision: PrecisionSettings) -> dict:
     """`completion_logprobs` options of a run: every forward (pi_old, pi_ref, training, SFT) uses the same."""
-    return dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, packed=cfg.padding_free)
+    return dict(temperature=temperature, chunk_size=precision.logprob_chunk_size, packed=precision.padding_free)
+
+
+def loss_options(objective: ObjectiveSettings, *, norm_length: int, kl_in_reward: bool) -> dict:
+    """`policy_loss` options of a run, checked here once (`check_loss_options`), so that the loss of each
+    minibatch runs without re-checking them or syncing on its tensors' values (`validate=False`); with
+    kl_in_reward (gae) the KL is folded into the rewards instead."""
+    options = dict(objective=objective.objective, clip_low=objective.clip_low, clip_high=objective.clip_high,
+                   aggregation=objective.aggregation, norm_length=norm_length,
+                   kl_coef=0.0 if kl_in_reward else objective.kl_coef, kl_estimator=objective.kl_estimator)
+    check_loss_options(**options)
+    return {**options, "validate": False}
 
 
 def step_metrics(scores: Scores, step_stats: list[dict], extra: dict, *, group_size: int, drop_bad: bool,

@@ -24,7 +24,8 @@ import os
 import pathlib
 import stat
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -1,6 +1,6 @@
 """The GRPO / GSPO training loop. Read this file first.
 
-One RL step (DESIGN.md, "The shape of the trainer"):
+One RL step (docs/design.md, "The shape of the trainer"):
   1. sample   B prompts -> G completions each (N = B*G), from the current policy (= pi_old)
   2. score    rewards (N,), each reward function's values, lengths
   3. prepare  the minibatch plan, pi_old (and pi_ref) log-probs, advantages: one Batch
@@ -8,13 +8,14 @@ One RL step (DESIGN.md, "The shape of the trainer"):
               off-policy: that is where the importance ratio matters)
   5. metrics  one line of metrics.jsonl
   6. evaluate / log samples / checkpoint, periodically
-Everything optional is a plug built once before the loop, with a do-nothing twin, so the loop
-never asks which case it is in: the Topology (one process, DDP, FSDP2: gspo/parallel.py), the
-Generator (gspo/rollout/), Routing (MoE replay and drift: gspo/routing.py), the prompt source
-(one task or a mixture: gspo/data/source.py), the auxiliary term (SFT: gspo/auxiliary.py), the
-baseline (gspo/baselines.py: the group's rewards, or PPO's critic, trained on the same minibatches),
-the reference policy of the KL term (gspo/reference.py: none, a frozen copy, or LoRA's base with the
-adapters off: gspo/lora.py) and the forwards' precision (gspo/precision.py: bf16 autocast or none).
+Everything optional is a plug (gspo/plugs.py: the Protocols) built once before the loop from its own
+config section, with a do-nothing twin, so the loop never asks which case it is in: the Topology
+(one process, DDP, FSDP2: gspo/parallel.py), the Sampler (gspo/rollout/), Routing (MoE replay and
+drift: gspo/routing.py), the prompt source (one task or a mixture: gspo/data/source.py), the
+auxiliary term (SFT: gspo/auxiliary.py), the baseline (gspo/baselines.py: the group's rewards, or
+PPO's critic, trained on the same minibatches), the reference policy of the KL term
+(gspo/reference.py: none, a frozen copy, or LoRA's base with the adapters off: gspo/lora.py) and the
+forwards' precision (gspo/precision.py: bf16 autocast or none).
 The sampler is the policy itself (gspo/rollout/decode.py or HF `generate`), a copy of it (low
 precision, stale: sampler_dtype, sampler_lag) or an inference engine colocated in this process
 (vllm); where its distribution mu is not pi_old, `mismatch/*` measure by how much and a rollout
@@ -34,24 +35,70 @@ import torch
 from gspo.auxiliary import auxiliary_term
 from gspo.baselines import build_baseline
 from gspo.callbacks import Callbacks
-from gspo.checkpoint import (OPTIMIZER_FILE, TRAINER_STATE_FILE, capture_rng, check_data, check_finite_state,
-                             check_resumable, discard_newer_checkpoints, load_checkpoint, load_model_weights,
-                             load_state_file, load_trainer_state, resolve_resume, save_checkpoint, saved_config,
-                             set_aside_damaged)
-from gspo.config import TrainConfig, to_dict
+from gspo.checkpoint import (
+    OPTIMIZER_FILE,
+    TRAINER_STATE_FILE,
+    capture_rng,
+    check_data,
+    check_finite_state,
+    check_resumable,
+    discard_newer_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    load_state_file,
+    load_trainer_state,
+    resolve_resume,
+    save_checkpoint,
+    saved_config,
+    set_aside_damaged,
+)
+from gspo.config import (
+    BatchSettings,
+    CorrectionSettings,
+    LoraSettings,
+    ModelSettings,
+    ObjectiveSettings,
+    OutputSettings,
+    PrecisionSettings,
+    SFTTermSettings,
+    TrainConfig,
+    section,
+    to_dict,
+)
+from gspo.data.source import prompt_source
 from gspo.lora import attach_adapters, is_peft, merged_model
 from gspo.model_card import write_model_card
 from gspo.models import resolve_device, seeded_model
 from gspo.parallel import Topology
 from gspo.precision import enable_gradient_checkpointing, forward_precision
 from gspo.reference import reference_policy
-from gspo.data.source import prompt_source
-from gspo.rollout import Generator, eos_ids
+from gspo.rollout import Sampler, eos_ids
 from gspo.routing import build_routing
-from gspo.run import (CRITIC_DIR, MERGED_DIR, NonFiniteGuard, Progress, StepAbandoned, StopSignals,
-                      TrainingAborted, TrainingInterrupted, prepare_output_dir, run_lock, save_model, stderr_printer)
+from gspo.run import (
+    CRITIC_DIR,
+    MERGED_DIR,
+    NonFiniteGuard,
+    Progress,
+    StepAbandoned,
+    StopSignals,
+    TrainingAborted,
+    TrainingInterrupted,
+    prepare_output_dir,
+    run_lock,
+    save_model,
+    stderr_printer,
+)
 from gspo.schedules import lr_schedule
-from gspo.step import Learner, gather_scores, mismatch_stats, prepare, sample_records, step_metrics
+from gspo.step import (
+    Learner,
+    gather_scores,
+    logprob_options,
+    loss_options,
+    mismatch_stats,
+    prepare,
+    sample_records,
+    step_metrics,
+)
 from gspo.tracking import MetricsLogger, check_trackers
 
 
@@ -83,12 +130,13 @@ def train(cfg: TrainConfig, *, model=None, tokenizer=None, data: dict | None = N
 def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | None, callbacks: Callbacks) -> dict:
     started = time.perf_counter()
     resuming = cfg.resume_from_checkpoint is not None
-    out_dir = prepare_output_dir(cfg, resuming) if topology.is_main else Path(cfg.output_dir)  # earlier run: error
+    out = section(cfg, OutputSettings)
+    out_dir = prepare_output_dir(out, resuming) if topology.is_main else Path(out.output_dir)  # earlier run: error
     topology.barrier()
     checkpoint = resolve_resume(cfg.resume_from_checkpoint, out_dir) if resuming else None  # hashed in full
     say = stderr_printer(cfg.progress and topology.is_main, "gspo: ")  # a line as each long phase begins
     say(f"loading model {cfg.model} ...")
-    device, model, tokenizer = seeded_model(cfg, model, tokenizer)  # None: loaded as configured
+    device, model, tokenizer = seeded_model(section(cfg, ModelSettings), model, tokenizer)  # None: as configured
     enable_gradient_checkpointing(model, cfg.gradient_checkpointing)
     autocast = forward_precision(cfg.bf16, device)  # bf16: every policy forward under autocast, weights fp32
     routing = build_routing(model, cfg.routing_replay, cfg.log_routing_drift, cfg.padding_free)
@@ -102,18 +150,27 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             optimizer, lr_schedule(cfg.lr_scheduler, cfg.warmup_steps, total_updates))
 
     baseline = build_baseline(cfg, model, topology, make_optimizer, checkpoint)  # a critic copies the policy first
-    model = attach_adapters(model, cfg)  # LoRA: adapters on the frozen base (the critic copied the full model)
-    reference = reference_policy(cfg, model, topology)  # pi_ref, the starting policy: none, a copy, the adapters off
+    # LoRA: adapters on the frozen base (the critic copied the full model)
+    model = attach_adapters(model, section(cfg, LoraSettings))
+    # pi_ref, the starting policy: none, a copy, the adapters off
+    reference = reference_policy(cfg.kl_coef, model, topology)
     if topology.sharded and checkpoint is not None:  # fsdp shards what it wraps: the checkpoint's weights go in first
         load_model_weights(model, checkpoint)  # checked finite before they are copied in
     model = topology.wrap(model)
     B, G, W = cfg.per_device_batch_size, cfg.num_generations, topology.world_size
     source = prompt_source(cfg, tokenizer, max(1000, cfg.max_steps * B * W), data,
                            note=stderr_printer(topology.is_main))  # the held-out split, said once
-    aux = auxiliary_term(cfg, tokenizer, device, source.train_rows)
+    logp_kwargs = logprob_options(cfg.temperature, section(cfg, PrecisionSettings))  # every forward's options
+    aux = auxiliary_term(section(cfg, SFTTermSettings), tokenizer, device, source.train_rows, logp_kwargs=logp_kwargs,
+                         max_steps=cfg.max_steps, num_minibatches=cfg.num_minibatches,
+                         max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts)
     optimizer, scheduler = make_optimizer(model, cfg.learning_rate)
     guard = NonFiniteGuard(cfg.max_consecutive_skips)
-    learner = Learner(cfg, model, optimizer, scheduler, guard, topology=topology, routing=routing, aux=aux,
+    objective = section(cfg, ObjectiveSettings)
+    learner = Learner(model, optimizer, scheduler, guard, logp_kwargs=logp_kwargs, max_grad_norm=cfg.max_grad_norm,
+                      loss_kwargs=loss_options(objective, norm_length=cfg.max_completion_length,
+                                               kl_in_reward=cfg.kl_in_reward),
+                      correction=section(cfg, CorrectionSettings), topology=topology, routing=routing, aux=aux,
                       baseline=baseline, autocast=autocast)
     shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch plans
     stop_ids = eos_ids(tokenizer, model)
@@ -142,9 +199,9 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
     else:  # exact resume: weights, optimizer, schedule, data position and RNG states as they were
         first, evals = restore(checkpoint, cfg, topology, out_dir, model, optimizer, scheduler, shuffle, source, guard)
     # the sampler starts from the weights training starts from (a copy, an engine: loaded now)
-    generator = Generator(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
+    sampler = Sampler(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
                           recorder=routing.sampling_recorder, records=routing.records_sampling)
-    say(getattr(generator, "reason", f"sampler: {generator.name}"))  # which sampler, and why
+    say(getattr(sampler, "reason", f"sampler: {sampler.name}"))  # which sampler, and why
     logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
                            config=to_dict(cfg), truncate_after_step=None if checkpoint is None else first - 1,
                            enabled=topology.is_main)
@@ -158,7 +215,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             return {}
         say(f"evaluating {held_out} prompts x (greedy + {cfg.eval_k} samples) ...")
         with autocast():
-            evals[step] = source.evaluate(model, tokenizer, cfg)
+            evals[step] = source.evaluate(model, tokenizer)
         return evals[step]
 
     if checkpoint is None and held_out:
@@ -181,7 +238,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             examples = source.next(B * W)
             mine = examples[topology.batch_share(B)]
             with autocast():
-                rollout = generator.sample([e["prompt"] for e in mine], step, first_row=topology.rank * B * G)
+                rollout = sampler.sample([e["prompt"] for e in mine], step, first_row=topology.rank * B * G)
             t_generate = time.perf_counter() - t0
             # 2. Score this rank's completions; every rank then holds every sequence's scalars.
             #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
@@ -192,7 +249,8 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             task_metrics = source.observe(scores.rewards, scores.valid, G)  # several tasks: reweigh them
             # 3. Prepare: the minibatch plan, pi_old and pi_ref log-probs, advantages (a critic's values), once.
             with autocast():
-                batch = prepare(rollout, scores, cfg=cfg, topology=topology, routing=routing, model=model,
+                batch = prepare(rollout, scores, plan=section(cfg, BatchSettings), objective=objective,
+                                logp_kwargs=logp_kwargs, topology=topology, routing=routing, model=model,
                                 reference=reference, baseline=baseline, shuffle=shuffle)
             t_rollout = time.perf_counter() - t0
             stop.abandonable = False  # from here on the step changes the weights: it is finished first
@@ -202,14 +260,15 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             aux.begin_step(step, examples)
             step_stats = [learner.update(batch, i, part, on_policy=on_policy, step=step)
                           for i, part, on_policy in batch.minibatches()]
-            sampler_stats = {**generator.sync(model), **mismatch_stats(batch.rollout, topology)}  # time/sync_s
+            sampler_stats = {**sampler.sync(model), **mismatch_stats(batch.rollout, topology)}  # time/sync_s
             t_train = time.perf_counter() - t0 - t_rollout
 
             # 5. Metrics.
             metrics = step_metrics(scores, step_stats, {**task_metrics, **batch.stats, **sampler_stats}, group_size=G,
                                    drop_bad=cfg.drop_bad_rewards, skipped=guard.skipped, lr=scheduler.get_last_lr()[0],
                                    t_generate=t_generate, t_rollout=t_rollout, t_train=t_train)
-            # 6. Evaluate, call back (a callback's "stop" makes this the last step, as max_steps would), log, checkpoint.
+            # 6. Evaluate, call back (a callback's "stop" makes this the last step, as max_steps would), log,
+            # checkpoint.
             last = step == cfg.max_steps
             if (cfg.eval_steps and step % cfg.eval_steps == 0) or last:
                 metrics.update(evaluate(step))
@@ -233,7 +292,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
         raise TrainingInterrupted(stopped.signum, step - 1, saved) from None
     finally:
         stop.restore()
-        generator.close()
+        sampler.close()
         progress.close()
         logger.close()
 
@@ -286,6 +345,7 @@ def restore(checkpoint: Path, cfg, topology: Topology, out_dir: Path, model, opt
 
 def fused_adamw(params: list) -> dict:
     """{"fused": True} where torch has a fused AdamW kernel for every parameter (CPU and CUDA, float
-    dtypes; FSDP2's DTensors too): one kernel per step instead of a loop over parameters (BENCHMARKS.md, item 5)."""
+    dtypes; FSDP2's DTensors too): one kernel per step instead of a loop over parameters (docs/benchmarks.md,
+    item 5)."""
     ok = params and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return {"fused": True} if ok else {}

@@ -97,7 +97,10 @@ def source_of_gspo() -> dict:
     import gspo
 
     root = Path(gspo.__file__).resolve().parent.parent
-    git = lambda *args: subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout.strip()
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout.strip()
+
     return {"path": str(root), "commit": git("rev-parse", "HEAD") or None,
             "dirty": bool(git("status", "--porcelain", "--", "gspo"))}
 

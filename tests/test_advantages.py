@@ -5,8 +5,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.advantages import (ESTIMATORS, gae, group_advantages, group_stats, register_estimator, unregister_estimator,
-                             whiten)
+from gspo.advantages import (
+    ESTIMATORS,
+    gae,
+    group_advantages,
+    group_stats,
+    register_estimator,
+    unregister_estimator,
+    whiten,
+)
 from gspo.config import TrainConfig, make_config
 
 
@@ -28,15 +35,15 @@ def test_groups_are_independent_and_equal_rewards_give_zero():
     assert torch.isfinite(adv).all()
 
 
-def test_scale_none_and_batch():
+def test_estimators_none_and_batch():
     r = torch.tensor([1.0, 0.0, 3.0, 3.0])
     # none: only centring, group means 0.5 and 3
-    assert torch.allclose(group_advantages(r, 2, scale="none"), torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    assert torch.allclose(group_advantages(r, 2, estimator="none"), torch.tensor([0.5, -0.5, 0.0, 0.0]))
     # batch: centred by group, divided by the std of all rewards: mean 1.75,
     # var = (0.5625 + 3.0625 + 1.5625 + 1.5625) / 4 = 1.6875
     std = math.sqrt(1.6875)
     expected = torch.tensor([0.5, -0.5, 0.0, 0.0]) / (std + 1e-4)
-    assert torch.allclose(group_advantages(r, 2, scale="batch"), expected, atol=1e-6)
+    assert torch.allclose(group_advantages(r, 2, estimator="batch"), expected, atol=1e-6)
 
 
 def test_group_stats():
@@ -47,18 +54,18 @@ def test_group_stats():
 
 
 @pytest.mark.parametrize(
-    "rewards, group_size, scale, message",
+    "rewards, group_size, estimator, message",
     [
         (torch.ones(5), 2, "group", "not a positive multiple of group_size 2"),
         (torch.ones(4), 0, "group", "group_size: must be a positive int"),
-        (torch.ones(4), 2, "rank", "scale: unknown 'rank'"),
+        (torch.ones(4), 2, "rank", "estimator: unknown 'rank'"),
         (torch.tensor([1.0, float("nan")]), 2, "group", "rewards: non-finite value at index 1"),
         (torch.ones(2, 2), 2, "group", "rewards: expected a 1-D tensor"),
     ],
 )
-def test_bad_input(rewards, group_size, scale, message):
+def test_bad_input(rewards, group_size, estimator, message):
     with pytest.raises(ValueError, match=message):
-        group_advantages(rewards, group_size, scale=scale)
+        group_advantages(rewards, group_size, estimator=estimator)
 
 
 def test_dropped_samples_get_zero_advantage_and_leave_the_group_stats():
@@ -70,8 +77,8 @@ def test_dropped_samples_get_zero_advantage_and_leave_the_group_stats():
     expected = torch.tensor([1.4139, 0.0, -0.7070, -0.7070, 0.9998, 0.9998, -0.9998, -0.9998])
     assert torch.allclose(adv, expected, atol=2e-4)
     assert torch.equal(adv[4:], group_advantages(rewards[4:], 4))  # untouched group: same as without a mask
-    # scale="none" centres on the valid mean only; a group with no valid sample is all zero.
-    assert torch.allclose(group_advantages(rewards, 4, scale="none", valid=valid)[:4],
+    # estimator="none" centres on the valid mean only; a group with no valid sample is all zero.
+    assert torch.allclose(group_advantages(rewards, 4, estimator="none", valid=valid)[:4],
                           torch.tensor([2 / 3, 0.0, -1 / 3, -1 / 3]))
     none_valid = torch.tensor([False] * 4 + [True] * 4)
     assert torch.equal(group_advantages(rewards, 4, valid=none_valid)[:4], torch.zeros(4))
@@ -100,7 +107,8 @@ def test_a_registered_estimator_is_dispatched_and_accepted_by_the_config():
     register_estimator("sign")(sign)
     try:
         # groups (1, 0) and (0.5, 0.5): centred (0.5, -0.5) and (0, 0) -> signs (1, -1), (0, 0)
-        assert group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2, scale="sign").tolist() == [1.0, -1.0, 0.0, 0.0]
+        signs = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2, estimator="sign")
+        assert signs.tolist() == [1.0, -1.0, 0.0, 0.0]
         assert calls == [None]  # every sample valid
         assert make_config(TrainConfig, {"advantage_estimator": "sign"}).advantage_estimator == "sign"
         assert make_config(TrainConfig, {"advantage_scale": "sign"}).advantage_estimator == "sign"  # the old name
@@ -118,14 +126,14 @@ def test_reinforce_pp_hand_values():
     # REINFORCE++: rewards (1, 0, 0, 0, 2, 2, 0, 4) over the whole batch, groups ignored: mean 9/8,
     # population variance (1/8)(sum r^2) - mean^2 = 25/8 - 81/64 = 119/64, std = sqrt(119)/8 = 1.36358
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0, 4.0])
-    adv = group_advantages(rewards, 4, scale="reinforce_pp", eps=1e-9)
+    adv = group_advantages(rewards, 4, estimator="reinforce_pp", eps=1e-9)
     std = 119**0.5 / 8
     expected = [(r - 9 / 8) / std for r in rewards.tolist()]
     torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-6, rtol=0)
     assert abs(expected[0] - (-0.0917)) < 1e-3  # (1 - 1.125) / 1.36358
     # a dropped sample: out of the mean and std, advantage 0; rewards (1, NaN | 0, 3): mean 4/3, var 14/9
     valid = torch.tensor([True, False, True, True])
-    adv = group_advantages(torch.tensor([1.0, float("nan"), 0.0, 3.0]), 2, scale="reinforce_pp", eps=1e-9,
+    adv = group_advantages(torch.tensor([1.0, float("nan"), 0.0, 3.0]), 2, estimator="reinforce_pp", eps=1e-9,
                            valid=valid)
     s = (14 / 9) ** 0.5
     torch.testing.assert_close(adv, torch.tensor([(1 - 4 / 3) / s, 0.0, (0 - 4 / 3) / s, (3 - 4 / 3) / s]),
@@ -134,11 +142,11 @@ def test_reinforce_pp_hand_values():
 
 def test_rloo_hand_values():
     # group (1, 0, 0, 0): 1 - 0 = 1, 0 - 1/3; group (2, 2, 0, 4): 2 - 2, 2 - 2, 0 - 8/3, 4 - 4/3
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0, 4.0]), 4, scale="rloo")
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0, 4.0]), 4, estimator="rloo")
     torch.testing.assert_close(adv, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, 0.0, 0.0, -8 / 3, 8 / 3]))
     # dropped samples are no one's baseline; a sample with no valid sibling gets 0
     valid = torch.tensor([True, True, False, False, True, False, False, False])
-    adv = group_advantages(torch.tensor([1.0, 0.0, 9.0, 9.0, 5.0, 0.0, 0.0, 0.0]), 4, scale="rloo", valid=valid)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 9.0, 9.0, 5.0, 0.0, 0.0, 0.0]), 4, estimator="rloo", valid=valid)
     assert adv.tolist() == [1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from conftest import ROOT, SMALL, read_metrics
 
+from conftest import ROOT, SMALL, read_metrics
 from gspo import GRPOTrainer, GSPOTrainer, TrainConfig, Trainer
 from gspo.cli import main
 from gspo.config import load_config
@@ -86,7 +86,7 @@ def test_trainer_trains_a_model_object_on_a_dataset_with_a_stateful_reward(run):
         assert call["answer"] == [answers[p] for p in call["prompts"]]
     # the callback saw each step's metrics line: the reward's own numbers, the loss
     assert [step for step, _ in run["recorder"].steps] == [1, 2]
-    for (step, metrics), call in zip(run["recorder"].steps, training_calls(run["reward"])):
+    for (_, metrics), call in zip(run["recorder"].steps, training_calls(run["reward"])):
         mean = sum(call["values"]) / len(call["values"])
         assert metrics["reward/mean"] == pytest.approx(mean, abs=1e-6)
         assert metrics["reward/DigitShare"] == pytest.approx(mean, abs=1e-6)

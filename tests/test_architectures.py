@@ -1,7 +1,8 @@
-"""The architecture matrix (README "Architectures"): a tiny random-init model of each family this
+"""The architecture matrix (docs/architectures.md): a tiny random-init model of each family this
 transformers version ships, built from config, trains GSPO steps with its own attention, sampled by
-gspo's decode loop (HF generate where a layer needs a sliding-window cache); the chunked log-probs equal the naive path; on each MoE, routing replay and the drift
-metric work, or the run is refused with an error that names the architecture."""
+gspo's decode loop (HF generate where a layer needs a sliding-window cache); the chunked log-probs
+equal the naive path; on each MoE, routing replay and the drift metric work, or the run is refused
+with an error that names the architecture."""
 
 import math
 
@@ -12,8 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from conftest import random_record, read_metrics, tiny_cfg
 from gspo.logprobs import completion_logprobs, naive_completion_logprobs, padding_free_layout
 from gspo.moe import SUPPORTED_ARCHITECTURES, find_routers, replay_routing
-from gspo.routing import to_layout
 from gspo.rollout.sampling import pick_generator
+from gspo.routing import to_layout
 from gspo.tasks.tokenizer import build_char_tokenizer
 from gspo.trainer import train
 
@@ -32,10 +33,10 @@ SPARSE = {
                   "shared_expert_intermediate_size": 32},
     "mixtral": {**ATTN, **MOE, "sliding_window": None},
     "olmoe": {**ATTN, "num_experts": 4, "num_experts_per_tok": 2},
-    "deepseek_v3": {**ATTN, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16,
-                    "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-                    "n_shared_experts": 1},
+    "deepseek_v3": {**ATTN, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                    "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                    "v_head_dim": 8, "n_shared_experts": 1},
     "gpt_oss": {**ATTN, **MOE, "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
 }
 

@@ -45,7 +45,8 @@ def test_bench_reports_the_trainers_phases_and_their_utilisation(tmp_path):
     result = bench(cfg, steps=2, skip_first=1, peak_seconds=0.05, matmul_n=256)
     assert result["timed_steps"] == 1 and not (tmp_path / "kept").exists()  # nothing written where the config says
     phases = result["phases"]
-    parts = sum(phases[p]["s_per_step"] for p in ("generate", "rewards + pi_old/pi_ref + advantages", "train (updates)"))
+    parts = sum(phases[p]["s_per_step"]
+                for p in ("generate", "rewards + pi_old/pi_ref + advantages", "train (updates)"))
     assert phases["whole step"]["s_per_step"] == pytest.approx(parts)  # one timed step: the medians add up
     model, _ = load_model("tiny-dense", overrides=TINY_MODEL)
     l = result["mean_prompt_len"] + result["mean_completion_len"]

@@ -16,10 +16,24 @@ import pytest
 import torch
 
 from conftest import qwen3, tiny_cfg
-from gspo.checkpoint import (MANIFEST_FILE, OPTIMIZER_FILE, capture_rng, check_data, check_finite_state, clean_stale,
-                             discard_newer_checkpoints, latest_checkpoint, list_checkpoints, load_checkpoint,
-                             load_model_weights, resolve_resume, restore_rng, save_checkpoint, set_aside_damaged,
-                             verify_checkpoint)
+from gspo.checkpoint import (
+    MANIFEST_FILE,
+    OPTIMIZER_FILE,
+    capture_rng,
+    check_data,
+    check_finite_state,
+    clean_stale,
+    discard_newer_checkpoints,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    resolve_resume,
+    restore_rng,
+    save_checkpoint,
+    set_aside_damaged,
+    verify_checkpoint,
+)
 from gspo.run import prepare_output_dir
 from gspo.tasks import build_char_tokenizer
 

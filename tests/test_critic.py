@@ -2,8 +2,8 @@
 and able to fit a fixed rollout's returns (the critic alone; in the trainer: test_ppo.py)."""
 
 import torch
-from conftest import SMALL
 
+from conftest import SMALL
 from gspo.advantages import gae
 from gspo.critic import completion_values, terminal_rewards, value_model_from
 from gspo.models import load_model

@@ -5,11 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import SMALL as SMALL_TIED, SMALL_MOE
-from gspo.rollout.decode import PrefixKVLayer, prefix_cache, sample, unsupported_reason
+from conftest import SMALL as SMALL_TIED
+from conftest import SMALL_MOE
 from gspo.models import load_model
 from gspo.moe import record_routing
 from gspo.rollout import GENERATORS, generate, row_seeds
+from gspo.rollout.decode import PrefixKVLayer, prefix_cache, sample, unsupported_reason
 from gspo.tasks import build_char_tokenizer
 
 # untied head: a random model with tied embeddings mostly repeats its input token, a weak greedy test

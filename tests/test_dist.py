@@ -19,8 +19,18 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import (SMALL, SMALL_MOE, changed, comparable, final_weights, gspo_env, initial_weights, read_metrics,
-                      run_gspo, saved_tensors)
+from conftest import (
+    SMALL,
+    SMALL_MOE,
+    changed,
+    comparable,
+    final_weights,
+    gspo_env,
+    initial_weights,
+    read_metrics,
+    run_gspo,
+    saved_tensors,
+)
 from gspo.config import TrainConfig, make_config
 
 EXACT = ("reward/mean", "reward/std", "completion/mean_len", "completion/max_len", "groups/zero_std_frac", "lr",
@@ -296,8 +306,8 @@ def test_ppo_critic_matches_one_process_under_ddp_and_fsdp_and_resumes(tmp_path)
 
 
 def test_resume_on_another_world_size_needs_the_same_global_batch():
-    from gspo.config import TrainConfig, make_config
     from gspo.checkpoint import check_resumable, saved_config
+    from gspo.config import TrainConfig, make_config
 
     def cfg(batch: int, **extra):
         return make_config(TrainConfig, {"task": "add3", "per_device_batch_size": batch, "max_steps": 3, **extra})

@@ -235,7 +235,8 @@ def data_cases():
         ("too_long_prompt_line_7", "d.jsonl", jsonl(GOOD_ROWS[:6] + [long_prompt] + GOOD_ROWS[6:]),
          r"d.jsonl line 7: the prompt has 4\d tokens > max_prompt_length=30; raise max_prompt_length, or set "
          r"truncate_prompts=left"),
-        ("csv_not_utf8", "d.csv", b"prompt,answer\n1+1=,2\n\xff,3\n", r"d.csv line 3: not UTF-8 text \(byte 0xff at column 1\)"),
+        ("csv_not_utf8", "d.csv", b"prompt,answer\n1+1=,2\n\xff,3\n",
+         r"d.csv line 3: not UTF-8 text \(byte 0xff at column 1\)"),
         ("bad_chat", "d.jsonl", jsonl([{"prompt": [{"role": "user"}], "answer": "1"}] * 3),
          r"d.jsonl line 1: chat messages must be a non-empty list of \{role, content\} string pairs"),
         ("whitespace_prompt_line_4", "d.jsonl", jsonl(GOOD_ROWS[:3] + [{"prompt": " \t ", "answer": "1"}]

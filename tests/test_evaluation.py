@@ -6,9 +6,9 @@ import pytest
 
 from conftest import SMALL, tiny_cfg
 from gspo.config import SFTConfig, TrainConfig, make_config
-from gspo.data.evaluation import evaluate, success_threshold
+from gspo.data.evaluation import Evaluation, evaluate, success_threshold
 from gspo.data.mixture import TaskMixture
-from gspo.data.rows import holdout_count, load_splits
+from gspo.data.rows import config_splits, holdout_count
 from gspo.models import load_model
 from gspo.tasks import get_task
 
@@ -42,6 +42,11 @@ def eval_cfg(**kw) -> TrainConfig:
                                      "seeded_sampling": True, **kw})
 
 
+def plan(**settings) -> Evaluation:
+    """The Evaluation of `eval_cfg(**settings)`."""
+    return Evaluation.of(eval_cfg(**settings))
+
+
 def test_success_threshold_is_full_marks_unless_given():
     assert success_threshold(None, 1) == 1.0  # one 0/1 reward: a correct answer
     assert success_threshold(None, 2) == 2.0  # two rewards, weight 1 each: both at 1
@@ -53,7 +58,7 @@ def test_rows_with_an_answer_are_scored_by_the_configured_reward(tiny):
     # An `answer` column used to mean the built-in `####` answer_match whatever reward_funcs said: a custom
     # reward read eval/accuracy 0. Now the run's own reward decides.
     model, tokenizer, rows = tiny
-    out = evaluate(model, tokenizer, rows, eval_cfg(reward_funcs=[even_answer]))
+    out = evaluate(model, tokenizer, rows, plan(reward_funcs=[even_answer]))
     assert [r["answer"] for r in rows] == ["821", "930", "1566", "1436", "1042", "665"]  # 4 of 6 even
     for key in ("eval/accuracy", "eval/reward", "eval/mean_at_k", "eval/pass_at_k", "eval/sampled_reward"):
         assert out[key] == pytest.approx(4 / 6, abs=1e-6), key  # every completion of a row scores alike
@@ -63,13 +68,13 @@ def test_accuracy_is_the_share_of_prompts_at_the_threshold(tiny):
     model, tokenizer, rows = tiny
     # always_one + answer_match (0 for a random model): total reward 1 of the full marks 2.
     two = eval_cfg(reward_funcs=[always_one, "answer_match"], eval_k=2)
-    out = evaluate(model, tokenizer, rows, two)
+    out = evaluate(model, tokenizer, rows, Evaluation.of(two))
     assert out == {"eval/accuracy": 0.0, "eval/reward": 1.0, "eval/mean_at_k": 0.0, "eval/pass_at_k": 0.0,
                    "eval/sampled_reward": 1.0}
-    out = evaluate(model, tokenizer, rows, eval_cfg(reward_funcs=[always_one, "answer_match"], eval_k=2,
+    out = evaluate(model, tokenizer, rows, plan(reward_funcs=[always_one, "answer_match"], eval_k=2,
                                                     eval_success_threshold=1.0))
     assert (out["eval/accuracy"], out["eval/mean_at_k"], out["eval/pass_at_k"]) == (1.0, 1.0, 1.0)
-    out = evaluate(model, tokenizer, rows, eval_cfg(reward_funcs=[always_one], reward_weights=[0.25], eval_k=2))
+    out = evaluate(model, tokenizer, rows, plan(reward_funcs=[always_one], reward_weights=[0.25], eval_k=2))
     assert out["eval/reward"] == 0.25 and out["eval/accuracy"] == 1.0  # full marks of weight 0.25: 0.25
 
 
@@ -82,9 +87,9 @@ def test_chunked_evaluation_equals_one_call(tiny):
         lambda module, args, kwargs: sizes.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]
                                                    ).shape[0]), with_kwargs=True)
     try:
-        whole = evaluate(model, tokenizer, rows, eval_cfg(reward_funcs=[char_hash], eval_batch_size=100))
+        whole = evaluate(model, tokenizer, rows, plan(reward_funcs=[char_hash], eval_batch_size=100))
         largest_whole, sizes[:] = max(sizes), []
-        chunked = evaluate(model, tokenizer, rows, eval_cfg(reward_funcs=[char_hash], eval_batch_size=4))
+        chunked = evaluate(model, tokenizer, rows, plan(reward_funcs=[char_hash], eval_batch_size=4))
     finally:
         hook.remove()
     assert largest_whole == 6 * 3 and max(sizes) == 4 * 3  # sampled: prompts x eval_k rows per call
@@ -97,7 +102,7 @@ def test_each_task_of_a_mixture_is_evaluated_with_its_own_rewards(tmp_path):
     cfg = tiny_cfg(tmp_path, task=None, reward_funcs=["answer_match"], eval_num_prompts=3,
                    tasks=[{"task": "add2"}, {"name": "paid", "task": "add3", "reward_funcs": [always_one]}])
     model, tokenizer = load_model("tiny-dense", seed=0, overrides=SMALL)
-    out = TaskMixture.from_config(cfg, tokenizer, num_train=10).evaluate(model, tokenizer, cfg)
+    out = TaskMixture.from_config(cfg, tokenizer, num_train=10).evaluate(model, tokenizer)
     assert out["task/paid/eval_accuracy"] == 1.0 and out["task/paid/eval_reward"] == 1.0
     assert out["task/add2/eval_accuracy"] == 0.0  # answer_match: a random model is never right
     assert out["eval/accuracy"] == 0.5  # the unweighted mean over the tasks
@@ -119,17 +124,17 @@ def test_holdout_count():
 def test_the_held_out_split_is_said_and_can_be_none(tmp_path, capsys):
     data = write_rows(tmp_path / "data.jsonl", 30)
     _, tokenizer = load_model("tiny-dense", seed=0, overrides=SMALL)
-    train_rows, held_out = load_splits(eval_cfg(task=None, dataset=data), tokenizer, num_train=0)
+    train_rows, held_out = config_splits(eval_cfg(task=None, dataset=data), tokenizer, 0)
     assert (len(train_rows), len(held_out)) == (27, 3)
     assert f"eval: holding out 3 of 30 rows of {data} (eval_holdout=0.1)" in capsys.readouterr().err
-    train_rows, held_out = load_splits(eval_cfg(task=None, dataset=data, eval_holdout=0), tokenizer, num_train=0)
+    train_rows, held_out = config_splits(eval_cfg(task=None, dataset=data, eval_holdout=0), tokenizer, 0)
     assert (len(train_rows), len(held_out)) == (30, 0)
     assert f"eval: holding out 0 of 30 rows of {data} (eval_holdout=0): no evaluation" in capsys.readouterr().err
-    train_rows, held_out = load_splits(eval_cfg(task=None, dataset=data, eval_holdout=12, eval_num_prompts=5),
-                                       tokenizer, num_train=0)
+    train_rows, held_out = config_splits(eval_cfg(task=None, dataset=data, eval_holdout=12, eval_num_prompts=5),
+                                         tokenizer, 0)
     assert (len(train_rows), len(held_out)) == (18, 5)
     assert "holding out 12 of 30 rows" in capsys.readouterr().err
-    train_rows, held_out = load_splits(eval_cfg(task=None, dataset=data, eval_num_prompts=0), tokenizer, num_train=0)
+    train_rows, held_out = config_splits(eval_cfg(task=None, dataset=data, eval_num_prompts=0), tokenizer, 0)
     assert (len(train_rows), len(held_out)) == (30, 0)  # evaluation off: nothing held out
 
 

@@ -47,8 +47,8 @@ def test_default_grid_expands_as_configured(tmp_path):
 
 def test_grid_knobs_reach_every_run_config(tmp_path):
     cfg = lab(tmp_path, objectives=["gspo"], models=["moe"], routing_replay=["none", "old_policy"],
-              replay_all_objectives=True, seeds=[7], depths=[], search={"long": {"max_completion_length": 96}}, search_seeds=None,
-              num_minibatches=2, learning_rate=3e-5, train_overrides={"kl_coef": 0.01})
+              replay_all_objectives=True, seeds=[7], depths=[], search={"long": {"max_completion_length": 96}},
+              search_seeds=None, num_minibatches=2, learning_rate=3e-5, train_overrides={"kl_coef": 0.01})
     specs = expand_grid(cfg)
     assert [s.name for s in specs] == ["gspo-moe-none-s7", "gspo-moe-old_policy-s7", "search-long-grpo-moe-none-s7",
                                        "search-long-gspo-moe-none-s7"]

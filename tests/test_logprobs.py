@@ -105,7 +105,7 @@ def test_chunked_path_does_not_keep_vocab_sized_tensors_for_backward():
     for fn, expect_vocab_tensors in ((completion_logprobs, False), (naive_completion_logprobs, True)):
         shapes = []
 
-        def pack(t):
+        def pack(t, shapes=shapes):
             shapes.append(tuple(t.shape))
             return t
 

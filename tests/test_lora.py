@@ -12,14 +12,13 @@ from transformers import AutoModelForCausalLM
 
 from conftest import SMALL, SMALL_MOE, changed, read_metrics, starts_with_digit, tiny_cfg
 from gspo.config import TrainConfig, make_config
-from gspo.logprobs import completion_logprobs
+from gspo.logprobs import completion_logprobs, minibatch_logprobs
 from gspo.lora import attach_adapters
 from gspo.models import load_model
 from gspo.moe import find_routers
-from gspo.reference import AdaptersOff, reference_policy
 from gspo.parallel import Topology
+from gspo.reference import AdaptersOff, reference_policy
 from gspo.rollout import generate
-from gspo.routing import minibatch_logprobs
 from gspo.tasks import get_task
 from gspo.trainer import train
 
@@ -59,7 +58,7 @@ def test_adapters_off_is_the_base_model_and_costs_no_copy(tmp_path):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # as if trained: the adapted policy moves away from the base
-    reference = reference_policy(cfg, policy, Topology())
+    reference = reference_policy(cfg.kl_coef, policy, Topology())
     assert isinstance(reference, AdaptersOff) and reference.model is policy  # no second model
     prompts = [r["prompt"] for r in get_task("add3").dataset("train", 2, 0)]
     rollout = generate(base, tok, prompts, 2, max_new_tokens=6)
@@ -70,12 +69,13 @@ def test_adapters_off_is_the_base_model_and_costs_no_copy(tmp_path):
     own = minibatch_logprobs(policy, rollout, rows, {})
     assert (own - ref)[mask].abs().max() > 1e-2  # with the adapters on it is another policy
     # A full fine-tuning run keeps a frozen copy instead.
-    full = reference_policy(tiny_cfg(tmp_path, kl_coef=0.1), base, Topology())
+    full = reference_policy(0.1, base, Topology())
     assert full.model is not base and not any(p.requires_grad for p in full.model.parameters())
 
 
 def test_kl_to_the_base_grows_as_the_adapters_train(tmp_path):
-    train(tiny_cfg(tmp_path, **LORA, kl_coef=0.05, max_steps=4, num_minibatches=1))  # each step's loss/kl: before its update
+    # each step's loss/kl: before its update
+    train(tiny_cfg(tmp_path, **LORA, kl_coef=0.05, max_steps=4, num_minibatches=1))
     rows = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     kl = [r["loss/kl"] for r in rows]  # KL(pi_theta || pi_ref): pi_ref the base, adapters off
     assert kl[0] == 0.0  # step 1: adapters still at B = 0, the policy is its base exactly
@@ -206,7 +206,7 @@ def test_adapters_do_not_shift_the_runs_random_stream(tmp_path):
 
 
 def test_a_bfloat16_base_trains_float32_adapters(tmp_path):
-    """The LoRA + bf16 recipe (BENCHMARKS.md, 8): base weights in bfloat16, adapters (and AdamW) in float32."""
+    """The LoRA + bf16 recipe (docs/benchmarks.md, 8): base weights in bfloat16, adapters (and AdamW) in float32."""
     train(tiny_cfg(tmp_path, **LORA, dtype="bfloat16", save_steps=3))
     adapter = load_file(tmp_path / "run" / "model" / "adapter_model.safetensors")
     assert all(t.dtype == torch.float32 for t in adapter.values())

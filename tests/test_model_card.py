@@ -3,7 +3,6 @@
 import json
 import re
 
-
 from conftest import tiny_cfg
 from gspo.checkpoint import saved_config
 from gspo.config import TrainConfig, make_config

@@ -6,15 +6,15 @@ import math
 import pytest
 import torch
 
-import gspo.trainer
 import gspo.models
+import gspo.trainer
 from conftest import SMALL, SMALL_MOE, changed, no_hooks, perturb_routers, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, make_config
 from gspo.models import load_model
 from gspo.moe import expert_change_frac, find_routers, record_routing
 from gspo.rollout import generate
+from gspo.routing import free_routing, minibatch_logprobs_and_routing
 from gspo.tasks import get_task
-from gspo.routing import free_routing, minibatch_logprobs, minibatch_logprobs_and_routing
 from gspo.trainer import train
 
 DRIFT_KEYS = ["moe/expert_change_frac", "moe/expert_change_frac/layer_0", "moe/expert_change_frac/layer_1"]
@@ -134,7 +134,8 @@ def test_generation_record_replayed_in_pi_old_forward_reproduces_the_sampler():
     assert (rec.indices[:, :, -1] == -1).all() and (rec.indices[:, :, :-1] >= 0).all()  # last token never fed back
     minibatches = torch.randperm(12, generator=torch.Generator().manual_seed(0)).chunk(2)
     with torch.no_grad():
-        old = minibatch_logprobs(model, rollout, minibatches, {"temperature": 1.0, "chunk_size": 1024}, replay=True)
+        old, _ = minibatch_logprobs_and_routing(model, rollout, minibatches, {"temperature": 1.0, "chunk_size": 1024},
+                                                replay=True)
     cmask = rollout.completion_mask
     torch.testing.assert_close(old[cmask], rollout.sampler_logprobs[cmask], rtol=0, atol=1e-5)
     # Rollout.select trims the record's columns exactly as it trims input_ids
@@ -174,7 +175,7 @@ def test_old_policy_record_is_full_width_and_replays_in_other_minibatches():
     later = torch.randperm(12, generator=torch.Generator().manual_seed(1)).chunk(2)
     rollout.routing = rec
     with torch.no_grad():
-        again = minibatch_logprobs(model, rollout, later, {}, replay=True)
+        again, _ = minibatch_logprobs_and_routing(model, rollout, later, {}, replay=True)
     cmask = rollout.completion_mask
     torch.testing.assert_close(again[cmask], old[cmask], rtol=0, atol=1e-5)
     # ... and after the routers moved, the experts used are still pi_old's at every real token.

@@ -9,7 +9,15 @@ import torch
 
 from conftest import changed, comparable, final_weights, initial_weights, read_metrics, starts_with_digit, tiny_cfg
 from gspo.config import TrainConfig, load_config
-from gspo.data.mixture import TaskMixture, TaskSignal, TaskSpec, allocate, dynamic_weights, static_weights, update_signal
+from gspo.data.mixture import (
+    TaskMixture,
+    TaskSignal,
+    TaskSpec,
+    allocate,
+    dynamic_weights,
+    static_weights,
+    update_signal,
+)
 from gspo.trainer import train
 
 

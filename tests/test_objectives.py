@@ -8,8 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gspo.config import TrainConfig, make_config
-from gspo.objectives import (AGGREGATIONS, DEFAULT_AGGREGATION, DEFAULT_CLIP, OBJECTIVES, LossInputs, kl_penalty,
-                             policy_loss, register_objective, registered_objective, unregister_objective)
+from gspo.objectives import (
+    AGGREGATIONS,
+    DEFAULT_AGGREGATION,
+    DEFAULT_CLIP,
+    OBJECTIVES,
+    LossInputs,
+    kl_penalty,
+    policy_loss,
+    register_objective,
+    registered_objective,
+    unregister_objective,
+)
 
 D = torch.float64
 
@@ -412,4 +422,5 @@ def test_built_in_registrations():
     assert dict(DEFAULT_CLIP) == {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.2), "gspo_token": (3e-4, 4e-4),
                                   "cispo": (1.0, 0.28), "sapo": (None, None)}
     assert [o for o, spec in OBJECTIVES.items() if spec.length_neutral] == ["gspo", "gspo_token"]
-    assert DEFAULT_AGGREGATION["cispo"] == "token_mean" and OBJECTIVES["sapo"].options == ("sapo_tau_pos", "sapo_tau_neg")
+    assert DEFAULT_AGGREGATION["cispo"] == "token_mean"
+    assert OBJECTIVES["sapo"].options == ("sapo_tau_pos", "sapo_tau_neg")

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_cfg
 from gspo.config import TrainConfig, make_config
-from gspo.data.rows import check_rows, load_splits
+from gspo.data.rows import check_rows, config_splits
 from gspo.tasks import build_char_tokenizer
 
 FLAG_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if flag %} (flagged){% endif %}="
@@ -27,7 +27,7 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(20)))
     cfg = make_config(TrainConfig, {"task": None, "dataset": str(data), "chat_template_kwargs": {"flag": True}})
-    train, held_out = load_splits(cfg, tok, num_train=0)
+    train, held_out = config_splits(cfg, tok, 0)
     assert all(r["prompt"].endswith(" (flagged)=") for r in train + held_out) and len(train) + len(held_out) == 20
 
 

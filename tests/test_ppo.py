@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import SMALL, changed, final_weights, initial_weights, read_metrics, starts_with_digit, tiny_cfg
 from gspo.baselines import CriticBaseline, GroupBaseline, build_baseline
-from gspo.config import TrainConfig, make_config
+from gspo.config import AdvantageSettings, TrainConfig, make_config, section
 from gspo.critic import HEAD_FILE, load_value_model
 from gspo.models import load_model
 from gspo.parallel import Part, Topology
@@ -48,7 +48,8 @@ def critic_baseline(table, **kw) -> CriticBaseline:
     critic = FixedValues(table)
     optimizer = torch.optim.SGD(critic.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return CriticBaseline(cfg, critic, optimizer, scheduler, NonFiniteGuard(5), Topology())
+    return CriticBaseline(section(cfg, AdvantageSettings), critic, optimizer, scheduler, NonFiniteGuard(5), Topology(),
+                          kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, packed=cfg.padding_free)
 
 
 def tiny_cfg_values(**kw) -> TrainConfig:
@@ -127,7 +128,7 @@ def test_group_baseline_is_the_registered_estimator():
         rollout = Rollout(torch.zeros(8, 2, dtype=torch.long), torch.ones(8, 2), torch.ones(8, 1, dtype=torch.bool),
                           [""] * 8, [""] * 8)
         stats = GroupBaseline(name, 4).estimate(rollout, scores, [], Topology())
-        want = group_advantages(rewards, 4, scale=name)
+        want = group_advantages(rewards, 4, estimator=name)
         assert torch.equal(rollout.advantages, want)
         assert stats["advantages/mean"] == pytest.approx(want.double().mean().item(), abs=1e-12)
 
@@ -248,8 +249,8 @@ def test_ppo_raises_held_out_accuracy_from_the_demo_cold_start(tmp_path):
     settings: held-out greedy accuracy must rise by 0.15. The same run with a reward unrelated to
     correctness (the update is then noise as far as addition goes) must not. (30 steps, not 20: on an
     AMD EPYC AVX-512 machine 20 gave +0.12, at bbf266e too; 30 gave +0.19, the control -0.47.)"""
-    from gspo.demo import DEMO_RL, DEMO_SFT
     from gspo.config import SFTConfig
+    from gspo.demo import DEMO_RL, DEMO_SFT
     from gspo.sft import sft
 
     cold = sft(make_config(SFTConfig, {**DEMO_SFT, "output_dir": str(tmp_path / "sft"), "progress": False}))
@@ -307,8 +308,9 @@ def test_a_non_finite_value_loss_skips_the_critic_step_and_aborts_naming_the_cri
     critic = FixedValues([[0.0] * 4, [0.0] * 4])
     optimizer = torch.optim.SGD(critic.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    baseline = CriticBaseline(cfg, critic, optimizer, scheduler,
-                              NonFiniteGuard(2, "critic steps", "critic_learning_rate"), Topology())
+    baseline = CriticBaseline(section(cfg, AdvantageSettings), critic, optimizer, scheduler,
+                              NonFiniteGuard(2, "critic steps", "critic_learning_rate"), Topology(),
+                              kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, packed=cfg.padding_free)
     mb = hand_rollout([1.0, 0.0])
     mb.old_values, mb.returns = torch.zeros(2, 3), torch.full((2, 3), float("nan"))  # a NaN target
     stats = baseline.update(mb, ALL[0], step=1)

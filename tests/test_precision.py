@@ -9,7 +9,16 @@ above 0.999 (measured: 0.76% / 0.99998 on tiny-dense, 0.82% / 1.00000 on tiny-mo
 import pytest
 import torch
 
-from conftest import SMALL, SMALL_MOE, changed, final_weights, initial_weights, read_metrics, starts_with_digit, tiny_cfg
+from conftest import (
+    SMALL,
+    SMALL_MOE,
+    changed,
+    final_weights,
+    initial_weights,
+    read_metrics,
+    starts_with_digit,
+    tiny_cfg,
+)
 from gspo.logprobs import completion_logprobs
 from gspo.models import load_model
 from gspo.moe import record_routing, replay_routing
@@ -26,7 +35,10 @@ def batch(seed: int = 0):
     return ids, mask, advantages
 
 
-def gradients(model, *, autocast=forward_precision(False, "cpu"), record=None) -> torch.Tensor:
+FLOAT32 = forward_precision(False, "cpu")  # the plain float32 forward: a null context
+
+
+def gradients(model, *, autocast=FLOAT32, record=None) -> torch.Tensor:
     """The flat gradient of a policy-gradient loss through the training forward (chunked log-probs)."""
     ids, mask, adv = batch()
     model.train()

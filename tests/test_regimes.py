@@ -136,11 +136,13 @@ def test_axis_methods_pick_each_axis_methods_and_the_baseline_runs_their_union(t
             "reason": "not chosen for this axis (axis_methods): the grid's budget"} in left_out
     assert len(left_out) == 8 * 4 - len(specs)
     # with every axis listed, the baseline runs only what some axis runs
-    only = {"mismatch": ["grpo"], "staleness": ["grpo"], "off_policy": ["gspo"], "length": ["gspo"], "moe_shape": ["gspo"]}
+    only = {"mismatch": ["grpo"], "staleness": ["grpo"], "off_policy": ["gspo"], "length": ["gspo"],
+            "moe_shape": ["gspo"]}
     base = [s.method for s in expand_grid(regimes_lab(tmp_path, seeds=[0], axis_methods=only)) if s.label == "baseline"]
     assert base == ["grpo", "gspo"]
     # or what axis_methods.baseline names
-    own = [s.method for s in expand_grid(regimes_lab(tmp_path, seeds=[0], axis_methods={**only, "baseline": ["grpo_r2"]}))
+    own = [s.method
+           for s in expand_grid(regimes_lab(tmp_path, seeds=[0], axis_methods={**only, "baseline": ["grpo_r2"]}))
            if s.label == "baseline"]
     assert own == ["grpo_r2"]
 
@@ -212,7 +214,8 @@ def test_micro_moe_regimes_lab_staleness_and_shape_reach_their_runs(tmp_path):
         learning_rate=1e-3, train_overrides={"reward_funcs": ["conftest:starts_with_digit"]},  # a reward with signal
         regimes={"staleness": {"lag1": {"sampler_lag": 1}},
                  "moe_shape": {"wide": {"arch": {"num_experts": 4, "num_experts_per_tok": 1}}}},
-        regime_methods={"grpo": {"objective": "grpo"}, "grpo_r2": {"objective": "grpo", "routing_replay": "old_policy"}},
+        regime_methods={"grpo": {"objective": "grpo"},
+                        "grpo_r2": {"objective": "grpo", "routing_replay": "old_policy"}},
         axis_methods={"staleness": ["grpo"], "moe_shape": ["grpo_r2"], "baseline": ["grpo"]})
     summary = run_lab(cfg, log=lambda _: None)
     assert (summary["runs"], summary["ran"]) == (3, 3)
@@ -223,6 +226,7 @@ def test_micro_moe_regimes_lab_staleness_and_shape_reach_their_runs(tmp_path):
     assert "mismatch/kl" not in read_metrics(runs / "regime-baseline-grpo-s0")[1]
     wide = json.loads((tmp_path / "lab" / "coldstart" / "moe-L1-num_experts4-num_experts_per_tok1" / "model" /
                        "config.json").read_text())
-    assert (wide["num_local_experts"], wide["num_experts_per_tok"], wide["num_hidden_layers"]) == (4, 1, 1)  # saved name
+    # num_local_experts: the name the config is saved under
+    assert (wide["num_local_experts"], wide["num_experts_per_tok"], wide["num_hidden_layers"]) == (4, 1, 1)
     shape = read_metrics(runs / "regime-moe_shape-wide-grpo_r2-s0")
     assert "moe/expert_change_frac/layer_0" in shape[1] and "moe/expert_change_frac/layer_1" not in shape[1]

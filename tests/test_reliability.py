@@ -12,15 +12,27 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 import torch
+import yaml
 
-from conftest import (SMALL, TINY_RUN, changed, comparable, final_weights, gspo_argv, gspo_env, initial_weights,
-                      logged_steps, read_metrics, starts_with_digit, tiny_cfg)
+from conftest import (
+    SMALL,
+    TINY_RUN,
+    changed,
+    comparable,
+    final_weights,
+    gspo_argv,
+    gspo_env,
+    initial_weights,
+    logged_steps,
+    read_metrics,
+    starts_with_digit,
+    tiny_cfg,
+)
 from gspo.cli import main
 from gspo.objectives import OBJECTIVES
-from gspo.tracking import read_jsonl
 from gspo.run import TrainingAborted
+from gspo.tracking import read_jsonl
 from gspo.trainer import train
 
 KILL_SEED = 15  # picks the step of the SIGKILL below: the same one on every run

@@ -82,7 +82,7 @@ def test_plot_run_out_dir_and_full_set(tmp_path):
     # Every group present once: one file per group, written where asked.
     names = ["reward/mean", "eval/accuracy", "groups/zero_std_frac", "clip/low_frac", "ratio/max",
              "completion/mean_len", "entropy", "loss/kl", "grad/norm", "moe/expert_change_frac"]
-    body = "".join('{"step": %d, %s}\n' % (s, ", ".join(f'"{n}": {s * 0.5}' for n in names)) for s in range(3))
+    body = "".join(f'{{"step": {s}, ' + ", ".join(f'"{n}": {s * 0.5}' for n in names) + "}\n" for s in range(3))
     (tmp_path / "metrics.jsonl").write_text(body)
     out = tmp_path / "elsewhere"
     paths = plot_run(tmp_path, out_dir=out, smooth=0)

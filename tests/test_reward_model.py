@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from conftest import answer_pairs, changed, train_tiny_reward_model
 
+from conftest import answer_pairs, changed, train_tiny_reward_model
 from gspo.data.rewards import answer_match, get_reward_fn, score_completions
 from gspo.models import load_model
 

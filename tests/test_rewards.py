@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from gspo.checkpoint import saved_config
 from gspo.config import TrainConfig, make_config
 from gspo.data.mixture import saved_tasks
 from gspo.data.rewards import (
@@ -17,13 +18,11 @@ from gspo.data.rewards import (
     format_reward,
     get_reward_fn,
     last_number,
-    reward_options,
     make_regex_reward,
+    reward_options,
     reward_spec,
     score_completions,
 )
-from gspo.checkpoint import saved_config
-
 
 # ---- answer extraction and answer_match ----------------------------------------------------
 
@@ -433,7 +432,8 @@ def test_reward_spec_is_the_import_path_get_reward_fn_reads_back():
                                     "tasks": [{"task": "add3", "reward_funcs": [answer_match]}]})
     saved = saved_config(cfg)
     assert saved["reward_funcs"] == ["format", "gspo.data.rewards:answer_match"]
-    assert saved["tasks"] == saved_tasks(cfg.tasks) == [{"task": "add3", "reward_funcs": ["gspo.data.rewards:answer_match"]}]
+    assert saved["tasks"] == saved_tasks(cfg.tasks) == [
+        {"task": "add3", "reward_funcs": ["gspo.data.rewards:answer_match"]}]
 
 
 # ---- TRL's reward signature and conversational format --------------------------------------

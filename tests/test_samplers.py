@@ -3,12 +3,12 @@ the weights (sampler_dtype) and stale weights (sampler_lag), measured with gspo/
 
 import pytest
 import torch
-from conftest import read_metrics, starts_with_digit, tiny_cfg
 
+from conftest import read_metrics, starts_with_digit, tiny_cfg
 from gspo.correction import mismatch_metrics, mismatch_moments
 from gspo.logprobs import completion_logprobs
 from gspo.models import seeded_model
-from gspo.rollout import Generator, PolicySampler
+from gspo.rollout import PolicySampler, Sampler
 from gspo.trainer import train
 
 PROMPTS = ["1+2+3=", "4+0+5=", "7+7+1="]
@@ -48,9 +48,9 @@ def test_without_dtype_or_lag_the_sampler_is_the_policy(tmp_path):
 
 def test_bf16_sampler_mismatch_is_orders_of_magnitude_above_fp32(tmp_path):
     cfg, model, tokenizer = built(tmp_path, log_mismatch=True, seeded_sampling=True)
-    fp32 = Generator(model, tokenizer, cfg, seeded=True).sample(PROMPTS, 1, 0)
+    fp32 = Sampler(model, tokenizer, cfg, seeded=True).sample(PROMPTS, 1, 0)
     cfg16, _, _ = built(tmp_path, sampler_dtype="bfloat16", seeded_sampling=True)
-    generator16 = Generator(model, tokenizer, cfg16, seeded=True)
+    generator16 = Sampler(model, tokenizer, cfg16, seeded=True)
     assert next(generator16.sampler.model.parameters()).dtype == torch.bfloat16
     bf16 = generator16.sample(PROMPTS, 1, 0)
     kl32, kl16 = mismatch(model, fp32)["mismatch/kl"], mismatch(model, bf16)["mismatch/kl"]
@@ -66,7 +66,7 @@ def test_bf16_sampler_mismatch_is_orders_of_magnitude_above_fp32(tmp_path):
 
 def test_lag_samples_with_the_policy_of_k_rollouts_ago(tmp_path):
     cfg, model, tokenizer = built(tmp_path, sampler_lag=2, seeded_sampling=True)
-    generator = Generator(model, tokenizer, cfg, seeded=True)
+    generator = Sampler(model, tokenizer, cfg, seeded=True)
     saved = [{k: v.clone() for k, v in model.state_dict().items()}]  # weights after 0, 1, 2, 3 updates
     for step in (1, 2, 3, 4):
         rollout = generator.sample(PROMPTS, step, 0)
@@ -74,8 +74,8 @@ def test_lag_samples_with_the_policy_of_k_rollouts_ago(tmp_path):
         reference = type(model)(model.config)
         reference.load_state_dict(saved[max(0, step - 1 - 2)])
         reference.eval()
-        torch.testing.assert_close(rollout.sampler_logprobs, trainer_logprobs(reference, rollout) * rollout.completion_mask,
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(rollout.sampler_logprobs,
+                                   trainer_logprobs(reference, rollout) * rollout.completion_mask, atol=1e-5, rtol=0)
         if step > 1:  # and not with the current policy's
             assert mismatch(model, rollout)["mismatch/abs_logp_diff_max"] > 1e-2
         saved.append(step_weights(model, step))

@@ -121,7 +121,7 @@ def test_claims_per_regime_read_only_the_plain_methods():
                "grpo_tis": {"objective": "grpo", "rollout_correction": "token_tis"}}
     assert plain_methods(methods) == {"grpo", "gspo", "grpo_r2"}
     runs = []
-    for i, d in enumerate((-0.02, 0.0, 0.02)):  # three seeds: means below, std .02 (SE of a difference .0163)
+    for d in (-0.02, 0.0, 0.02):  # three seeds: means below, std .02 (SE of a difference .0163)
         runs += [summary("mismatch-bf16", "grpo", "grpo", "none", 0.32 + d, 0.001 + d / 100, 0.04, 0.30 + d, 0.5 + d),
                  summary("mismatch-bf16", "gspo", "gspo", "none", 0.52 + d, 0.15 + d, 0.04, 0.02 + d / 10, 0.5 + d),
                  summary("mismatch-bf16", "grpo_r2", "grpo", "old_policy", 0.52 + d, 0.001, 0.0, 0.30, 0.5),

@@ -9,8 +9,16 @@ import torch
 from gspo.logprobs import completion_logprobs
 from gspo.models import load_model
 from gspo.rollout import pad_id
-from gspo.supervised import (collate, encode_pairs, reference_chunks, reference_ids, require_references, sft_backward,
-                             sft_coef_at, sft_nll)
+from gspo.supervised import (
+    collate,
+    encode_pairs,
+    reference_chunks,
+    reference_ids,
+    require_references,
+    sft_backward,
+    sft_coef_at,
+    sft_nll,
+)
 from gspo.tasks import build_char_tokenizer, get_task
 from tests.test_trainer import SMALL
 
@@ -28,7 +36,8 @@ def test_pad_id_is_the_pad_token_else_the_first_stop_token():
 
 def test_reference_ids_end_with_eos_and_add_no_special_tokens():
     tok = build_char_tokenizer()
-    assert reference_ids(tok, "12") == [tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("2"), tok.eos_token_id]
+    assert reference_ids(tok, "12") == [tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("2"),
+                                        tok.eos_token_id]
 
 
 def test_collate_right_pads_and_labels_only_the_answer():

@@ -159,7 +159,8 @@ def test_repeated_addition_hand_written():
     assert ArithmeticTask(3, "+", times=2).solve(347, 585) == (
         "347+585:7+5=12;4+8+1=13;3+5+1=9;=932\n932+585:2+5=7;3+8=11;9+5+1=15;=1517\n#### 1517")
     # A 4-digit running sum gets a column for its extra digit: 1517+585 = 2102.
-    assert ArithmeticTask(3, "+", times=3).solve(347, 585).split("\n")[2] == "1517+585:7+5=12;1+8+1=10;5+5+1=11;1+0+1=2;=2102"
+    assert ArithmeticTask(3, "+", times=3).solve(347, 585).split("\n")[2] == (
+        "1517+585:7+5=12;1+8+1=10;5+5+1=11;1+0+1=2;=2102")
     task = get_task("add3x6")
     assert (task.name, task.times) == ("add3x6", 6)
     row = task.sample(random.Random(3))

@@ -7,16 +7,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (SMALL, SMALL_MOE, changed, final_weights, initial_weights, read_metrics, starts_with_digit,
-                      tiny_cfg)
-from gspo.logprobs import completion_logprobs
+from conftest import (
+    SMALL,
+    SMALL_MOE,
+    changed,
+    final_weights,
+    initial_weights,
+    read_metrics,
+    starts_with_digit,
+    tiny_cfg,
+)
+from gspo.config import BatchSettings, ObjectiveSettings, PrecisionSettings, section
+from gspo.logprobs import completion_logprobs, minibatch_logprobs
 from gspo.models import load_model
 from gspo.objectives import registered_objective
+from gspo.reference import NoReference
 from gspo.rollout import generate
 from gspo.tasks import get_task
 from gspo.tracking import read_jsonl
-from gspo.reference import NoReference
-from gspo.routing import minibatch_logprobs
 from gspo.trainer import train
 
 DOCUMENTED = ["reward/mean", "reward/std", "reward/answer_match", "groups/zero_std_frac", "loss/policy", "loss/kl",
@@ -46,7 +54,8 @@ def test_few_steps_change_parameters_and_log_documented_metrics(tmp_path, preset
         assert 0 < r["time/generate_s"] < r["time/rollout_s"]  # sampling is the first part of the rollout
     assert "eval/accuracy" in records[-1] and summary["evals"][3]["eval/accuracy"] == records[-1]["eval/accuracy"]
     samples = read_jsonl(tmp_path / "run" / "samples.jsonl", null_as_nan=False)
-    assert len(samples) == 3 * 4 and records[1]["reward/std"] > 0 and all(isinstance(s["completion"], str) for s in samples)
+    assert len(samples) == 3 * 4 and records[1]["reward/std"] > 0
+    assert all(isinstance(s["completion"], str) for s in samples)
     assert samples[0]["prompt"].endswith("=")  # an add3 prompt such as "347+585="
 
 
@@ -174,7 +183,7 @@ def test_pi_old_forward_skips_the_first_minibatch(tmp_path):
     from gspo.baselines import GroupBaseline
     from gspo.parallel import Topology
     from gspo.routing import NoRouting
-    from gspo.step import gather_scores, prepare
+    from gspo.step import gather_scores, logprob_options, prepare
 
     class Counting:
         def __init__(self, records: bool):
@@ -191,7 +200,9 @@ def test_pi_old_forward_skips_the_first_minibatch(tmp_path):
         rollout = generate(model, tok, prompts, 4, max_new_tokens=6)
         scores = gather_scores(Topology(), rollout, torch.arange(8, dtype=torch.float32), {}, [tok.eos_token_id])
         routing = Counting(records)
-        batch = prepare(rollout, scores, cfg=cfg, topology=Topology(), routing=routing, model=model, reference=NoReference(),
+        batch = prepare(rollout, scores, plan=section(cfg, BatchSettings), objective=section(cfg, ObjectiveSettings),
+                        logp_kwargs=logprob_options(cfg.temperature, section(cfg, PrecisionSettings)),
+                        topology=Topology(), routing=routing, model=model, reference=NoReference(),
                         baseline=GroupBaseline("group", 4), shuffle=torch.Generator().manual_seed(0))
         assert routing.calls == expected and batch.first_on_policy is not records
         assert [len(parts) for parts in batch.epochs] == [4, 4]  # both epochs planned up front

@@ -54,7 +54,8 @@ def settings(cfg, names) -> dict:
     ({"use_vllm": False}, {"generation_backend": "auto"}),
     # completions per step -> prompts per rollout: 16 / 8 generations; with 4 steps per rollout 16 * 4 / 8
     ({"per_device_train_batch_size": 16}, {"per_device_batch_size": 2}),
-    ({"per_device_train_batch_size": 16, "steps_per_generation": 4}, {"per_device_batch_size": 8, "num_minibatches": 4}),
+    ({"per_device_train_batch_size": 16, "steps_per_generation": 4},
+     {"per_device_batch_size": 8, "num_minibatches": 4}),
     ({"per_device_train_batch_size": 6, "num_generations": 3, "num_minibatches": 2},
      {"per_device_batch_size": 4, "num_generations": 3, "num_minibatches": 2}),
     ({"advantage_scale": "rloo"}, {"advantage_estimator": "rloo"}),  # gspo's former name
@@ -99,7 +100,8 @@ def test_per_device_train_batch_size_is_converted_with_a_note(capsys):
     ({"loss_type": "dapo"}, "loss_type='dapo' \\(TRL; aggregation token_mean\\) with objective 'gspo': aggregation: "
                             "'token_mean' would weight gspo sequences by length"),
     ({"loss_type": "dapo"}, "importance_sampling_level: token \\(TRL's default: objective grpo\\)"),
-    ({"importance_sampling_level": "sequence", "loss_type": "dr_grpo"}, "with objective 'gspo'.*; use loss_type: grpo$"),
+    ({"importance_sampling_level": "sequence", "loss_type": "dr_grpo"},
+     "with objective 'gspo'.*; use loss_type: grpo$"),
     ({"importance_sampling_level": "sequence", "loss_type": "cispo"},
      "importance_sampling_level='sequence' with loss_type=cispo: gspo's cispo objective has token ratios only"),
     ({"importance_sampling_level": "seq"}, "importance_sampling_level='seq' is not one of TRL's 'token', 'sequence'"),
@@ -135,7 +137,8 @@ REFUSED_CASES = [
 
 @pytest.mark.parametrize("name, hint", REFUSED_CASES)
 def test_trl_names_of_another_meaning_are_refused_with_a_hint(name, hint):
-    with pytest.raises(ValueError, match=f"^config: '{name}' is TRL's, but gspo has no setting of that meaning: .*{hint}"):
+    with pytest.raises(ValueError,
+                       match=f"^config: '{name}' is TRL's, but gspo has no setting of that meaning: .*{hint}"):
         make_config(TrainConfig, {name: 1})
 
 
@@ -176,7 +179,8 @@ def test_yaml_file_and_overrides_with_trl_names_build_the_gspo_config(tmp_path):
                     "num_epochs: 2\ntensorboard: true\nper_device_batch_size: 4\nnum_generations: 4\n")
     cfg = load_config(TrainConfig, trl)
     assert to_dict(cfg) == to_dict(load_config(TrainConfig, ours))
-    assert (cfg.per_device_batch_size, cfg.num_minibatches, cfg.kl_coef, cfg.advantage_estimator) == (4, 2, 0.04, "batch")
+    assert (cfg.per_device_batch_size, cfg.num_minibatches, cfg.kl_coef,
+            cfg.advantage_estimator) == (4, 2, 0.04, "batch")
     # an override in TRL's name wins over the file's value of that name; the saved config has gspo names only
     cfg = load_config(TrainConfig, trl, ["beta=0.1", "num_iterations=3"])
     assert (cfg.kl_coef, cfg.num_epochs) == (0.1, 3)
@@ -202,8 +206,8 @@ def test_trl_names_are_not_read_into_a_config_without_those_settings():
         make_config(SFTConfig, {"beta": 0.1})
 
 
-def test_readme_trl_table_names_every_alias_and_refusal():
-    readme = (ROOT / "README.md").read_text()
+def test_readme_trl_table_names_every_alias_and_refusal():  # the table moved from README.md to docs/trl.md
+    readme = (ROOT / "docs" / "trl.md").read_text()
     table = readme[readme.index("Field names follow TRL"):]
     table = table[:table.index("\n\n", table.index("| gspo |"))]
     for name in [n for n, a in ALIASES.items() if not a.old] + list(REFUSED):

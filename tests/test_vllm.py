@@ -21,12 +21,11 @@ from conftest import (
     starts_with_digit,
     tiny_cfg,
 )
-
 from gspo.logprobs import completion_logprobs, position_ids_from_mask
 from gspo.models import load_model, seeded_model
 from gspo.rollout import (
     GENERATORS,
-    Generator,
+    Sampler,
     eos_ids,
     generate,
     pick_generator,
@@ -60,13 +59,13 @@ def nudge(model, seed: int, std: float = 0.05) -> None:
 
 
 def started(tmp_path, **kw):
-    """(cfg, policy, tokenizer, Generator with its engine, RNG state before the start, after it)."""
+    """(cfg, policy, tokenizer, Sampler with its engine, RNG state before the start, after it)."""
     cfg = tiny_cfg(tmp_path, generation_backend="vllm", num_generations=G, max_prompt_length=16,
                    max_completion_length=40, temperature=0.7, **kw)
     _, model, tokenizer = seeded_model(cfg)
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    generator = Generator(model, tokenizer, cfg, seeded=False)
+    generator = Sampler(model, tokenizer, cfg, seeded=False)
     return cfg, model, tokenizer, generator, before, torch.get_rng_state()
 
 
@@ -249,7 +248,7 @@ def test_a_lora_policy_is_served_with_its_adapters_merged(tmp_path):
         return {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
 
     nudge_adapters(1)
-    generator = Generator(policy, tokenizer, cfg, seeded=False)
+    generator = Sampler(policy, tokenizer, cfg, seeded=False)
     try:
         assert generator.sampler.probe_diff["max"] < 1e-5, generator.sampler.probe_diff  # merged at start-up
         rollout = generator.sample(PROMPTS, 1, 0)

@@ -151,7 +151,8 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None,
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             if str(err).startswith("rng_generators:"):
                 raise
-            raise ValueError(f"{path / RNG_FILE}: not the RNG states gspo writes ({type(err).__name__}: {err})") from None
+            raise ValueError(f"{path / RNG_FILE}: not the RNG states gspo writes "
+                             f"({type(err).__name__}: {err})") from None
     return {"step": manifest["step"], "path": path, "trainer_state": texts[TRAINER_STATE_FILE],
             "config": texts[CONFIG_FILE]}
 

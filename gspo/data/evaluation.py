@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from gspo.config import EvalSettings, RewardSettings, SamplingSettings, section
 from gspo.data.rewards import get_reward_fn, reward_options, score_completions
 from gspo.data.rows import chat_prompts, columns_of
 from gspo.rollout import generate, policy_backend, row_seeds
@@ -21,37 +24,55 @@ def success_threshold(weights: list[float] | None, num_fns: int, threshold: floa
     return float(sum(w for w in (weights or [1.0] * num_fns) if w > 0))
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """How a run evaluates held-out rows: its evaluation settings, its rewards and the sampling options its
+    training uses. `Evaluation.of(cfg)` builds it from a TrainConfig or an SFTConfig."""
+
+    settings: EvalSettings
+    rewards: RewardSettings
+    sampling: SamplingSettings  # max_completion_length, prompt limits, seeded_sampling, generation_backend
+    seed: int
+
+    @classmethod
+    def of(cls, cfg) -> Evaluation:
+        """The builder. An SFTConfig has no sampling section: its max_completion_length, the defaults otherwise."""
+        sampling = (section(cfg, SamplingSettings) if isinstance(cfg, SamplingSettings)
+                    else SamplingSettings(max_completion_length=cfg.max_completion_length))
+        return cls(section(cfg, EvalSettings), section(cfg, RewardSettings), sampling, cfg.seed)
+
+
 @torch.no_grad()
-def evaluate(model, tokenizer, rows: list[dict], cfg, *, reward_fns: list | None = None,
+def evaluate(model, tokenizer, rows: list[dict], plan: Evaluation, *, reward_fns: list | None = None,
              reward_weights: list[float] | None = None, sampled: bool = True) -> dict[str, float]:
     """Held-out scores of `rows`, each completion scored as training scores it: the total reward of `reward_fns`
-    with `reward_weights` (None: built from `cfg.reward_funcs` and `cfg.reward_weights`).
+    with `reward_weights` (None: built from the plan's reward_funcs and reward_weights).
 
     Greedy: eval/reward (mean total reward) and eval/accuracy (the share of prompts whose total reward reaches
-    `success_threshold`, cfg.eval_success_threshold or full marks). Sampled (`cfg.eval_k` per prompt at
-    `cfg.eval_temperature`): eval/sampled_reward, eval/mean_at_k (the share of samples that succeed) and
+    `success_threshold`, eval_success_threshold or full marks). Sampled (eval_k per prompt at
+    eval_temperature): eval/sampled_reward, eval/mean_at_k (the share of samples that succeed) and
     eval/pass_at_k (of prompts with at least one). Sampled with the policy itself (never a stale or
-    low-precision copy, nor an engine), `cfg.eval_batch_size` prompts per generate call; with
-    `cfg.seeded_sampling` every completion has its own seed, so the numbers do not depend on that size.
+    low-precision copy, nor an engine), eval_batch_size prompts per generate call; with seeded_sampling
+    every completion has its own seed, so the numbers do not depend on that size.
     """
     if not rows:
         return {}
+    settings, sampling = plan.settings, plan.sampling
     if reward_fns is None:
-        reward_fns = [get_reward_fn(s, **reward_options(cfg)) for s in cfg.reward_funcs]
-        reward_weights = getattr(cfg, "reward_weights", None)
-    threshold = success_threshold(reward_weights, len(reward_fns), getattr(cfg, "eval_success_threshold", None))
-    k, size, n = cfg.eval_k, cfg.eval_batch_size, len(rows)
-    seeded = getattr(cfg, "seeded_sampling", False)
-    common = dict(max_new_tokens=cfg.max_completion_length, max_prompt_length=getattr(cfg, "max_prompt_length", 512),
-                  truncate_prompts=getattr(cfg, "truncate_prompts", "error"),
-                  backend=policy_backend(getattr(cfg, "generation_backend", "auto")))
+        reward_fns = [get_reward_fn(s, **reward_options(plan.rewards)) for s in plan.rewards.reward_funcs]
+        reward_weights = plan.rewards.reward_weights
+    threshold = success_threshold(reward_weights, len(reward_fns), settings.eval_success_threshold)
+    k, size, n = settings.eval_k, settings.eval_batch_size, len(rows)
+    seeded = sampling.seeded_sampling
+    common = dict(max_new_tokens=sampling.max_completion_length, max_prompt_length=sampling.max_prompt_length,
+                  truncate_prompts=sampling.truncate_prompts, backend=policy_backend(sampling.generation_backend))
     starts = range(0, n, size)
 
     def score(runs: list, copies: int) -> torch.Tensor:  # total rewards (n * copies,) of the chunks' completions
         rewards, _ = score_completions(
             reward_fns, reward_weights, [p for r in runs for p in r.prompts], [c for r in runs for c in r.completions],
-            columns_of(rows, copies), drop_bad=getattr(cfg, "drop_bad_rewards", False),
-            timeout_s=cfg.reward_timeout_s, chat=chat_prompts(rows, copies),
+            columns_of(rows, copies), drop_bad=plan.rewards.drop_bad_rewards,
+            timeout_s=plan.rewards.reward_timeout_s, chat=chat_prompts(rows, copies),
             completion_ids=[ids for r in runs for ids in r.completion_token_ids()])
         return rewards
 
@@ -63,8 +84,8 @@ def evaluate(model, tokenizer, rows: list[dict], cfg, *, reward_fns: list | None
     out = {"eval/accuracy": succeeded(greedy).mean().item(), "eval/reward": greedy.nanmean().item()}
     if sampled:
         runs = [generate(model, tokenizer, [r["prompt"] for r in rows[i : i + size]], k,
-                         temperature=cfg.eval_temperature, **common,  # seeds by global row number: chunk-free
-                         row_seeds=row_seeds(cfg.seed, EVAL_STEP, i * k, len(rows[i : i + size]) * k) if seeded
+                         temperature=settings.eval_temperature, **common,  # seeds by global row number: chunk-free
+                         row_seeds=row_seeds(plan.seed, EVAL_STEP, i * k, len(rows[i : i + size]) * k) if seeded
                          else None) for i in starts]
         total = score(runs, k).view(n, k)  # (n, k)
         success = succeeded(total)  # (n, k)

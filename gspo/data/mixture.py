@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from gspo.advantages import group_stats
-from gspo.data.evaluation import evaluate
+from gspo.config import DataSettings, RewardSettings, section
+from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.rewards import get_reward_fn, reward_options, reward_spec, score_completions
-from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits, state_count, stderr_line
+from gspo.data.rows import PromptSampler, chat_prompts, columns_of, config_splits, state_count, stderr_line
 from gspo.tasks import TASKS
 
 WEIGHTINGS = ("static", "dynamic")
@@ -105,23 +106,12 @@ def parse_tasks(entries, reward_funcs: list, reward_weights: list | None = None)
     return specs
 
 
-def check_tasks(cfg) -> None:
-    """The multi-task checks of `gspo.config.validate` (called when `cfg.tasks` is set)."""
-    specs = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights)
-    for key in ("dataset", "eval_dataset"):
-        if getattr(cfg, key) is not None:
-            raise ValueError(f"config: {key} is set but `tasks` lists the data; give each task entry its own {key}")
-    if cfg.task_weighting == "dynamic" and cfg.task_weight_floor * len(specs) > 1:
-        raise ValueError(f"config: task_weight_floor={cfg.task_weight_floor!r} is more than 1/{len(specs)}: "
-                         f"{len(specs)} tasks cannot each keep it")
-
-
 def saved_tasks(tasks: list | None) -> list | None:
     """The `tasks` entries as JSON: reward functions given as Python callables become "module:name"."""
     if tasks is None:
         return None
-    return [{**t, "reward_funcs": [reward_spec(f) for f in t["reward_funcs"]]} if isinstance(t.get("reward_funcs"), list)
-            else t for t in tasks]
+    return [{**t, "reward_funcs": [reward_spec(f) for f in t["reward_funcs"]]}
+            if isinstance(t.get("reward_funcs"), list) else t for t in tasks]
 
 
 def reward_names(fns: list) -> list[str]:
@@ -228,7 +218,7 @@ class TaskMixture:
     def __init__(self, specs: list[TaskSpec], train_rows: list[list[dict]], eval_rows: list[list[dict]], *,
                  weighting: str = "static", floor: float = 0.0, smoothing: float = 0.8,
                  progress_coef: float = 0.0, seed: int = 0, reward_kwargs: dict | None = None,
-                 fingerprints: dict | None = None):
+                 fingerprints: dict | None = None, evaluation: Evaluation | None = None):
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting={weighting!r} is not one of {', '.join(WEIGHTINGS)}")
         if not 0 <= smoothing < 1:
@@ -239,6 +229,7 @@ class TaskMixture:
         self.specs, self.eval_rows = specs, eval_rows
         self.samplers = [PromptSampler(rows, seed) for rows in train_rows]
         self.reward_fns = [[get_reward_fn(f, **(reward_kwargs or {})) for f in s.reward_funcs] for s in specs]
+        self.evaluation = evaluation  # how `evaluate` samples and scores (None: a mixture that is never evaluated)
         self.weighting, self.floor, self.smoothing, self.progress_coef, self.seed = (
             weighting, floor, smoothing, progress_coef, seed)
         self.prior = [s.weight for s in specs]
@@ -249,15 +240,18 @@ class TaskMixture:
         self.weights = self._weights()
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line) -> "TaskMixture":
+    def from_config(cls, cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line) -> TaskMixture:
         """The mixture of a TrainConfig with `tasks`: each task's data loaded as a single-task run would."""
         specs, fingerprints = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights), {}
-        splits = [load_splits(dataclasses.replace(cfg, task=s.task, dataset=s.dataset, eval_dataset=s.eval_dataset),
-                              tokenizer, num_train, fingerprints, given, note) for s in specs]
+        data = section(cfg, DataSettings)
+        splits = [config_splits(cfg, tokenizer, num_train, fingerprints=fingerprints, given=given, note=note,
+                                data=dataclasses.replace(data, task=s.task, dataset=s.dataset,
+                                                         eval_dataset=s.eval_dataset)) for s in specs]
         return cls(specs, [train for train, _ in splits], [held for _, held in splits], weighting=cfg.task_weighting,
                    floor=cfg.task_weight_floor, smoothing=cfg.task_weight_smoothing,
-                   progress_coef=cfg.task_progress_coef, seed=cfg.seed, reward_kwargs=reward_options(cfg),
-                   fingerprints=fingerprints)
+                   progress_coef=cfg.task_progress_coef, seed=cfg.seed,
+                   reward_kwargs=reward_options(section(cfg, RewardSettings)), fingerprints=fingerprints,
+                   evaluation=Evaluation.of(cfg))
 
     @property
     def train_rows(self) -> list[list[dict]]:
@@ -341,7 +335,7 @@ class TaskMixture:
             self.weights = self._weights()
         return metrics
 
-    def evaluate(self, model, tokenizer, cfg) -> dict[str, float]:
+    def evaluate(self, model, tokenizer) -> dict[str, float]:
         """`gspo.data.evaluation.evaluate` on each task's held-out rows with its reward functions and weights.
 
         Per task `task/<name>/eval_accuracy` (and eval_mean_at_k, ...); `eval/<metric>` is the
@@ -349,7 +343,7 @@ class TaskMixture:
         """
         out, by_metric = {}, {}
         for spec, fns, rows in zip(self.specs, self.reward_fns, self.eval_rows):
-            for key, value in evaluate(model, tokenizer, rows, cfg, reward_fns=fns,
+            for key, value in evaluate(model, tokenizer, rows, self.evaluation, reward_fns=fns,
                                        reward_weights=spec.reward_weights).items():
                 out[f"task/{spec.name}/{key.replace('/', '_')}"] = value  # eval/accuracy -> eval_accuracy
                 by_metric.setdefault(key, []).append(value)

@@ -50,7 +50,8 @@ def load_rows(path: str, prompt_column: str = "prompt", given: dict | None = Non
     elif p.is_file():
         kind = _FORMATS.get(p.suffix.lower())
         if kind is None:
-            raise ValueError(f"dataset: {path} has an unsupported extension; use one of {', '.join(_FORMATS)} or a folder")
+            raise ValueError(f"dataset: {path} has an unsupported extension; use one of {', '.join(_FORMATS)} "
+                             "or a folder")
         rows = _read_json(p) if kind == "json" else _read_table(p, p.suffix.lower()[1:])
     else:
         raise ValueError(f"dataset: {path} does not exist (only local files and folders are read)")
@@ -310,52 +311,64 @@ def stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def load_splits(cfg, tokenizer, num_train: int, fingerprints: dict | None = None, given: dict | None = None,
+def config_splits(cfg, tokenizer, num_train: int, *, data=None, **kwargs) -> tuple[list[dict], list[dict]]:
+    """`load_splits` for a TrainConfig or an SFTConfig (the builders' and commands' view): its data section (or
+    `data`, one task's), eval_num_prompts, seed and, for a TrainConfig, its prompt length limit."""
+    from gspo.config import DataSettings, section
+
+    return load_splits(section(cfg, DataSettings) if data is None else data, tokenizer, num_train,
+                       eval_num_prompts=cfg.eval_num_prompts, seed=cfg.seed,
+                       max_prompt_length=getattr(cfg, "max_prompt_length", None),  # SFT: no limit here
+                       truncate_prompts=getattr(cfg, "truncate_prompts", "error"), **kwargs)
+
+
+def load_splits(data, tokenizer, num_train: int, *, eval_num_prompts: int, seed: int,
+                max_prompt_length: int | None = None, truncate_prompts: str = "error",
+                fingerprints: dict | None = None, given: dict | None = None,
                 note=stderr_line) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows) for a config with `task` or `dataset` fields.
+    """(train rows, held-out rows) of a DataSettings (gspo.config): its `task` or `dataset`.
 
     `fingerprints` (a dict), when given, gets {file: data_fingerprint(its rows)} of each data file read.
     `given`: in-memory data by the name `dataset` / `eval_dataset` hold ("object:train_dataset", see load_rows).
-    Every prompt used is checked here (`check_rows`; with a TrainConfig's max_prompt_length, its length).
+    Every prompt used is checked here (`check_rows`; with max_prompt_length, its length).
     A `dataset` without `eval_dataset` gives `eval_holdout` of its rows to evaluation and says so through
     `note` (a line to stderr; the trainer's other ranks pass a no-op). eval_num_prompts=0: no held-out rows.
     """
-    limits = (getattr(cfg, "max_prompt_length", None), getattr(cfg, "truncate_prompts", "error"),  # SFT: none
-              getattr(cfg, "chat_template_kwargs", None))
-    if cfg.dataset is not None:
-        rows = load_rows(cfg.dataset, cfg.prompt_column, given)
+    limits = (max_prompt_length, truncate_prompts, data.chat_template_kwargs)
+    if data.dataset is not None:
+        rows = load_rows(data.dataset, data.prompt_column, given)
         if fingerprints is not None:  # before rendering, which rewrites chat prompts in place
-            fingerprints[cfg.dataset] = data_fingerprint(rows)
+            fingerprints[data.dataset] = data_fingerprint(rows)
         check_rows(rows, tokenizer, *limits)  # every row in file order, before a split shuffles them
-        if cfg.eval_dataset is not None:
-            train, held_out = rows, load_rows(cfg.eval_dataset, cfg.prompt_column, given)
+        if data.eval_dataset is not None:
+            train, held_out = rows, load_rows(data.eval_dataset, data.prompt_column, given)
             if fingerprints is not None:
-                fingerprints[cfg.eval_dataset] = data_fingerprint(held_out)
-            check_rows(held_out[: cfg.eval_num_prompts], tokenizer, *limits)
+                fingerprints[data.eval_dataset] = data_fingerprint(held_out)
+            check_rows(held_out[:eval_num_prompts], tokenizer, *limits)
         else:
             shuffled = rows[:]
-            random.Random(cfg.seed).shuffle(shuffled)
-            holdout = getattr(cfg, "eval_holdout", 0.1)
-            n_eval = holdout_count(len(rows), holdout, cfg.dataset) if cfg.eval_num_prompts else 0  # 0: eval off
+            random.Random(seed).shuffle(shuffled)
+            holdout = data.eval_holdout
+            n_eval = holdout_count(len(rows), holdout, data.dataset) if eval_num_prompts else 0  # 0: eval off
             held_out, train = shuffled[:n_eval], shuffled[n_eval:]
-            if cfg.eval_num_prompts:
-                used = (f"; each evaluation uses {cfg.eval_num_prompts} of them (eval_num_prompts)"
-                        if n_eval > cfg.eval_num_prompts else "" if n_eval else ": no evaluation")
-                note(f"eval: holding out {n_eval} of {len(rows)} rows of {cfg.dataset} (eval_holdout={holdout:g})"
+            if eval_num_prompts:
+                used = (f"; each evaluation uses {eval_num_prompts} of them (eval_num_prompts)"
+                        if n_eval > eval_num_prompts else "" if n_eval else ": no evaluation")
+                note(f"eval: holding out {n_eval} of {len(rows)} rows of {data.dataset} (eval_holdout={holdout:g})"
                      f"{used}")
-        return train, held_out[: cfg.eval_num_prompts]
-    task = get_task(cfg.task)
-    train = [Row(r, f"task {cfg.task} train example {i}") for i, r in enumerate(task.dataset("train", num_train,
-                                                                                              cfg.seed))]
-    held_out = [Row(r, f"task {cfg.task} test example {i}")
-                for i, r in enumerate(task.dataset("test", cfg.eval_num_prompts, 10_000 + cfg.seed))]
+        return train, held_out[:eval_num_prompts]
+    task = get_task(data.task)
+    train = [Row(r, f"task {data.task} train example {i}") for i, r in enumerate(task.dataset("train", num_train,
+                                                                                              seed))]
+    held_out = [Row(r, f"task {data.task} test example {i}")
+                for i, r in enumerate(task.dataset("test", eval_num_prompts, 10_000 + seed))]
     return check_rows(train, tokenizer, *limits), check_rows(held_out, tokenizer, *limits)
 
 
 def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
     """Columns other than the prompt's, each repeated `repeat` times per row (one per completion)."""
-    keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("prompt", MESSAGES)))  # a row may lack a key: None
-    return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
+    keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("prompt", MESSAGES)))
+    return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}  # a row may lack a key: None
 
 
 def chat_prompts(rows: list[dict], repeat: int = 1) -> list | None:

@@ -107,6 +107,9 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gspo.data.sandbox_exec import Launch, judged, remove_tree, run_pair
+from gspo.data.sandbox_kernel import HEADROOM_MB, RunCgroup, cgroup_parent, seccomp_filter
+from gspo.data.sandbox_kernel import describe as describe_kernel
 from gspo.data.sandbox_launch import (
     NOBODY,
     TMPFS_FILES,
@@ -120,9 +123,6 @@ from gspo.data.sandbox_launch import (
     tmpfs_bytes,
     weak_launcher,
 )
-from gspo.data.sandbox_exec import Launch, judged, remove_tree, run_pair
-from gspo.data.sandbox_kernel import HEADROOM_MB, RunCgroup, cgroup_parent, seccomp_filter
-from gspo.data.sandbox_kernel import describe as describe_kernel
 
 __all__ = [
     "SANDBOX_MODES",
@@ -480,7 +480,7 @@ class CodeReward:
         rewards: list[float | None] = []
         for i, result in enumerate(self.results(completions, columns[self.tests_column])):
             if result is not None and result.error is not None:
-                warnings.warn(f"code_tests: sample {i} was not judged: {result.error}", RuntimeWarning)
+                warnings.warn(f"code_tests: sample {i} was not judged: {result.error}", RuntimeWarning, stacklevel=2)
                 result = None
             rewards.append(None if result is None else float(result.passed))
         return rewards

@@ -87,7 +87,7 @@ def seccomp_filter(machine: str | None = None) -> bytes | None:
 HEADROOM_MB = 32  # the interpreter's page tables, bwrap's own pages, pipe buffers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cgroup_parent() -> tuple[str | None, str, str]:
     """(the folder run cgroups are made in, "v1" or "v2", "") where one can be made here, else
     (None, "", why not). Probed once per process: a test cgroup is made, capped and removed."""

@@ -108,7 +108,7 @@ def _find_bwrap() -> tuple[str | None, str]:
     return shutil.which("bwrap"), "on PATH"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_bwrap(path: str, root: bool) -> tuple[Bwrap | None, str]:
     """(the boundary, "") if `path` starts the interpreter inside it and that reads its own stdlib."""
     if root:
@@ -174,7 +174,7 @@ def _probe(prefix: list[str]) -> bool:
     return done.returncode == 0 and done.stdout.strip() == os.path.realpath(os.__file__)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def weak_launcher() -> tuple[tuple[str, ...], bool, str]:
     """(command prefix, has a network namespace, user description): the strongest that works here."""
     unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from gspo.data.evaluation import evaluate
+from gspo.config import RewardSettings, section
+from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.mixture import TaskMixture
 from gspo.data.rewards import get_reward_fn, reward_options, score_completions
-from gspo.data.rows import PromptSampler, chat_prompts, columns_of, load_splits, stderr_line
+from gspo.data.rows import PromptSampler, chat_prompts, columns_of, config_splits, stderr_line
 
 
 def prompt_source(cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line):
@@ -35,19 +36,20 @@ class SingleTask:
     """One task's shuffled training rows, its reward functions and its held-out rows."""
 
     def __init__(self, train_rows: list[dict], eval_rows: list[dict], reward_fns: list, reward_weights,
-                 seed: int, fingerprints: dict | None = None):
+                 seed: int, fingerprints: dict | None = None, evaluation: Evaluation | None = None):
         self.sampler = PromptSampler(train_rows, seed)
+        self.evaluation = evaluation  # how `evaluate` samples and scores (None: a source that is never evaluated)
         self.held_out = eval_rows
         self.reward_fns, self.reward_weights = reward_fns, reward_weights
         self.fingerprints = fingerprints or {}  # {data file: data_fingerprint}, recorded in checkpoints
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line) -> "SingleTask":
+    def from_config(cls, cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line) -> SingleTask:
         fingerprints = {}
-        train_rows, eval_rows = load_splits(cfg, tokenizer, num_train=num_train, fingerprints=fingerprints, given=given,
-                                            note=note)
-        reward_fns = [get_reward_fn(spec, **reward_options(cfg)) for spec in cfg.reward_funcs]
-        return cls(train_rows, eval_rows, reward_fns, cfg.reward_weights, cfg.seed, fingerprints)
+        train_rows, eval_rows = config_splits(cfg, tokenizer, num_train, fingerprints=fingerprints, given=given,
+                                              note=note)
+        reward_fns = [get_reward_fn(spec, **reward_options(section(cfg, RewardSettings))) for spec in cfg.reward_funcs]
+        return cls(train_rows, eval_rows, reward_fns, cfg.reward_weights, cfg.seed, fingerprints, Evaluation.of(cfg))
 
     @property
     def train_rows(self) -> list[list[dict]]:
@@ -71,8 +73,8 @@ class SingleTask:
     def observe(self, rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:
         return {}  # one task: nothing per task to report or reweigh
 
-    def evaluate(self, model, tokenizer, cfg) -> dict[str, float]:
-        return evaluate(model, tokenizer, self.held_out, cfg, reward_fns=self.reward_fns,
+    def evaluate(self, model, tokenizer) -> dict[str, float]:
+        return evaluate(model, tokenizer, self.held_out, self.evaluation, reward_fns=self.reward_fns,
                         reward_weights=self.reward_weights)
 
     def state_dict(self) -> dict:

@@ -6,8 +6,8 @@ answers) and `arch`, config overrides of the cold-start model (a deeper or wider
 `baseline` level is the lab's own settings, shared by every axis and run once. Each level runs
 every method of `LabConfig.regime_methods` that applies to it (`not_applicable`), or only those that
 `LabConfig.axis_methods` names for its axis (the baseline runs its own list there, or else every
-method some axis runs, so each has its reference); the combinations left out are listed with their reason, in the report as in the
-grid, so no setting tried is hidden.
+method some axis runs, so each has its reference); the combinations left out are listed with
+their reason, in the report as in the grid, so no setting tried is hidden.
 Pure: names and rules; gspo.lab.runs runs the runs, gspo.lab.stability_map draws the map.
 """
 
@@ -85,7 +85,8 @@ def check_regimes(regimes: dict, methods: dict, axis_methods: dict | None = None
         raise ValueError("config: regimes are set but regime_methods is empty")
     for axis, names in (axis_methods or {}).items():
         if axis not in regimes and axis != BASELINE:
-            raise ValueError(f"config: axis_methods[{axis!r}]: no such axis in regimes ({', '.join(regimes) or 'none'})")
+            raise ValueError(f"config: axis_methods[{axis!r}]: no such axis in regimes "
+                             f"({', '.join(regimes) or 'none'})")
         if not isinstance(names, list) or not names:
             raise ValueError(f"config: axis_methods[{axis!r}] must be a non-empty list of method names, got {names!r}")
         unknown = [n for n in names if n not in methods]

@@ -108,7 +108,8 @@ def summarize_run(run_dir: str | os.PathLike) -> dict:
     greedy = dict(zip(*metrics.get("eval/accuracy", ([], []))))
     steps, lengths = metrics.get("completion/mean_len", ([], []))
     tokens = np.cumsum(lengths) * cfg["per_device_batch_size"] * cfg["num_generations"]
-    clip = [lo + hi for lo, hi in zip(metrics.get("clip/low_frac", ([], []))[1], metrics.get("clip/high_frac", ([], []))[1])]
+    clip = [lo + hi for lo, hi in zip(metrics.get("clip/low_frac", ([], []))[1],
+                                      metrics.get("clip/high_frac", ([], []))[1])]
     collapse_step, reason = detect_collapse(evals, list(zip(*metrics.get("entropy", ([], [])))))
     return {
         "name": run_dir.name,
@@ -192,7 +193,8 @@ def claims(runs: list[dict]) -> list[dict]:
 
     # C3: routing drift per update, and its growth with depth (depth sweep, GRPO without replay).
     depth = select(runs, group="depth")
-    by_depth = {d: stat(r["drift"] for r in select(depth, layers=d)) for d in sorted({r["spec"]["layers"] for r in depth})}
+    by_depth = {d: stat(r["drift"] for r in select(depth, layers=d))
+                for d in sorted({r["spec"]["layers"] for r in depth})}
     drift_main = stat(r["drift"] for r in select(main, model="moe", replay="none"))
     parts, verdict = [], "n/a"
     if drift_main["n"]:
@@ -245,7 +247,8 @@ def claims(runs: list[dict]) -> list[dict]:
             continue
         verdicts.append((compare(rs, rg)[2], compare(gs, gg)[2]))
         parts.append(f"{model}: importance-ratio std GSPO {fmt(rs, False, 2)} vs GRPO {fmt(rg, False, 2)}; "
-                     f"grad-norm spread across minibatches (std/mean) GSPO {fmt(gs, False, 2)} vs GRPO {fmt(gg, False, 2)}")
+                     f"grad-norm spread across minibatches (std/mean) GSPO {fmt(gs, False, 2)} "
+                     f"vs GRPO {fmt(gg, False, 2)}")
     ratio_lower = [r == "lower" for r, _ in verdicts]
     grad_higher = [g == "higher" for _, g in verdicts]
     verdict = ("n/a" if not verdicts else "not reproduced" if not any(ratio_lower) else
@@ -330,7 +333,8 @@ def write_report(lab_dir: str | os.PathLike) -> Path:
     total = sum(r["seconds"] for r in runs)
     out += [f"{len(runs)} runs, {total / 60:.1f} min of training on {platform.machine()} with {os.cpu_count()} CPU "
             "cores." + (f" Task `{cfg['task']}`; B={cfg['per_device_batch_size']} prompts x G={cfg['num_generations']} "
-                        f"completions, {cfg['num_minibatches']} minibatches per rollout batch, lr {cfg['learning_rate']}, "
+                        f"completions, {cfg['num_minibatches']} minibatches per rollout batch, "
+                        f"lr {cfg['learning_rate']}, "
                         f"{cfg['max_steps']} steps; seeds {cfg['seeds']}. Accuracy is the held-out sampled "
                         f"mean@{cfg['eval_k']} (T=1) on {cfg['eval_num_prompts']} problems never trained on."
                         if cfg else "") +
@@ -352,8 +356,9 @@ def write_report(lab_dir: str | os.PathLike) -> Path:
 
     main = config_rows(runs, "main")
     if main:
-        out += ["## Main grid", "", markdown_table(cols, [cells(r, [r["objective"], f"{r['model']}-L{r['layers']}", r["replay"]])
-                                                 for r in main]), ""]
+        out += ["## Main grid", "",
+                markdown_table(cols, [cells(r, [r["objective"], f"{r['model']}-L{r['layers']}", r["replay"]])
+                                      for r in main]), ""]
     depth = config_rows(runs, "depth")
     if depth:
         out += ["## Routing drift vs depth (GRPO, no replay)", "",
@@ -472,7 +477,8 @@ def draw_plots(runs: list[dict], out: Path) -> list[Path]:
         objectives = list(dict.fromkeys(r["objective"] for r in search))
         width = 0.8 / len(objectives)
         for j, objective in enumerate(objectives):
-            rows = [next((r for r in search if r["label"] == lb and r["objective"] == objective), None) for lb in labels]
+            rows = [next((r for r in search if r["label"] == lb and r["objective"] == objective), None)
+                    for lb in labels]
             axes[0].bar([i + j * width for i in range(len(labels))], [r["acc_mean"]["mean"] if r else 0 for r in rows],
                         width, yerr=[r["acc_mean"]["std"] if r else 0 for r in rows], capsize=3, label=objective,
                         color=COLORS.get((objective, "none"), "gray"))

