@@ -72,7 +72,8 @@ from gspo.models import resolve_device, seeded_model
 from gspo.parallel import Topology
 from gspo.precision import enable_gradient_checkpointing, forward_precision
 from gspo.reference import reference_policy
-from gspo.rollout import Sampler, eos_ids
+from gspo.rollout import eos_ids
+from gspo.rollout.workers import build_sampler
 from gspo.routing import build_routing
 from gspo.run import (
     CRITIC_DIR,
@@ -199,8 +200,9 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
     else:  # exact resume: weights, optimizer, schedule, data position and RNG states as they were
         first, evals = restore(checkpoint, cfg, topology, out_dir, model, optimizer, scheduler, shuffle, source, guard)
     # the sampler starts from the weights training starts from (a copy, an engine: loaded now)
-    sampler = Sampler(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
-                          recorder=routing.sampling_recorder, records=routing.records_sampling)
+    sampler = build_sampler(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
+                            distributed=topology.enabled, recorder=routing.sampling_recorder,
+                            records=routing.records_sampling)
     say(getattr(sampler, "reason", f"sampler: {sampler.name}"))  # which sampler, and why
     logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
                            config=to_dict(cfg), truncate_after_step=None if checkpoint is None else first - 1,

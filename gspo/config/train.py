@@ -82,6 +82,10 @@ class SamplingSettings:
     """vllm: KV cache size in bytes; null: room for one rollout (CPU), from the memory fraction (CUDA)."""
     vllm_sleep: bool = True
     """vllm on CUDA: the engine frees its memory while the trainer updates and wakes for each rollout."""
+    rollout_workers: int = 0
+    """Sampling processes beside the trainer: 0 samples in its own process; 1 a worker with its own copy."""
+    rollout_timeout_s: float = 300.0
+    """Longest wait for a rollout worker's answer; a dead or silent worker is then named and the run stops."""
 
 
 def reshaping(s: SamplingSettings) -> list[str]:
@@ -110,6 +114,13 @@ def _check_sampling(s: SamplingSettings) -> None:
     check_choice(s, "generation_backend", generator_choices())
     if s.sampler_dtype is not None:  # null: the policy's own dtype
         check_choice(s, "sampler_dtype", tuple(d for d in DTYPES if d != "auto"))
+    check_positive(s, "rollout_workers", allow_zero=True)
+    check_positive(s, "rollout_timeout_s")
+    if s.rollout_workers > 1:
+        raise ValueError(f"config: rollout_workers={s.rollout_workers}: one worker is supported so far")
+    if s.rollout_workers and (s.generation_backend == "vllm" or s.sampler_dtype or s.sampler_lag):
+        raise ValueError("config: rollout_workers samples with a gspo/hf worker holding the policy's own weights; "
+                         "unset generation_backend=vllm, sampler_dtype and sampler_lag")
     if not 0 < s.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"config: vllm_gpu_memory_utilization={s.vllm_gpu_memory_utilization!r} must be in (0, 1]")
 

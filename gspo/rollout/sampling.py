@@ -68,7 +68,7 @@ def generate(
     """
     chosen = pick_generator(model, backend)
     if sampler is None and GENERATORS[chosen].start is not None:
-        raise ValueError(f"backend={chosen!r} samples with an engine started for the run: use gspo.rollout.Generator "
+        raise ValueError(f"backend={chosen!r} samples with an engine started for the run: use gspo.rollout.Sampler "
                          "(or pass sampler=)")
     sampler = model if sampler is None else sampler
     device = next(model.parameters()).device
