@@ -126,8 +126,8 @@ class RemoteSampler:
 
     Built from the policy as training starts: each worker gets a copy of it, then every `sync(policy)`
     broadcasts the updated weights (`time/sync_s`, `async/sync_bytes`) and checks them on a probe.
-    `sample(prompts, step, first_row)` splits the prompts among the workers (whole groups) and joins
-    their rollouts in order; with seeded sampling the tokens are those the in-process sampler draws.
+    `sample(prompts, step, first_row)` sends the prompts to the worker and waits for its rollout (one
+    worker so far); with seeded sampling the tokens are those the in-process sampler draws.
     """
 
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, workers: int, timeout_s: float = 300.0,
@@ -142,8 +142,9 @@ class RemoteSampler:
         self.name, self.reason = "workers", f"sampler: {workers} rollout worker process(es), gloo weight broadcast"
         self.workers, self.timeout_s, self.version, self.synced = workers, timeout_s, 0, False
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        options = {"threads": 1, "seeded": seeded, "seed": cfg.seed, "num_generations": cfg.num_generations,
-                   "vocab_size": self.vocab_size,
+        # the trainer's thread count: the same kernels split the same way, so mu is bitwise the in-process one
+        options = {"threads": torch.get_num_threads(), "seeded": seeded, "seed": cfg.seed,
+                   "num_generations": cfg.num_generations, "vocab_size": self.vocab_size,
                    "generate": dict(max_new_tokens=s.max_completion_length, temperature=s.temperature, top_p=s.top_p,
                                     top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
                                     max_prompt_length=s.max_prompt_length, truncate_prompts=s.truncate_prompts,
