@@ -122,8 +122,9 @@ class Learner:
         self.max_grad_norm, self.loss_kwargs, self.logp_kwargs = max_grad_norm, loss_kwargs, logp_kwargs
         self.correction = (correction.rollout_correction, correction.rollout_correction_low,
                            correction.rollout_correction_high)
-        units = stat_units(loss_kwargs["objective"], loss_kwargs["aggregation"])  # and the loss and entropy, for
-        self.units = {**units, **correction_units(correction.rollout_correction), "loss": units["loss/policy"],  # ranks
+        # what each statistic averages over (and the loss and entropy), for recombining them across ranks
+        units = stat_units(loss_kwargs["objective"], loss_kwargs["aggregation"])
+        self.units = {**units, **correction_units(correction.rollout_correction), "loss": units["loss/policy"],
                       "entropy": "tokens"}
 
     def update(self, batch: Batch, i: int, part: Part, *, on_policy: bool, step: int) -> dict:

@@ -167,7 +167,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
                          max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts)
     optimizer, scheduler = make_optimizer(model, cfg.learning_rate)
     guard = NonFiniteGuard(cfg.max_consecutive_skips)
-    objective = section(cfg, ObjectiveSettings)
+    objective, plan = section(cfg, ObjectiveSettings), section(cfg, BatchSettings)
     learner = Learner(model, optimizer, scheduler, guard, logp_kwargs=logp_kwargs, max_grad_norm=cfg.max_grad_norm,
                       loss_kwargs=loss_options(objective, norm_length=cfg.max_completion_length,
                                                kl_in_reward=cfg.kl_in_reward),
@@ -251,7 +251,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             task_metrics = source.observe(scores.rewards, scores.valid, G)  # several tasks: reweigh them
             # 3. Prepare: the minibatch plan, pi_old and pi_ref log-probs, advantages (a critic's values), once.
             with autocast():
-                batch = prepare(rollout, scores, plan=section(cfg, BatchSettings), objective=objective,
+                batch = prepare(rollout, scores, plan=plan, objective=objective,
                                 logp_kwargs=logp_kwargs, topology=topology, routing=routing, model=model,
                                 reference=reference, baseline=baseline, shuffle=shuffle)
             t_rollout = time.perf_counter() - t0
@@ -269,8 +269,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             metrics = step_metrics(scores, step_stats, {**task_metrics, **batch.stats, **sampler_stats}, group_size=G,
                                    drop_bad=cfg.drop_bad_rewards, skipped=guard.skipped, lr=scheduler.get_last_lr()[0],
                                    t_generate=t_generate, t_rollout=t_rollout, t_train=t_train)
-            # 6. Evaluate, call back (a callback's "stop" makes this the last step, as max_steps would), log,
-            # checkpoint.
+            # 6. Evaluate, call back (a callback's "stop" ends the run here, as max_steps would), log, checkpoint.
             last = step == cfg.max_steps
             if (cfg.eval_steps and step % cfg.eval_steps == 0) or last:
                 metrics.update(evaluate(step))

@@ -256,6 +256,14 @@ class SeededSampler:
         return scores.float() / self.temperature + gumbel
 
 
+def sampling_options(s) -> dict:
+    """`generate`'s keywords that a SamplingSettings (gspo.config) sets: the completion length, the reshaping of the
+    distribution and the prompt limit; the in-process Sampler and a rollout worker sample with the same."""
+    return dict(max_new_tokens=s.max_completion_length, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                min_p=s.min_p, repetition_penalty=s.repetition_penalty, max_prompt_length=s.max_prompt_length,
+                truncate_prompts=s.truncate_prompts)
+
+
 def row_seeds(seed: int, step: int, first_row: int, count: int) -> list[int]:
     """Seeds of rows first_row .. first_row+count-1 of a run's rollout at `step` (global row numbers)."""
     base = (seed * 1_000_003 + step) * 1_000_003
@@ -392,8 +400,8 @@ class Sampler:
         from gspo.config import SamplingSettings, section
 
         sampling = section(cfg, SamplingSettings)
-        self.model, self.tokenizer, self.sampling, self.seeded, self.recorder = (model, tokenizer, sampling, seeded,
-                                                                                 recorder)
+        self.model, self.tokenizer, self.seeded, self.recorder = model, tokenizer, seeded, recorder
+        self.options = sampling_options(sampling)
         self.group_size, self.seed = cfg.num_generations, cfg.seed
         self.name, self.reason = choose_generator(model, sampling.generation_backend)  # reason: a line for the log
         backend = GENERATORS[self.name]
@@ -411,13 +419,10 @@ class Sampler:
             check_sampling_memory(self.sampler.model, B, G, sampling.max_completion_length)
 
     def sample(self, prompts: list[str], step: int, first_row: int) -> Rollout:
-        s, G = self.sampling, self.group_size
+        G = self.group_size
         sampler = self.sampler.model if isinstance(self.sampler, PolicySampler) else self.sampler
         try:
-            return generate(self.model, self.tokenizer, prompts, G, max_new_tokens=s.max_completion_length,
-                            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                            repetition_penalty=s.repetition_penalty, max_prompt_length=s.max_prompt_length,
-                            truncate_prompts=s.truncate_prompts, with_logprobs=self.with_logprobs,
+            return generate(self.model, self.tokenizer, prompts, G, **self.options, with_logprobs=self.with_logprobs,
                             routing_recorder=self.recorder(sampler),
                             row_seeds=row_seeds(self.seed, step, first_row, len(prompts) * G) if self.seeded else None,
                             backend=self.name, sampler=sampler)

@@ -135,6 +135,7 @@ class RemoteSampler:
         import torch.multiprocessing as mp
 
         from gspo.config import SamplingSettings, section
+        from gspo.rollout.sampling import sampling_options
 
         if workers != 1:
             raise ValueError(f"rollout_workers={workers}: one worker is supported so far")
@@ -145,10 +146,8 @@ class RemoteSampler:
         # the trainer's thread count: the same kernels split the same way, so mu is bitwise the in-process one
         options = {"threads": torch.get_num_threads(), "seeded": seeded, "seed": cfg.seed,
                    "num_generations": cfg.num_generations, "vocab_size": self.vocab_size,
-                   "generate": dict(max_new_tokens=s.max_completion_length, temperature=s.temperature, top_p=s.top_p,
-                                    top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
-                                    max_prompt_length=s.max_prompt_length, truncate_prompts=s.truncate_prompts,
-                                    with_logprobs=with_logprobs, backend=s.generation_backend)}
+                   "generate": {**sampling_options(s), "with_logprobs": with_logprobs,
+                                "backend": s.generation_backend}}
         port, world = _free_port(), workers + 1
         ctx = mp.get_context("spawn")
         t0 = time.perf_counter()
@@ -226,6 +225,7 @@ def build_sampler(model, tokenizer, cfg, *, seeded: bool, distributed: bool, rec
                   records: bool = False):
     """The run's Sampler plug: in the trainer's process (`gspo.rollout.Sampler`), or `RemoteSampler` with
     rollout_workers > 0 (one process, the policy's own weights, no expert record: refused otherwise)."""
+    from gspo.lora import is_peft
     from gspo.rollout.sampling import Sampler, keeps_sampler_logprobs
 
     if not cfg.rollout_workers:
@@ -235,7 +235,7 @@ def build_sampler(model, tokenizer, cfg, *, seeded: bool, distributed: bool, rec
     if records:
         raise ValueError("rollout_workers: routing_replay=rollout needs the sampler's expert record, which a worker "
                          "does not return yet; use routing_replay=old_policy")
-    if hasattr(model, "peft_config"):
+    if is_peft(model):
         raise ValueError("rollout_workers: not with LoRA yet (the worker would need the adapters' merged weights)")
     return RemoteSampler(model, tokenizer, cfg, seeded=seeded, workers=cfg.rollout_workers,
                          timeout_s=cfg.rollout_timeout_s, with_logprobs=keeps_sampler_logprobs(cfg))
