@@ -32,18 +32,30 @@ __all__ = ["AuxiliaryTerm", "Baseline", "PromptSource", "Reference", "Routing", 
 
 @runtime_checkable
 class Sampler(Protocol):
-    """Samples G completions per prompt from the policy (or its copy, or an engine) into one padded Rollout."""
+    """Samples G completions per prompt from the policy (or its copy, or an engine, or a worker process) into one
+    padded Rollout. The trainer's feed (gspo/rollout/feed.py) asks for a step's rollout with `request`, maybe
+    steps early (max_staleness), and takes it with `receive`."""
 
-    name: str  # the backend that samples: gspo, hf, vllm, ...
+    name: str  # the backend that samples: gspo, hf, vllm, workers
 
-    def sample(self, prompts: list[str], step: int, first_row: int) -> Rollout:
-        """This rank's rollout; with the sampler's log-probs (mu) where the run needs them."""
+    def request(self, prompts: list[str], step: int, first_row: int) -> None:
+        """Step `step`'s prompts (this rank's): sampled now or later, with the weights of the latest `sync`."""
+
+    def receive(self, step: int, wait: bool = True) -> Rollout | None:
+        """Step `step`'s rollout, with the sampler's log-probs (mu) where the run needs them; None without
+        `wait` when it is not here yet."""
+
+    def version_of(self, step: int) -> int | None:
+        """How many `sync`s the weights that sampled step `step` had seen; None: sampled in the trainer's process."""
+
+    def rng_after(self, step: int):
+        """The sampler's own random state after sampling step `step` (a worker's), for checkpoints; None: none."""
 
     def sync(self, policy) -> dict:
         """Load the policy's new weights after the updates (nothing when the sampler is the policy); time/sync_s."""
 
     def close(self) -> None:
-        """Release an engine; nothing otherwise."""
+        """Release an engine or the workers; nothing otherwise."""
 
 
 @runtime_checkable

@@ -17,14 +17,15 @@ PPO's critic, trained on the same minibatches), the reference policy of the KL t
 (gspo/reference.py: none, a frozen copy, or LoRA's base with the adapters off: gspo/lora.py) and the
 forwards' precision (gspo/precision.py: bf16 autocast or none).
 The sampler is the policy itself (gspo/rollout/decode.py or HF `generate`), a copy of it (low
-precision, stale: sampler_dtype, sampler_lag) or an inference engine colocated in this process
-(vllm); where its distribution mu is not pi_old, `mismatch/*` measure by how much and a rollout
-correction (gspo/correction.py) weighs the updates by pi_old/mu. The whole rollout stays in memory.
+precision, stale: sampler_dtype, sampler_lag), an inference engine colocated in this process
+(vllm) or a worker process sampling up to max_staleness steps ahead (gspo/rollout/workers.py, fed
+by gspo/rollout/feed.py); where its distribution mu is not pi_old, `mismatch/*` measure by how
+much and a rollout correction (gspo/correction.py) weighs the updates by pi_old/mu. The whole
+rollout stays in memory.
 """
 
 from __future__ import annotations
 
-import copy
 import signal
 import sys
 import time
@@ -73,7 +74,8 @@ from gspo.parallel import Topology
 from gspo.precision import enable_gradient_checkpointing, forward_precision
 from gspo.reference import reference_policy
 from gspo.rollout import eos_ids
-from gspo.rollout.workers import build_sampler
+from gspo.rollout.feed import PENDING_FILE, RolloutFeed
+from gspo.rollout.workers import RolloutWorkerLost, build_sampler
 from gspo.routing import build_routing
 from gspo.run import (
     CRITIC_DIR,
@@ -176,19 +178,20 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
     shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch plans
     stop_ids = eos_ids(tokenizer, model)
 
-    def save_checkpoint_now(step: int, resume_point: dict | None = None) -> Path | None:
+    def save_checkpoint_now(step: int, rng: dict | None = None, wait: bool = True) -> Path | None:
         # Every rank holds the same state (replicas, same RNG draws): rank 0 writes it, in the
-        # single-process layout (under fsdp every rank first helps gather it). `resume_point`: the
-        # RNG and prompt-source states taken when step `step` + 1 began (a step dropped unfinished
-        # leaves weights, optimizer and schedule as step `step` left them).
-        resume_point = resume_point or {"rng": None, "sampler": source.state_dict()}
+        # single-process layout (under fsdp every rank first helps gather it). `rng`: the RNG states
+        # taken when step `step` + 1 began (a step dropped unfinished leaves weights, optimizer and
+        # schedule as step `step` left them). The feed gives the prompt source's state and the rollouts
+        # asked for beyond `step` (max_staleness; `wait`: False when the worker that samples them is lost).
+        source_state, pending = feed.resume_state(step, wait=wait)
         path, state = out_dir / f"checkpoint-{step}", topology.full_state(model, optimizer)
-        extra_states = baseline.checkpoint_states()  # a critic's weights, optimizer and schedule
+        extra_states = {**baseline.checkpoint_states(), PENDING_FILE: pending}  # a critic's state; rollouts ahead
         if topology.is_main:
             path = save_checkpoint(out_dir, step, model=model, tokenizer=tokenizer, scheduler=scheduler,
                                    config=saved_config(cfg, W), rng_generators={"shuffle": shuffle},
-                                   rng_state=resume_point["rng"], keep=cfg.save_total_limit, trainer_state={
-                                       "sampler": resume_point["sampler"], "guard": guard.state_dict(),
+                                   rng_state=rng, keep=cfg.save_total_limit, trainer_state={
+                                       "sampler": source_state, "guard": guard.state_dict(),
                                        "evals": {str(k): v for k, v in evals.items()}, "world_size": W,
                                        "data": source.fingerprints},  # checked at resume (check_data)
                                    extra_states=extra_states, **state)
@@ -196,13 +199,19 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
         return path
 
     if checkpoint is None:
-        first, evals = 1, {}
+        first, evals, pending = 1, {}, None
     else:  # exact resume: weights, optimizer, schedule, data position and RNG states as they were
         first, evals = restore(checkpoint, cfg, topology, out_dir, model, optimizer, scheduler, shuffle, source, guard)
-    # the sampler starts from the weights training starts from (a copy, an engine: loaded now)
+        pending = load_state_file(checkpoint / PENDING_FILE) if (checkpoint / PENDING_FILE).exists() else None
+    # the sampler starts from the weights training starts from (a copy, an engine, a worker: loaded now)
     sampler = build_sampler(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
                             distributed=topology.enabled, recorder=routing.sampling_recorder,
-                            records=routing.records_sampling)
+                            records=routing.records_sampling, version=first - 1,
+                            rng=(pending or {}).get("worker_rng"))
+    # each step's prompts and rollout: sampled as the step begins, or asked for max_staleness steps ahead
+    feed = RolloutFeed(source, sampler, batch=B * W, share=topology.batch_share(B), first_row=topology.rank * B * G,
+                       ahead=cfg.max_staleness, after=first - 1, last=cfg.max_steps,
+                       pending=pending)
     say(getattr(sampler, "reason", f"sampler: {sampler.name}"))  # which sampler, and why
     logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
                            config=to_dict(cfg), truncate_after_step=None if checkpoint is None else first - 1,
@@ -233,14 +242,14 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
         for step in range(first, cfg.max_steps + 1):
             t0 = time.perf_counter()
             # Until the step's first update a signal drops it whole (StopSignals); a checkpoint of
-            # step - 1 then needs the RNG and prompt-source states as this step found them.
-            resume_point = {"rng": capture_rng({"shuffle": shuffle}), "sampler": copy.deepcopy(source.state_dict())}
+            # step - 1 then needs the RNG states as this step found them (the feed keeps the rest).
+            resume_rng = capture_rng({"shuffle": shuffle})
             stop.abandonable = topology.can_abandon_step
-            # 1. Sample: every rank draws the global batch and keeps its B prompts (whole groups).
-            examples = source.next(B * W)
-            mine = examples[topology.batch_share(B)]
+            # 1. Sample: every rank draws the global batch and keeps its B prompts (whole groups); rollout
+            #    workers were asked for it max_staleness steps ago.
             with autocast():
-                rollout = sampler.sample([e["prompt"] for e in mine], step, first_row=topology.rank * B * G)
+                examples, rollout = feed.next(step)
+            mine = examples[topology.batch_share(B)]
             t_generate = time.perf_counter() - t0
             # 2. Score this rank's completions; every rank then holds every sequence's scalars.
             #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
@@ -262,7 +271,8 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             aux.begin_step(step, examples)
             step_stats = [learner.update(batch, i, part, on_policy=on_policy, step=step)
                           for i, part, on_policy in batch.minibatches()]
-            sampler_stats = {**sampler.sync(model), **mismatch_stats(batch.rollout, topology)}  # time/sync_s
+            sampler_stats = {**sampler.sync(model), **feed.staleness(step),  # time/sync_s, async/*
+                             **mismatch_stats(batch.rollout, topology)}
             t_train = time.perf_counter() - t0 - t_rollout
 
             # 5. Metrics.
@@ -289,8 +299,12 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             if last:
                 break
     except StepAbandoned as stopped:  # a signal before the step's first optimizer step: drop it whole
-        saved = save_checkpoint_now(step - 1, resume_point)
+        saved = save_checkpoint_now(step - 1, resume_rng)
         raise TrainingInterrupted(stopped.signum, step - 1, saved) from None
+    except RolloutWorkerLost as lost:  # raised as step `step` waits for its rollout: nothing of it applied
+        saved = save_checkpoint_now(step - 1, resume_rng, wait=False)
+        raise TrainingAborted(f"{lost}\nstopped after step {step - 1}; checkpoint saved to {saved}; continue with "
+                              "--resume latest (rollouts the worker had not returned are sampled again)") from None
     finally:
         stop.restore()
         sampler.close()

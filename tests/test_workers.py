@@ -1,7 +1,10 @@
-"""Rollout workers (gspo/rollout/workers.py): a worker process samples what the trainer's process would, follows
-the broadcast weights, and a dead worker is named within the timeout."""
+"""Rollout workers (gspo/rollout/workers.py, gspo/rollout/feed.py): a worker process samples what the trainer's
+process would, follows the broadcast weights, runs max_staleness steps ahead exactly as the in-process lag
+stand-in does, resumes bit for bit, and a dead or silent worker is named within the timeout and stops the run
+with a checkpoint."""
 
 import copy
+import multiprocessing
 import os
 import signal
 import time
@@ -9,10 +12,12 @@ import time
 import pytest
 import torch
 
-from conftest import SMALL, tiny_cfg
+from conftest import SMALL, final_weights, read_metrics, tiny_cfg
 from gspo.models import load_model
 from gspo.rollout import Sampler
-from gspo.rollout.workers import RemoteSampler
+from gspo.rollout.workers import RemoteSampler, RolloutWorkerLost
+from gspo.run import TrainingAborted
+from gspo.trainer import train
 
 PROMPTS = ["12+34=", "5+6=", "70+8="]
 
@@ -58,12 +63,45 @@ def test_a_dead_worker_is_named_within_the_timeout(tmp_path):
         remote.close()
 
 
-def test_a_run_with_a_worker_trains_exactly_as_one_without(tmp_path):
-    # Synchronous so far: the worker samples with the weights of the latest sync, i.e. the policy's, so a
-    # seeded run with a worker must be the same run, metric for metric and weight for weight.
-    from conftest import final_weights, read_metrics
-    from gspo.trainer import train
+TIMING = ("time/", "throughput/", "async/")
 
+
+def text_hash(prompts, completions, **_):
+    """A reward with spread in nearly every group, so every step moves the weights."""
+    return [sum(map(ord, c)) % 5 / 4 for c in completions]
+
+
+def computed(record: dict) -> dict:
+    """A metrics line without its timings (and the async/* bookkeeping that only a worker run has)."""
+    return {k: v for k, v in record.items() if not k.startswith(TIMING)}
+
+
+def worker(process_list=None):
+    """The run's rollout worker process (a child named gspo-rollout-worker-1)."""
+    (found,) = [p for p in multiprocessing.active_children() if p.name == "gspo-rollout-worker-1"]
+    return found
+
+
+def test_a_silent_worker_is_named_after_the_timeout(tmp_path):
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    remote = RemoteSampler(model, tok, tiny_cfg(tmp_path), seeded=False, workers=1, timeout_s=3)
+    try:
+        os.kill(remote.processes[0].pid, signal.SIGSTOP)  # alive, never answers
+        t0 = time.perf_counter()
+        with pytest.raises(RolloutWorkerLost, match=r"step 1: waiting for its rollout: rollout worker 1: no answer "
+                                                    r"within rollout_timeout_s=3"):
+            remote.sample(PROMPTS, 1, 0)
+        assert 2.5 < time.perf_counter() - t0 < 30
+        with pytest.raises(RolloutWorkerLost, match="no answer"):  # lost for good: no second wait
+            remote.request(PROMPTS, 2, 0)
+    finally:
+        os.kill(remote.processes[0].pid, signal.SIGKILL)
+        remote.close()
+
+
+def test_a_run_with_a_worker_trains_exactly_as_one_without(tmp_path):
+    # max_staleness 0: the worker samples with the weights of the latest sync, i.e. the policy's, so a
+    # seeded run with a worker must be the same run, metric for metric and weight for weight.
     runs = {}
     for workers in (0, 1):
         cfg = tiny_cfg(tmp_path / str(workers), max_steps=2, seeded_sampling=True, rollout_workers=workers,
@@ -72,8 +110,78 @@ def test_a_run_with_a_worker_trains_exactly_as_one_without(tmp_path):
         runs[workers] = read_metrics(tmp_path / str(workers) / "run"), final_weights(tmp_path / str(workers) / "run")
     (plain, w0), (remote, w1) = runs[0], runs[1]
     for a, b in zip(plain, remote, strict=True):
-        timing = ("time/", "throughput/", "async/")
-        assert {k: v for k, v in a.items() if not k.startswith(timing)} == {
-            k: v for k, v in b.items() if not k.startswith(timing)}
+        assert computed(a) == computed(b)
     assert remote[1]["async/sync_bytes"] > 0 and "async/sync_bytes" not in plain[1]
+    assert [r["async/staleness_max"] for r in remote] == [0.0, 0.0]
+    assert all(0 < r["async/trainer_busy"] <= 1 and 0 < r["async/worker_busy"] <= 1 for r in remote)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_a_worker_one_step_ahead_is_the_in_process_lag_of_one(tmp_path):
+    # max_staleness 1 asks for step t's rollout as step t - 1 begins, after the weights of step t - 2 were sent:
+    # what sampler_lag 1 simulates with a copy in one process. Seeded, the two runs are the same run.
+    common = dict(max_steps=4, seeded_sampling=True, eval_num_prompts=0, learning_rate=1e-2, log_mismatch=True,
+                  reward_funcs=[text_hash])
+    train(tiny_cfg(tmp_path / "lag", sampler_lag=1, **common))
+    train(tiny_cfg(tmp_path / "async", rollout_workers=1, max_staleness=1, **common))
+    lag, real = read_metrics(tmp_path / "lag" / "run"), read_metrics(tmp_path / "async" / "run")
+    # mu alone differs in the last bits: the lag's copy has requires_grad off, which takes other CPU kernels
+    # (log-probs within 5e-7 of the policy's); the worker's copy keeps it on and matches the policy bitwise.
+    exact = [{k: v for k, v in computed(r).items() if not k.startswith("mismatch/")} for r in (*lag, *real)]
+    assert exact[:4] == exact[4:]
+    for a, b in zip(lag, real):
+        assert all(b[k] == pytest.approx(v, rel=1e-5, abs=1e-9) for k, v in a.items() if k.startswith("mismatch/"))
+    assert [r["async/staleness_mean"] for r in real] == [0.0, 1.0, 1.0, 1.0]  # step 1: the first weights
+    # step 1: mu and pi_old of the same weights (KV-cached decode vs one forward: rounding only); then stale
+    assert real[0]["mismatch/kl"] < 1e-10 and all(r["mismatch/kl"] > 1e-3 for r in real[1:])
+    w_lag, w_real = final_weights(tmp_path / "lag" / "run"), final_weights(tmp_path / "async" / "run")
+    assert all(torch.equal(w_lag[k], w_real[k]) for k in w_lag)
+
+
+@pytest.mark.parametrize("staleness,seeded", [(0, True), (1, True), (1, False)])
+def test_a_run_stopped_with_rollouts_in_flight_resumes_bit_for_bit(tmp_path, staleness, seeded):
+    # Stopped after step 2 (a callback's stop), step 3's rollout already asked for under max_staleness 1: the
+    # checkpoint keeps it (and the worker's random state, for unseeded sampling), so the resumed run is the
+    # uninterrupted one.
+    def cfg(name, **kw):
+        return tiny_cfg(tmp_path / name, max_steps=4, seeded_sampling=seeded, rollout_workers=1,
+                        max_staleness=staleness, eval_num_prompts=0, learning_rate=1e-2, reward_funcs=[text_hash], **kw)
+
+    train(cfg("whole"))
+    train(cfg("parts"), callbacks=[lambda step, metrics: "stop" if step == 2 else None])
+    pending = torch.load(tmp_path / "parts" / "run" / "checkpoint-2" / "rollouts.pt", weights_only=True)
+    assert pending["steps"] == list(range(3, 3 + staleness)) and pending["worker_rng"].dtype == torch.uint8
+    train(cfg("parts", resume_from_checkpoint="latest"))
+    whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
+    assert [r["step"] for r in parts] == [1, 2, 3, 4]
+    assert [computed(r) for r in whole] == [computed(r) for r in parts]
+    assert [r["async/staleness_max"] for r in parts] == [0.0] + [float(staleness)] * 3
+    w, p = final_weights(tmp_path / "whole" / "run"), final_weights(tmp_path / "parts" / "run")
+    assert all(torch.equal(w[k], p[k]) for k in w)
+
+
+def test_a_worker_killed_mid_run_stops_it_with_a_checkpoint_that_resumes(tmp_path):
+    cfg = dict(max_steps=4, seeded_sampling=True, rollout_workers=1, max_staleness=1, eval_num_prompts=0,
+               rollout_timeout_s=20)
+
+    def kill_after_step_2(step, metrics):
+        if step == 2:
+            os.kill(worker().pid, signal.SIGKILL)
+
+    # Step 3's rollout came back during step 2 (max_staleness 1), so step 3 may still train (then its weight
+    # broadcast finds the worker gone); or posting step 4's prompts already fails. Either way the run stops
+    # before a step it cannot finish, with the checkpoint of the last one it did.
+    t0 = time.perf_counter()
+    with pytest.raises(TrainingAborted, match=r"rollout worker 1 \(pid \d+\) exited with status -9[^\n]*\n"
+                                              r"stopped after step ([23]); checkpoint saved to .*checkpoint-\1; "
+                                              r"continue with --resume latest") as stopped:
+        train(tiny_cfg(tmp_path, **cfg), callbacks=[kill_after_step_2])
+    assert time.perf_counter() - t0 < 60
+    last = int(str(stopped.value).split("stopped after step ")[1][0])
+    run = tmp_path / "run"
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, last + 1))
+    pending = torch.load(run / f"checkpoint-{last}" / "rollouts.pt", weights_only=True)
+    assert pending["steps"] == ([3] if last == 2 else [])  # step 4's rollout never came back: sampled on resume
+    train(tiny_cfg(tmp_path, **cfg, resume_from_checkpoint="latest"))
+    metrics = read_metrics(run)
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4] and metrics[-1]["async/staleness_max"] == 0.0

@@ -86,6 +86,8 @@ class SamplingSettings:
     """Sampling processes beside the trainer: 0 samples in its own process; 1 a worker with its own copy."""
     rollout_timeout_s: float = 300.0
     """Longest wait for a rollout worker's answer; a dead or silent worker is then named and the run stops."""
+    max_staleness: int = 0
+    """Workers sample this many steps ahead: a rollout trains weights at most k updates newer; 0: no overlap."""
 
 
 def reshaping(s: SamplingSettings) -> list[str]:
@@ -114,7 +116,10 @@ def _check_sampling(s: SamplingSettings) -> None:
     check_choice(s, "generation_backend", generator_choices())
     if s.sampler_dtype is not None:  # null: the policy's own dtype
         check_choice(s, "sampler_dtype", tuple(d for d in DTYPES if d != "auto"))
-    check_positive(s, "rollout_workers", allow_zero=True)
+    check_positive(s, "rollout_workers", "max_staleness", allow_zero=True)
+    if s.max_staleness and not s.rollout_workers:
+        raise ValueError(f"config: max_staleness={s.max_staleness} overlaps sampling with training in rollout worker "
+                         "processes; set rollout_workers: 1 (sampler_lag simulates staleness in one process)")
     check_positive(s, "rollout_timeout_s")
     if s.rollout_workers > 1:
         raise ValueError(f"config: rollout_workers={s.rollout_workers}: one worker is supported so far")

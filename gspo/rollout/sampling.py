@@ -272,9 +272,9 @@ def row_seeds(seed: int, step: int, first_row: int, count: int) -> list[int]:
 
 def keeps_sampler_logprobs(cfg, engine: bool = False) -> bool:
     """Whether a run keeps the sampler's log-probs (mu): it trains on them (use_sampler_logprobs, a
-    rollout correction), or mu may differ from pi_old (a copy, a lag, an engine), or log_mismatch."""
+    rollout correction), or mu may differ from pi_old (a copy, a lag, stale workers, an engine), or log_mismatch."""
     return bool(cfg.use_sampler_logprobs or cfg.rollout_correction != "none" or cfg.sampler_dtype
-                or cfg.sampler_lag or cfg.log_mismatch or engine)
+                or cfg.sampler_lag or cfg.max_staleness or cfg.log_mismatch or engine)
 
 
 class PolicySampler:
@@ -417,6 +417,22 @@ class Sampler:
                         else PolicySampler(model, tokenizer, sampling))
         if isinstance(self.sampler, PolicySampler):  # an engine sizes its own memory (vllm_gpu_memory_utilization)
             check_sampling_memory(self.sampler.model, B, G, sampling.max_completion_length)
+
+    def request(self, prompts: list[str], step: int, first_row: int) -> None:
+        """Remember step `step`'s prompts; `receive(step)` samples them (in this process nothing runs ahead)."""
+        self.asked = (prompts, step, first_row)
+
+    def receive(self, step: int, wait: bool = True) -> Rollout | None:
+        """Step `step`'s rollout, sampled now from the prompts `request` gave (None without `wait`)."""
+        prompts, asked, first_row = self.asked
+        assert asked == step, (asked, step)
+        return self.sample(prompts, step, first_row) if wait else None
+
+    def rng_after(self, step: int) -> None:
+        """Nothing: this sampler draws from the trainer's random state, which the checkpoint holds."""
+
+    def version_of(self, step: int) -> None:
+        """None: sampled in this process from the weights the step trains (or sampler_lag's copy, a fixed lag)."""
 
     def sample(self, prompts: list[str], step: int, first_row: int) -> Rollout:
         G = self.group_size

@@ -1,15 +1,22 @@
-"""Rollout workers: sampling in processes of their own (issue 34, first part: one worker, no staleness yet).
+"""Rollout workers: sampling in processes of their own, overlapped with training (`rollout_workers`,
+`max_staleness`; docs/samplers.md).
 
-`RemoteSampler` answers the Sampler plug's calls (`sample`, `sync`, `close`) with worker processes that
-each hold their own copy of the policy. Prompts go out, a Rollout comes back, tagged with the policy
-version that sampled it; after each update round `sync` broadcasts the policy's weights to every worker
-over a torch.distributed gloo group of the sampler's own (not the default group: torchrun's, if any, is
-left alone), and each worker answers a probe (the log-probs of a fixed sequence) that must match the
-trainer's, as the vllm backend's push is checked. Requests and rollouts travel over the same group as
-pickled uint8 tensors (what torch.distributed's send_object_list does).
+`RemoteSampler` answers the Sampler plug's calls with a worker process that holds its own copy of the
+policy. `request(prompts, step, first_row)` hands a step's prompts to the worker and returns at once;
+`receive(step)` waits for that step's rollout, which comes back tagged with the version of the weights
+that sampled it (the number of `sync`s before it). After each update round `sync` broadcasts the
+policy's weights over a torch.distributed gloo group of the sampler's own (not the default group:
+torchrun's, if any, is left alone) and the worker answers a probe (the log-probs of a fixed sequence)
+that must match the trainer's, as the vllm backend's push is checked. Requests and rollouts travel over
+the same group as pickled uint8 tensors (what torch.distributed's send_object_list does), posted without
+waiting: a gloo send completes only once the peer receives it, and two processes that each wait on a
+send before receiving would wait forever. The worker handles its messages in the order they were sent,
+so which weights sample which step is fixed by the order of the trainer's calls, never by timing
+(gspo/rollout/feed.py).
 
-A worker that dies or stops answering is found within `rollout_timeout_s` and named in one line; the
-workers are daemon processes, so they end with the trainer.
+A worker that dies, stops answering within `rollout_timeout_s` or fails is named in one line
+(`RolloutWorkerLost`); the trainer then stops with a checkpoint. Workers are daemon processes: they end
+with the trainer.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ import torch
 
 TAG_HEADER, TAG_BODY = 0, 1  # a message is its length (int64), then its bytes
 PROBE_LENGTH = 16  # tokens of the probe sequence every weight broadcast is checked on
+KEEP_RNG_STATES = 16  # the worker's random state after each of this many latest rollouts (for checkpoints)
+
+
+class RolloutWorkerLost(ValueError):
+    """A rollout worker died, went silent or failed; the message names it."""
 
 
 def _group(rank: int, world: int, port: int, timeout_s: float):
@@ -43,16 +55,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def send(group, obj, dst: int) -> int:
-    """Send a picklable object to rank `dst`; returns its size in bytes."""
-    body = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # (n,)
-    group.send([torch.tensor([body.numel()], dtype=torch.int64)], dst, TAG_HEADER).wait()
-    group.send([body], dst, TAG_BODY).wait()
-    return body.numel()
+class Posted:
+    """Messages sent and not yet received by their peer: their buffers are kept alive until then."""
+
+    def __init__(self):
+        self.items: list = []
+
+    def post(self, group, obj, dst: int) -> int:
+        """Send a picklable object to rank `dst` without waiting; returns its size in bytes."""
+        body = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # (n,)
+        header = torch.tensor([body.numel()], dtype=torch.int64)  # (1,)
+        works = [group.send([header], dst, TAG_HEADER), group.send([body], dst, TAG_BODY)]
+        self.items = [item for item in self.items if not all(w.is_completed() for w in item[0])]
+        self.items.append((works, (header, body)))
+        return body.numel()
 
 
 def recv(group, src: int):
-    """The next object rank `src` sent."""
+    """The next object rank `src` posted."""
     size = torch.zeros(1, dtype=torch.int64)
     group.recv([size], src, TAG_HEADER).wait()
     body = torch.empty(int(size), dtype=torch.uint8)  # (n,)
@@ -66,6 +86,14 @@ def flat_weights(model) -> dict[torch.dtype, torch.Tensor]:
     for p in model.parameters():
         by_dtype.setdefault(p.dtype, []).append(p.detach().reshape(-1))
     return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
+
+
+def on_device(rollout, device):
+    """`rollout` with its tensors on `device` (a worker's rollout travels through the CPU)."""
+    from dataclasses import fields, replace
+
+    return replace(rollout, **{f.name: getattr(rollout, f.name).to(device) for f in fields(rollout)
+                               if isinstance(getattr(rollout, f.name), torch.Tensor)})
 
 
 def load_flat_weights(model, flat: dict[torch.dtype, torch.Tensor]) -> None:
@@ -88,19 +116,21 @@ def probe_logprobs(model, vocab_size: int) -> torch.Tensor:
 
 
 def _worker_main(rank: int, world: int, port: int, timeout_s: float, model, tokenizer, options: dict) -> None:
-    """A rollout worker: sample on request, load broadcast weights, until told to stop."""
+    """A rollout worker: sample on request, load broadcast weights, in the order asked, until told to stop."""
     from gspo.rollout.sampling import generate, row_seeds
 
     torch.set_num_threads(options.pop("threads"))
-    group = _group(rank, world, port, timeout_s)
-    model.eval()
-    version = 0
-    seeded, seed = options.pop("seeded"), options.pop("seed")
-    if not seeded:
+    group, posted = _group(rank, world, port, timeout_s), Posted()
+    model = model.to(options.pop("device")).eval()  # the trainer's device (one GPU: shared by both processes)
+    version, seeded, seed, rng = options.pop("version"), options.pop("seeded"), options.pop("seed"), options.pop("rng")
+    if rng is not None:  # resumed: where the checkpointed run's worker stood
+        torch.set_rng_state(rng)
+    elif not seeded:
         torch.manual_seed(seed + 1000 * rank)  # its own stream, reproducible for a given seed
+    busy = 0.0  # seconds spent sampling and loading weights
     while True:
         request = recv(group, 0)
-        kind = request[0]
+        kind, t0 = request[0], time.perf_counter()
         if kind == "stop":
             return
         try:
@@ -110,28 +140,33 @@ def _worker_main(rank: int, world: int, port: int, timeout_s: float, model, toke
                 for dtype in shapes:
                     group.broadcast(flat[dtype], 0).wait()
                 load_flat_weights(model, flat)
-                send(group, ("probe", probe_logprobs(model, options["vocab_size"])), 0)
+                load_s = time.perf_counter() - t0
+                busy += load_s
+                reply = ("probe", probe_logprobs(model, options["vocab_size"]), busy, load_s)
             elif kind == "sample":
                 _, prompts, step, first_row = request
                 G = options["num_generations"]
                 rollout = generate(model, tokenizer, prompts, G, **options["generate"],
                                    row_seeds=row_seeds(seed, step, first_row, len(prompts) * G) if seeded else None)
-                send(group, ("rollout", version, rollout), 0)
+                busy += time.perf_counter() - t0
+                reply = ("rollout", step, version, on_device(rollout, "cpu"), torch.get_rng_state())
         except Exception:  # noqa: BLE001  reported to the trainer, which stops the run naming this worker
-            send(group, ("error", traceback.format_exc(limit=4)), 0)
+            reply = ("error", traceback.format_exc(limit=4))
+        posted.post(group, reply, 0)
 
 
 class RemoteSampler:
-    """The Sampler plug with its sampling in worker processes (`rollout_workers: N`).
+    """The Sampler plug with its sampling in a worker process (`rollout_workers: 1`).
 
-    Built from the policy as training starts: each worker gets a copy of it, then every `sync(policy)`
-    broadcasts the updated weights (`time/sync_s`, `async/sync_bytes`) and checks them on a probe.
-    `sample(prompts, step, first_row)` sends the prompts to the worker and waits for its rollout (one
-    worker so far); with seeded sampling the tokens are those the in-process sampler draws.
+    Built from the policy as training starts (or resumes: `version`, the worker's random state `rng`):
+    the worker gets a copy of it, then every `sync(policy)` broadcasts the updated weights
+    (`time/sync_s`, `async/sync_bytes`) and checks them on a probe. `request` and `receive` split a step's
+    sampling in two, so the trainer can train while the worker samples (gspo/rollout/feed.py); with seeded
+    sampling the tokens are those the in-process sampler draws from the same weights.
     """
 
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, workers: int, timeout_s: float = 300.0,
-                 with_logprobs: bool = False):
+                 with_logprobs: bool = False, version: int = 0, rng: torch.Tensor | None = None):
         import torch.multiprocessing as mp
 
         from gspo.config import SamplingSettings, section
@@ -140,12 +175,16 @@ class RemoteSampler:
         if workers != 1:
             raise ValueError(f"rollout_workers={workers}: one worker is supported so far")
         s = section(cfg, SamplingSettings)
-        self.name, self.reason = "workers", f"sampler: {workers} rollout worker process(es), gloo weight broadcast"
-        self.workers, self.timeout_s, self.version, self.synced = workers, timeout_s, 0, False
+        self.name = "workers"
+        self.reason = (f"sampler: {workers} rollout worker process(es), gloo weight broadcast, rollouts asked for "
+                       f"{cfg.max_staleness} step(s) ahead")
+        self.workers, self.timeout_s, self.version, self.synced = workers, timeout_s, version, False
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # the trainer's thread count: the same kernels split the same way, so mu is bitwise the in-process one
-        options = {"threads": torch.get_num_threads(), "seeded": seeded, "seed": cfg.seed,
-                   "num_generations": cfg.num_generations, "vocab_size": self.vocab_size,
+        self.device = next(model.parameters()).device
+        options = {"threads": torch.get_num_threads(), "seeded": seeded, "seed": cfg.seed, "version": version,
+                   "device": str(self.device),
+                   "rng": rng, "num_generations": cfg.num_generations, "vocab_size": self.vocab_size,
                    "generate": {**sampling_options(s), "with_logprobs": with_logprobs,
                                 "backend": s.generation_backend}}
         port, world = _free_port(), workers + 1
@@ -158,52 +197,117 @@ class RemoteSampler:
                                   args=(rank, world, port, timeout_s, copied, tokenizer, dict(options)))
             process.start()
             self.processes.append(process)
+        self.posted, self.lost = Posted(), None  # lost: a RolloutWorkerLost, once the worker is
         self.group = self._call(lambda: _group(0, world, port, timeout_s), "joining the sampler's group")
         self.start_s = time.perf_counter() - t0
+        self.arrived: dict[int, tuple] = {}  # step -> (version, rollout, rng) received, not yet handed out
+        self.versions: dict[int, int] = {}  # step -> the weights' version that sampled its rollout
+        self.rngs: dict[int, torch.Tensor] = {}  # step -> the worker's random state after sampling it
+        self.waited, self.worker_busy, self.mark = 0.0, 0.0, time.perf_counter()
 
     def _call(self, fn, what: str):
         """`fn()`; a failed collective becomes one line naming the worker that died or went silent."""
         try:
             return fn()
         except RuntimeError as err:  # gloo: a peer closed the connection, or the timeout passed
+            for process in self.processes:  # a killed worker resets its connection before it can be reaped
+                process.join(timeout=1.0)
             dead = [f"rollout worker {i + 1} (pid {p.pid}) exited with status {p.exitcode}"
                     for i, p in enumerate(self.processes) if not p.is_alive()]
-            why = "; ".join(dead) or f"no answer within rollout_timeout_s={self.timeout_s:g}"
-            raise ValueError(f"{what}: {why} ({str(err).splitlines()[0][:160]})") from None
+            why = "; ".join(dead) or f"rollout worker 1: no answer within rollout_timeout_s={self.timeout_s:g}"
+            raise self._lose(f"{what}: {why} ({str(err).splitlines()[0][:160]})") from None
 
-    def _answer(self, rank: int, kind: str, what: str):
-        message = self._call(lambda: recv(self.group, rank), what)
-        if message[0] == "error":
-            raise ValueError(f"{what}: rollout worker {rank} failed:\n{message[1]}")
-        assert message[0] == kind, message[0]
-        return message[1:]
+    def _lose(self, message: str) -> RolloutWorkerLost:
+        """The worker is lost for good: every later request or receive raises this."""
+        self.lost = RolloutWorkerLost(message)
+        return self.lost
+
+    def _read(self, kind: str, what: str, step: int | None = None) -> tuple:
+        """The worker's next answer of `kind` (a rollout: of `step`); rollouts of other steps are kept."""
+        while True:
+            message = self._call(lambda: recv(self.group, 1), what)
+            if message[0] == "error":
+                raise self._lose(f"{what}: rollout worker 1 failed:\n{message[1]}")
+            if message[0] == "rollout":
+                self.arrived[message[1]] = message[2:]
+                if kind == "rollout" and message[1] == step:
+                    return ()
+            elif message[0] == kind:
+                return message[1:]
+            else:
+                raise self._lose(f"{what}: rollout worker 1 answered {message[0]!r}, expected {kind!r}")
+
+    def _check(self) -> None:
+        if self.lost is not None:
+            raise self.lost
+
+    def request(self, prompts: list[str], step: int, first_row: int) -> None:
+        """Hand step `step`'s prompts to the worker; it samples them with the weights of the latest `sync`."""
+        self._check()
+        self._call(lambda: self.posted.post(self.group, ("sample", prompts, step, first_row), 1),
+                   f"step {step}: sending prompts")
+
+    def receive(self, step: int, wait: bool = True):
+        """Step `step`'s rollout (asked for with `request`); without `wait`, only one already here, else None."""
+        if step not in self.arrived and wait:
+            self._check()
+            t0 = time.perf_counter()
+            self._read("rollout", f"step {step}: waiting for its rollout", step)
+            self.waited += time.perf_counter() - t0
+        if step not in self.arrived:
+            return None
+        version, rollout, rng = self.arrived.pop(step)
+        self.versions[step], self.rngs[step] = version, rng
+        for old in sorted(self.rngs)[:-KEEP_RNG_STATES]:
+            del self.rngs[old], self.versions[old]
+        return on_device(rollout, self.device)
 
     def sample(self, prompts: list[str], step: int, first_row: int):
-        """This step's rollout, sampled by the worker with the weights of the latest `sync` (one worker so far:
-        joining several workers' rollouts into one padded layout is the next part)."""
-        self._call(lambda: send(self.group, ("sample", prompts, step, first_row), 1), f"step {step}: sending prompts")
-        version, rollout = self._answer(1, "rollout", f"step {step}: sampling")
-        assert version == self.version, (version, self.version)  # synchronous so far: never stale
-        return rollout
+        """`request` then `receive`: one step sampled without overlap."""
+        self.request(prompts, step, first_row)
+        return self.receive(step)
+
+    def rng_after(self, step: int) -> torch.Tensor | None:
+        """The worker's random state right after it sampled step `step` (None: not known here)."""
+        return self.rngs.get(step)
+
+    def version_of(self, step: int) -> int:
+        """The version of the weights (the number of `sync`s before) that sampled step `step`'s rollout."""
+        return self.versions[step]
 
     def sync(self, policy) -> dict:
+        """Broadcast the policy's weights to the worker and check them on the probe; this step's timings.
+
+        A lost worker is not raised here (the step's updates are done and its metrics still logged): the next
+        `request` or `receive` raises it, before anything of the next step is applied.
+        """
+        if self.lost is not None:
+            return {}
         t0 = time.perf_counter()
-        flat = flat_weights(policy)
-        self.version += 1
+        flat = {dtype: t.cpu() for dtype, t in flat_weights(policy).items()}  # gloo: through the CPU
         shapes = {dtype: t.numel() for dtype, t in flat.items()}
-        for rank in range(1, self.workers + 1):
-            self._call(lambda r=rank: send(self.group, ("weights", self.version, shapes), r), "sending weights")
-        for t in flat.values():
-            self._call(lambda t=t: self.group.broadcast(t, 0).wait(), "broadcasting weights")
-        own = probe_logprobs(policy, self.vocab_size)
-        for rank in range(1, self.workers + 1):
-            (theirs,) = self._answer(rank, "probe", "checking the broadcast weights")
-            diff = (theirs - own).abs().max().item()
-            if not diff <= 1e-5:
-                raise ValueError(f"rollout worker {rank}: the broadcast weights give log-probs {diff:.3g} away from "
-                                 "the policy's on the probe")
-        stats = {"time/sync_s": time.perf_counter() - t0,
+        try:
+            self.version += 1
+            self._call(lambda: self.posted.post(self.group, ("weights", self.version, shapes), 1), "sending weights")
+            for t in flat.values():
+                self._call(lambda t=t: self.group.broadcast(t, 0).wait(), "broadcasting weights")
+            t_broadcast = time.perf_counter() - t0
+            own = probe_logprobs(policy, self.vocab_size)
+            theirs, busy, load_s = self._read("probe", "checking the broadcast weights")
+        except RolloutWorkerLost:  # kept in self.lost
+            return {}
+        diff = (theirs - own).abs().max().item()
+        if not diff <= 1e-5:
+            raise ValueError(f"rollout worker 1: the broadcast weights give log-probs {diff:.3g} away from the "
+                             "policy's on the probe")
+        now = time.perf_counter()
+        interval, waited = now - self.mark, self.waited + max(0.0, t_broadcast - load_s)
+        stats = {"time/sync_s": load_s,  # the worker's side: receiving and loading; waiting for it is below
+                 "time/wait_for_rollout_s": waited,
+                 "async/trainer_busy": 1.0 - waited / interval,
+                 "async/worker_busy": (busy - self.worker_busy) / interval,
                  "async/sync_bytes": float(sum(t.numel() * t.element_size() for t in flat.values()))}
+        self.waited, self.worker_busy, self.mark = 0.0, busy, now
         if not self.synced:
             stats["time/sampler_start_s"], self.synced = self.start_s, True
         return stats
@@ -212,7 +316,7 @@ class RemoteSampler:
         for rank, process in enumerate(self.processes, 1):
             if process.is_alive():
                 try:
-                    send(self.group, ("stop",), rank)
+                    self.posted.post(self.group, ("stop",), rank)
                 except RuntimeError:
                     pass
         for process in self.processes:
@@ -222,9 +326,10 @@ class RemoteSampler:
 
 
 def build_sampler(model, tokenizer, cfg, *, seeded: bool, distributed: bool, recorder=lambda model: None,
-                  records: bool = False):
+                  records: bool = False, version: int = 0, rng: torch.Tensor | None = None):
     """The run's Sampler plug: in the trainer's process (`gspo.rollout.Sampler`), or `RemoteSampler` with
-    rollout_workers > 0 (one process, the policy's own weights, no expert record: refused otherwise)."""
+    rollout_workers > 0 (one process, the policy's own weights, no expert record: refused otherwise).
+    `version`: the steps the weights have taken (a resumed run's); `rng`: a resumed worker's random state."""
     from gspo.lora import is_peft
     from gspo.rollout.sampling import Sampler, keeps_sampler_logprobs
 
@@ -238,7 +343,9 @@ def build_sampler(model, tokenizer, cfg, *, seeded: bool, distributed: bool, rec
     if is_peft(model):
         raise ValueError("rollout_workers: not with LoRA yet (the worker would need the adapters' merged weights)")
     return RemoteSampler(model, tokenizer, cfg, seeded=seeded, workers=cfg.rollout_workers,
-                         timeout_s=cfg.rollout_timeout_s, with_logprobs=keeps_sampler_logprobs(cfg))
+                         timeout_s=cfg.rollout_timeout_s, with_logprobs=keeps_sampler_logprobs(cfg), version=version,
+                         rng=rng)
 
 
-__all__ = ["RemoteSampler", "build_sampler", "flat_weights", "load_flat_weights", "probe_logprobs", "recv", "send"]
+__all__ = ["Posted", "RemoteSampler", "RolloutWorkerLost", "build_sampler", "flat_weights", "load_flat_weights",
+           "probe_logprobs", "recv"]
