@@ -15,6 +15,10 @@ gspo, TRL, gspo, TRL, ... each in a fresh subprocess; repetition i of both sides
 imported through PYTHONPATH), run in the same alternation: gspo, gspo@REV, TRL, ... so a library
 change is measured before/after in one run, on the same machine state.
 
+`--async K` adds the side gspo_async: gspo with one rollout worker process sampling K steps ahead
+(`rollout_workers: 1, max_staleness: K`; the worker takes the trainer's thread count, so with
+`--threads 1` the trainer and the worker each use one core), in the same alternation.
+
 Timed region: one RL step = one rollout of B*G completions and M optimizer steps (TRL: M
 `global_step`s), wall clock from the end of the previous step to the end of this one. gspo: time
 between consecutive `MetricsLogger.log` calls (the final step, which also evaluates, until
@@ -52,7 +56,9 @@ def rl_config(spec: dict):
         kl_coef=0.0, learning_rate=spec["lr"], lr_scheduler="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0, eval_num_prompts=spec["eval_prompts"],
         eval_k=spec["eval_k"], eval_steps=0, save_steps=0, log_samples_steps=0, progress=False,
-        overwrite_output_dir=True, device="cpu", dtype="float32"))
+        overwrite_output_dir=True, device=spec.get("device", "cpu"), dtype="float32",
+        rollout_workers=int(spec.get("max_staleness") is not None), max_staleness=spec.get("max_staleness") or 0,
+        use_sampler_logprobs=spec.get("use_sampler_logprobs", False), seeded_sampling=spec.get("seeded", False)))
 
 
 def ordered_prompts(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
@@ -121,6 +127,7 @@ def run_gspo(spec: dict) -> dict:
     stamps, records, gen_s, first_prompts, eval_starts = {}, {}, [], [], []
     from gspo.data.source import SingleTask
     from gspo.rollout import Sampler  # the trainer's rollout sampler only
+    from gspo.rollout.workers import RemoteSampler
 
     original_log, original_generate, original_evaluate = tracking.MetricsLogger.log, Sampler.sample, SingleTask.evaluate
 
@@ -141,7 +148,15 @@ def run_gspo(spec: dict) -> dict:
         eval_starts.append(time.perf_counter())
         return original_evaluate(self, *args, **kwargs)
 
+    original_request = RemoteSampler.request
+
+    def request(self, prompts, *args, **kwargs):  # a worker samples: its prompts, the wait is time/generate_s
+        if not first_prompts:
+            first_prompts.extend(prompts[:4])
+        return original_request(self, prompts, *args, **kwargs)
+
     tracking.MetricsLogger.log, Sampler.sample, SingleTask.evaluate = log, generate, evaluate
+    RemoteSampler.request = request
     cfg = rl_config(spec)
     summary = trainer.train(cfg)
     N = spec["B"] * spec["G"]
@@ -152,12 +167,13 @@ def run_gspo(spec: dict) -> dict:
             "step": s,
             # the last step also runs the final evaluation before it logs: its wall time ends where that begins
             "wall_s": (stamps[s] if s < cfg.max_steps else eval_starts[-1]) - stamps[s - 1],
-            "generate_s": gen_s[s - 1],
+            "generate_s": gen_s[s - 1] if gen_s else m["time/generate_s"],
             "rollout_s": m["time/rollout_s"],  # generate + rewards + advantages + pi_old log-probs
             "train_s": m["time/train_s"],  # M optimizer steps
             "tokens": m["completion/mean_len"] * N,
             "reward": m["reward/mean"],
             "mean_len": m["completion/mean_len"],
+            "clip_frac": m.get("clip/low_frac", 0.0) + m.get("clip/high_frac", 0.0),  # answers clipped, GSPO
         })
     final = summary["evals"][cfg.max_steps]
     return {"side": "gspo", "steps": steps, "eval": final, "first_prompts": first_prompts,
@@ -308,6 +324,8 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also run gspo as of this git revision (before/after a change), "
                              "alternating with the others")
+    parser.add_argument("--async", dest="async_k", type=int, default=None, metavar="K",
+                        help="also run gspo with a rollout worker sampling K steps ahead (max_staleness K)")
     parser.add_argument("--worker", choices=["gspo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -347,9 +365,10 @@ def main() -> None:
     else:
         model_dir, cold = random_50m(work)
         print(f"model: {model_dir} ({cold['params'] / 1e6:.1f}M parameters, random init)")
-    sides, env = ("gspo", "trl"), {side: dict(os.environ) for side in ("gspo", "gspo_base", "trl")}
+    sides = ("gspo", *(("gspo_async",) if args.async_k is not None else ()),
+             *(("gspo_base",) if args.baseline else ()), "trl")
+    env = {side: dict(os.environ) for side in sides}
     if args.baseline:
-        sides = ("gspo", "gspo_base", "trl")
         base = baseline_tree(args.baseline, work)
         env["gspo_base"]["PYTHONPATH"] = str(base) + os.pathsep + env["gspo_base"].get("PYTHONPATH", "")
         print(f"baseline: gspo at {args.baseline} in {base}")
@@ -359,6 +378,7 @@ def main() -> None:
             spec = dict(model_dir=model_dir, seed=rep, steps=args.steps, B=args.B, G=args.G, M=args.M, T=args.T,
                         lr=args.lr, eval_prompts=args.eval_prompts, eval_k=args.eval_k, threads=args.threads,
                         output_dir=str(work / f"{side}_seed{rep}"),
+                        max_staleness=args.async_k if side == "gspo_async" else None,
                         profile=str(work / f"profile_{side}_{rep}.txt") if args.profile else None)
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
@@ -379,9 +399,11 @@ def main() -> None:
                   flush=True)
     by = {side: [r for r in runs if r["side"] == side] for side in sides}
     for rep in range(args.reps):
-        a, b = by["gspo"][rep], by["trl"][rep]
-        if a["first_prompts"] != b["first_prompts"]:
-            sys.exit(f"rep {rep}: the two sides drew different prompts: {a['first_prompts']} vs {b['first_prompts']}")
+        a = by["gspo"][rep]
+        for side in sides[1:]:
+            if by[side][rep]["first_prompts"] != a["first_prompts"]:
+                sys.exit(f"rep {rep}: gspo and {side} drew different prompts: {a['first_prompts']} vs "
+                         f"{by[side][rep]['first_prompts']}")
         if args.baseline and by["gspo_base"][rep]["gspo_file"] == a["gspo_file"]:
             sys.exit(f"the baseline imported the current gspo ({a['gspo_file']}), not the revision's")
     keys = ["s_per_step", "tokens_per_s", "generate_s", "rollout_s", "train_s", "mean_len", "reward_first",
@@ -393,6 +415,13 @@ def main() -> None:
              "tokens_per_s_pairs": pair_ratio,
              "generate_s_trl_over_gspo": med["trl"]["generate_s"] / med["gspo"]["generate_s"],
              "train_s_trl_over_gspo": med["trl"]["train_s"] / med["gspo"]["train_s"]}
+    if args.async_k is not None:  # the same per-pair medians: asynchronous over synchronous, and over TRL
+        for name, other in (("sync", "gspo"), ("trl", "trl")):
+            pairs = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"]
+                     for a, b in zip(by["gspo_async"], by[other])]
+            ratio[f"async_over_{name}_pairs"], ratio[f"async_over_{name}"] = pairs, median(pairs)
+        steps = [b["summary"]["s_per_step"] / a["summary"]["s_per_step"] for a, b in zip(by["gspo_async"], by["gspo"])]
+        ratio["async_steps_per_s_over_sync_pairs"], ratio["async_steps_per_s_over_sync"] = steps, median(steps)
     if args.baseline:  # before/after: the same per-pair medians, current gspo over the revision's
         ratio["baseline"] = args.baseline
         ratio["tokens_per_s_over_baseline_pairs"] = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"]
@@ -411,6 +440,11 @@ def main() -> None:
     print(f"\ngspo / TRL end-to-end tokens/s: {ratio['tokens_per_s']:.2f}x (median of per-pair ratios "
           f"{', '.join(f'{r:.2f}' for r in pair_ratio)}); generation {ratio['generate_s_trl_over_gspo']:.2f}x, "
           f"training {ratio['train_s_trl_over_gspo']:.2f}x")
+    if args.async_k is not None:
+        print(f"gspo_async (max_staleness {args.async_k}) / gspo: steps/s {ratio['async_steps_per_s_over_sync']:.2f}x "
+              f"(pairs {', '.join(f'{r:.2f}' for r in ratio['async_steps_per_s_over_sync_pairs'])}), tokens/s "
+              f"{ratio['async_over_sync']:.2f}x; gspo_async / TRL tokens/s {ratio['async_over_trl']:.2f}x (pairs "
+              f"{', '.join(f'{r:.2f}' for r in ratio['async_over_trl_pairs'])})")
     if args.baseline:
         print(f"gspo / gspo@{args.baseline}: {ratio['tokens_per_s_over_baseline']:.2f}x (pairs "
               f"{', '.join(f'{r:.2f}' for r in ratio['tokens_per_s_over_baseline_pairs'])}); "
@@ -424,7 +458,7 @@ def main() -> None:
 
     path = write_result("vs_trl", {
         "settings": {k: getattr(args, k) for k in ("model", "reps", "steps", "B", "G", "M", "T", "lr", "eval_prompts",
-                                                    "eval_k", "skip_first", "threads", "baseline")},
+                                                    "eval_k", "skip_first", "threads", "baseline", "async_k")},
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
         "cold_start": cold, "median": med, "ratio": ratio,
         "runs": [{k: r[k] for k in ("side", "seed", "summary", "steps", "eval", "process_s", "load_before",
