@@ -55,7 +55,6 @@ def test_each_section_check_runs_on_its_own_fields_and_names_the_field():
                             ({"lora_dropout": 1.0}, "lora_dropout=1.0 must be in"),  # LoraSettings
                             ({"reward_funcs": []}, "reward_funcs is empty"),  # RewardSettings
                             ({"eval_k": 0}, "eval_k=0 must be > 0"),  # EvalSettings
-                            ({"rollout_workers": 2}, "rollout_workers=2: one worker is supported so far"),
                             ({"rollout_workers": 1, "sampler_lag": 1}, "rollout_workers samples with a gspo/hf"),
                             ({"max_staleness": 1}, "max_staleness=1 overlaps sampling with training in rollout worker "
                                                    "processes; set rollout_workers: 1"),
@@ -65,6 +64,8 @@ def test_each_section_check_runs_on_its_own_fields_and_names_the_field():
     # checks across sections: in the config class's own check
     with pytest.raises(ValueError, match="bf16 mixed precision keeps float32 master weights"):
         make_config(TrainConfig, {"bf16": True, "dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="rollout_workers=3 share per_device_batch_size=2 prompts per step"):
+        make_config(TrainConfig, {"rollout_workers": 3, "per_device_batch_size": 2})
     with pytest.raises(ValueError, match="LoRA with distributed=fsdp is not supported"):
         make_config(TrainConfig, {"lora_r": 4, "distributed": "fsdp"})
     with pytest.raises(ValueError, match="num_examples must be > 0 for a built-in task"):

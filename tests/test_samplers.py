@@ -106,3 +106,27 @@ def test_a_checkpoint_older_than_the_sampler_settings_resumes_at_their_defaults(
     check_resumable(old, tiny_cfg(tmp_path, log_mismatch=True, vllm_sleep=False), 1)  # logging / memory only
     with pytest.raises(ValueError, match=r"sampler_lag=0 \(now 2\)"):
         check_resumable(old, tiny_cfg(tmp_path, sampler_lag=2), 1)
+
+
+# ------------------------------------------------------------------------------- joining workers' shares
+def test_join_rollouts_lays_shares_out_as_one_sampler_would():
+    from gspo.rollout.batch import Rollout, join_rollouts
+
+    # share 1: one row, prompt of 2 tokens (5 6), completion of 3 (7 8 EOS=2); share 2: two rows, prompt of 1
+    # token (9, the first row's own padding 0 on the left), completions of 1 column
+    a = Rollout(input_ids=torch.tensor([[5, 6, 7, 8, 2]]), attention_mask=torch.tensor([[1, 1, 1, 1, 1]]),
+                completion_mask=torch.tensor([[True, True, True]]), prompts=["ab"], completions=["xy"],
+                sampler_logprobs=torch.tensor([[-0.5, -0.25, -1.0]]))
+    b = Rollout(input_ids=torch.tensor([[9, 4], [9, 2]]), attention_mask=torch.tensor([[1, 1], [1, 1]]),
+                completion_mask=torch.tensor([[True], [True]]), prompts=["c", "c"], completions=["z", ""],
+                sampler_logprobs=torch.tensor([[-2.0], [-3.0]]))
+    joined = join_rollouts([a, b], pad=0)
+    assert joined.input_ids.tolist() == [[5, 6, 7, 8, 2], [0, 9, 4, 0, 0], [0, 9, 2, 0, 0]]
+    assert joined.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 0, 0], [0, 1, 1, 0, 0]]
+    assert joined.completion_mask.tolist() == [[True, True, True], [True, False, False], [True, False, False]]
+    assert joined.sampler_logprobs.tolist() == [[-0.5, -0.25, -1.0], [-2.0, 0.0, 0.0], [-3.0, 0.0, 0.0]]
+    assert joined.prompts == ["ab", "c", "c"] and joined.completions == ["xy", "z", ""]
+    assert joined.completion_len == 3 and joined.rewards is None
+    assert torch.equal(join_rollouts([a], pad=0).input_ids, a.input_ids)  # one share: itself
+    with pytest.raises(ValueError, match="sampler_logprobs is set in some parts only"):
+        join_rollouts([a, Rollout(b.input_ids, b.attention_mask, b.completion_mask, b.prompts, b.completions)], pad=0)

@@ -48,6 +48,22 @@ def test_a_worker_samples_what_the_process_samples_and_follows_the_weights(tmp_p
     assert not any(p.is_alive() for p in remote.processes)
 
 
+def test_two_workers_share_a_step_as_one_sampler_would(tmp_path):
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    cfg = tiny_cfg(tmp_path, seeded_sampling=True)
+    remote = RemoteSampler(model, tok, cfg, seeded=True, workers=2, timeout_s=60, with_logprobs=True)
+    try:
+        local = Sampler(model, tok, cfg, seeded=True)
+        local.with_logprobs = True
+        one, two = local.sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)  # shares of 2 and 1 prompts
+        assert torch.equal(one.input_ids, two.input_ids) and torch.equal(one.attention_mask, two.attention_mask)
+        assert torch.equal(one.completion_mask, two.completion_mask) and one.completions == two.completions
+        assert (one.sampler_logprobs - two.sampler_logprobs).abs().max() < 1e-5  # other batch shapes: rounding
+        assert len(remote.rng_after(1)) == 2 and remote.version_of(1) == 0
+    finally:
+        remote.close()
+
+
 def test_a_dead_worker_is_named_within_the_timeout(tmp_path):
     model, tok = load_model("tiny-dense", overrides=SMALL)
     remote = RemoteSampler(model, tok, tiny_cfg(tmp_path), seeded=False, workers=1, timeout_s=5)
@@ -117,16 +133,18 @@ def test_a_run_with_a_worker_trains_exactly_as_one_without(tmp_path):
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
-def test_a_worker_one_step_ahead_is_the_in_process_lag_of_one(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_one_step_ahead_are_the_in_process_lag_of_one(tmp_path, workers):
     # max_staleness 1 asks for step t's rollout as step t - 1 begins, after the weights of step t - 2 were sent:
     # what sampler_lag 1 simulates with a copy in one process. Seeded, the two runs are the same run.
     common = dict(max_steps=4, seeded_sampling=True, eval_num_prompts=0, learning_rate=1e-2, log_mismatch=True,
                   reward_funcs=[text_hash])
     train(tiny_cfg(tmp_path / "lag", sampler_lag=1, **common))
-    train(tiny_cfg(tmp_path / "async", rollout_workers=1, max_staleness=1, **common))
+    train(tiny_cfg(tmp_path / "async", rollout_workers=workers, max_staleness=1, **common))
     lag, real = read_metrics(tmp_path / "lag" / "run"), read_metrics(tmp_path / "async" / "run")
     # mu alone differs in the last bits: the lag's copy has requires_grad off, which takes other CPU kernels
-    # (log-probs within 5e-7 of the policy's); the worker's copy keeps it on and matches the policy bitwise.
+    # (log-probs within 5e-7 of the policy's); one worker's copy keeps it on and matches the policy bitwise,
+    # two workers sample in other batch shapes (the same tokens: seeded per row).
     exact = [{k: v for k, v in computed(r).items() if not k.startswith("mismatch/")} for r in (*lag, *real)]
     assert exact[:4] == exact[4:]
     for a, b in zip(lag, real):
@@ -138,19 +156,19 @@ def test_a_worker_one_step_ahead_is_the_in_process_lag_of_one(tmp_path):
     assert all(torch.equal(w_lag[k], w_real[k]) for k in w_lag)
 
 
-@pytest.mark.parametrize("staleness,seeded", [(0, True), (1, True), (1, False)])
-def test_a_run_stopped_with_rollouts_in_flight_resumes_bit_for_bit(tmp_path, staleness, seeded):
+@pytest.mark.parametrize("staleness,seeded,workers", [(0, True, 1), (1, True, 1), (1, False, 1), (1, False, 2)])
+def test_a_run_stopped_with_rollouts_in_flight_resumes_bit_for_bit(tmp_path, staleness, seeded, workers):
     # Stopped after step 2 (a callback's stop), step 3's rollout already asked for under max_staleness 1: the
     # checkpoint keeps it (and the worker's random state, for unseeded sampling), so the resumed run is the
     # uninterrupted one.
     def cfg(name, **kw):
-        return tiny_cfg(tmp_path / name, max_steps=4, seeded_sampling=seeded, rollout_workers=1,
+        return tiny_cfg(tmp_path / name, max_steps=4, seeded_sampling=seeded, rollout_workers=workers,
                         max_staleness=staleness, eval_num_prompts=0, learning_rate=1e-2, reward_funcs=[text_hash], **kw)
 
     train(cfg("whole"))
     train(cfg("parts"), callbacks=[lambda step, metrics: "stop" if step == 2 else None])
     pending = torch.load(tmp_path / "parts" / "run" / "checkpoint-2" / "rollouts.pt", weights_only=True)
-    assert pending["steps"] == list(range(3, 3 + staleness)) and pending["worker_rng"].dtype == torch.uint8
+    assert pending["steps"] == list(range(3, 3 + staleness)) and len(pending["worker_rng"]) == workers
     train(cfg("parts", resume_from_checkpoint="latest"))
     whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
     assert [r["step"] for r in parts] == [1, 2, 3, 4]

@@ -83,7 +83,7 @@ class SamplingSettings:
     vllm_sleep: bool = True
     """vllm on CUDA: the engine frees its memory while the trainer updates and wakes for each rollout."""
     rollout_workers: int = 0
-    """Sampling processes beside the trainer: 0 samples in its own process; 1 a worker with its own copy."""
+    """Sampling processes beside the trainer, each with its own copy and a share of the prompts; 0: none."""
     rollout_timeout_s: float = 300.0
     """Longest wait for a rollout worker's answer; a dead or silent worker is then named and the run stops."""
     max_staleness: int = 0
@@ -121,8 +121,6 @@ def _check_sampling(s: SamplingSettings) -> None:
         raise ValueError(f"config: max_staleness={s.max_staleness} overlaps sampling with training in rollout worker "
                          "processes; set rollout_workers: 1 (sampler_lag simulates staleness in one process)")
     check_positive(s, "rollout_timeout_s")
-    if s.rollout_workers > 1:
-        raise ValueError(f"config: rollout_workers={s.rollout_workers}: one worker is supported so far")
     if s.rollout_workers and (s.generation_backend == "vllm" or s.sampler_dtype or s.sampler_lag):
         raise ValueError("config: rollout_workers samples with a gspo/hf worker holding the policy's own weights; "
                          "unset generation_backend=vllm, sampler_dtype and sampler_lag")
@@ -458,6 +456,9 @@ def check_train(cfg: TrainConfig) -> None:
                          "gspo_token, cispo or sapo")
     if cfg.kl_in_reward and cfg.kl_coef <= 0:
         raise ValueError("config: kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
+    if cfg.rollout_workers > cfg.per_device_batch_size:
+        raise ValueError(f"config: rollout_workers={cfg.rollout_workers} share per_device_batch_size="
+                         f"{cfg.per_device_batch_size} prompts per step; more workers than prompts would sit idle")
     if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
         raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
                          "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")

@@ -71,6 +71,36 @@ class Rollout:
         return replace(self, **out)
 
 
+def join_rollouts(parts: list[Rollout], pad: int) -> Rollout:
+    """One Rollout of `parts` (rows in order) in one padded layout: each part's prompts padded on the left
+    and its completions on the right to the widest (`pad` ids, mask 0, log-probs 0), as one sampler would
+    have laid out all the rows. Parts carry sampled fields only (no rewards, advantages or routing yet)."""
+    P = max(r.input_ids.shape[1] - r.completion_len for r in parts)
+    T = max(r.completion_len for r in parts)
+
+    def widen(v: Tensor, left: int, right: int, value) -> Tensor:  # (n, w) -> (n, left + w + right)
+        return torch.cat([v.new_full((v.shape[0], left), value), v, v.new_full((v.shape[0], right), value)], dim=1)
+
+    joined = {}
+    for f in fields(Rollout):
+        values = [getattr(r, f.name) for r in parts]
+        if all(v is None for v in values):
+            joined[f.name] = None
+        elif any(v is None for v in values) or f.name == "routing":
+            raise ValueError(f"join_rollouts: {f.name} is set in some parts only, or cannot be joined")
+        elif isinstance(values[0], list):
+            joined[f.name] = [x for v in values for x in v]
+        elif f.name in ("input_ids", "attention_mask"):  # prompt columns, then completion columns
+            fill = pad if f.name == "input_ids" else 0
+            joined[f.name] = torch.cat([widen(v, P - (v.shape[1] - r.completion_len), T - r.completion_len, fill)
+                                        for v, r in zip(values, parts)])  # (N, P+T)
+        elif values[0].dim() == 2:  # completion columns
+            joined[f.name] = torch.cat([widen(v, 0, T - v.shape[1], 0) for v in values])  # (N, T)
+        else:
+            joined[f.name] = torch.cat(values)  # (N,)
+    return Rollout(**joined)
+
+
 def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int]) -> Tensor:
     """(N, T) bool: True up to and including the first EOS of each row (all True if none)."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (N, T)

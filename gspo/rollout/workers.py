@@ -1,18 +1,18 @@
 """Rollout workers: sampling in processes of their own, overlapped with training (`rollout_workers`,
 `max_staleness`; docs/samplers.md).
 
-`RemoteSampler` answers the Sampler plug's calls with a worker process that holds its own copy of the
-policy. `request(prompts, step, first_row)` hands a step's prompts to the worker and returns at once;
-`receive(step)` waits for that step's rollout, which comes back tagged with the version of the weights
-that sampled it (the number of `sync`s before it). After each update round `sync` broadcasts the
-policy's weights over a torch.distributed gloo group of the sampler's own (not the default group:
-torchrun's, if any, is left alone) and the worker answers a probe (the log-probs of a fixed sequence)
-that must match the trainer's, as the vllm backend's push is checked. Requests and rollouts travel over
-the same group as pickled uint8 tensors (what torch.distributed's send_object_list does), posted without
-waiting: a gloo send completes only once the peer receives it, and two processes that each wait on a
-send before receiving would wait forever. The worker handles its messages in the order they were sent,
-so which weights sample which step is fixed by the order of the trainer's calls, never by timing
-(gspo/rollout/feed.py).
+`RemoteSampler` answers the Sampler plug's calls with worker processes that each hold their own copy of
+the policy. `request(prompts, step, first_row)` hands each worker a contiguous share of a step's prompts
+and returns at once; `receive(step)` waits for the shares and joins them into one padded Rollout, tagged
+with the version of the weights that sampled it (the number of `sync`s before it). After each update
+round `sync` broadcasts the policy's weights over a torch.distributed gloo group of the sampler's own
+(not the default group: torchrun's, if any, is left alone) and each worker answers a probe (the
+log-probs of a fixed sequence) that must match the trainer's, as the vllm backend's push is checked.
+Requests and rollouts travel over the same group as pickled uint8 tensors (what torch.distributed's
+send_object_list does), posted without waiting: a gloo send completes only once the peer receives it,
+and two processes that each wait on a send before receiving would wait forever. A worker handles its
+messages in the order they were sent, so which weights sample which step is fixed by the order of the
+trainer's calls, never by timing (gspo/rollout/feed.py).
 
 A worker that dies, stops answering within `rollout_timeout_s` or fails is named in one line
 (`RolloutWorkerLost`); the trainer then stops with a checkpoint. Workers are daemon processes: they end
@@ -30,8 +30,11 @@ import traceback
 
 import torch
 
+from gspo.rollout.batch import join_rollouts
+
 TAG_HEADER, TAG_BODY = 0, 1  # a message is its length (int64), then its bytes
 PROBE_LENGTH = 16  # tokens of the probe sequence every weight broadcast is checked on
+START_TIMEOUT_S = 120.0  # the least time a worker is given to start and join the group
 KEEP_RNG_STATES = 16  # the worker's random state after each of this many latest rollouts (for checkpoints)
 
 
@@ -40,13 +43,14 @@ class RolloutWorkerLost(ValueError):
 
 
 def _group(rank: int, world: int, port: int, timeout_s: float):
-    """A gloo group of the trainer (rank 0) and its workers, built from a TCPStore on localhost."""
+    """A gloo group of the trainer (rank 0) and its workers, built from a TCPStore on localhost. Joining may
+    take START_TIMEOUT_S at least (a spawned worker imports torch first); messages wait `timeout_s`."""
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
-    return ProcessGroupGloo(store, rank, world, timeout)
+    start = datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
+    store = TCPStore("127.0.0.1", port, world, rank == 0, timeout=start)
+    return ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
 
 
 def _free_port() -> int:
@@ -156,35 +160,41 @@ def _worker_main(rank: int, world: int, port: int, timeout_s: float, model, toke
 
 
 class RemoteSampler:
-    """The Sampler plug with its sampling in a worker process (`rollout_workers: 1`).
+    """The Sampler plug with its sampling in worker processes (`rollout_workers: N`).
 
-    Built from the policy as training starts (or resumes: `version`, the worker's random state `rng`):
-    the worker gets a copy of it, then every `sync(policy)` broadcasts the updated weights
-    (`time/sync_s`, `async/sync_bytes`) and checks them on a probe. `request` and `receive` split a step's
-    sampling in two, so the trainer can train while the worker samples (gspo/rollout/feed.py); with seeded
-    sampling the tokens are those the in-process sampler draws from the same weights.
+    Built from the policy as training starts (or resumes: `version`, the workers' random states `rng`):
+    each worker gets a copy of it, then every `sync(policy)` broadcasts the updated weights to all of them
+    (`time/sync_s`, `async/sync_bytes`) and checks each on a probe. `request` hands each worker a contiguous
+    share of a step's prompts (whole groups, row numbers kept: with seeded sampling the tokens are those one
+    sampler draws) and returns at once; `receive` waits for every share and joins them into one padded
+    Rollout, so the trainer can train while the workers sample (gspo/rollout/feed.py).
     """
 
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, workers: int, timeout_s: float = 300.0,
-                 with_logprobs: bool = False, version: int = 0, rng: torch.Tensor | None = None):
+                 with_logprobs: bool = False, version: int = 0, rng: list | None = None):
         import torch.multiprocessing as mp
 
         from gspo.config import SamplingSettings, section
+        from gspo.rollout.batch import pad_id
         from gspo.rollout.sampling import sampling_options
 
-        if workers != 1:
-            raise ValueError(f"rollout_workers={workers}: one worker is supported so far")
         s = section(cfg, SamplingSettings)
         self.name = "workers"
         self.reason = (f"sampler: {workers} rollout worker process(es), gloo weight broadcast, rollouts asked for "
                        f"{cfg.max_staleness} step(s) ahead")
         self.workers, self.timeout_s, self.version, self.synced = workers, timeout_s, version, False
+        self.group_size, self.pad = cfg.num_generations, pad_id(tokenizer, model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        # the trainer's thread count: the same kernels split the same way, so mu is bitwise the in-process one
         self.device = next(model.parameters()).device
+        # the workers' random states after their latest rollouts (a checkpoint's, resuming; None: seeded afresh)
+        rng = [rng] if isinstance(rng, torch.Tensor) else rng  # a checkpoint of one worker, before lists
+        self.latest_rng = list(rng) if rng is not None else [None] * workers
+        if len(self.latest_rng) != workers:
+            raise ValueError(f"resume: the checkpoint holds the random states of {len(self.latest_rng)} rollout "
+                             f"worker(s), this run has rollout_workers={workers}")
+        # the trainer's thread count: the same kernels split the same way, so mu is bitwise the in-process one
         options = {"threads": torch.get_num_threads(), "seeded": seeded, "seed": cfg.seed, "version": version,
-                   "device": str(self.device),
-                   "rng": rng, "num_generations": cfg.num_generations, "vocab_size": self.vocab_size,
+                   "device": str(self.device), "num_generations": cfg.num_generations, "vocab_size": self.vocab_size,
                    "generate": {**sampling_options(s), "with_logprobs": with_logprobs,
                                 "backend": s.generation_backend}}
         port, world = _free_port(), workers + 1
@@ -194,18 +204,21 @@ class RemoteSampler:
         for rank in range(1, world):
             copied = copy.deepcopy(model).cpu()  # its own weights (a CPU copy travels through shared memory)
             process = ctx.Process(target=_worker_main, name=f"gspo-rollout-worker-{rank}", daemon=True,
-                                  args=(rank, world, port, timeout_s, copied, tokenizer, dict(options)))
+                                  args=(rank, world, port, timeout_s, copied, tokenizer,
+                                        {**options, "rng": self.latest_rng[rank - 1]}))
             process.start()
             self.processes.append(process)
-        self.posted, self.lost = Posted(), None  # lost: a RolloutWorkerLost, once the worker is
+        self.posted, self.lost = Posted(), None  # lost: a RolloutWorkerLost, once a worker is
         self.group = self._call(lambda: _group(0, world, port, timeout_s), "joining the sampler's group")
         self.start_s = time.perf_counter() - t0
-        self.arrived: dict[int, tuple] = {}  # step -> (version, rollout, rng) received, not yet handed out
+        self.parts: dict[int, list[int]] = {}  # step -> the workers sampling its prompts, in row order
+        self.arrived: dict[tuple[int, int], tuple] = {}  # (step, worker) -> (version, rollout, rng), not handed out
         self.versions: dict[int, int] = {}  # step -> the weights' version that sampled its rollout
-        self.rngs: dict[int, torch.Tensor] = {}  # step -> the worker's random state after sampling it
-        self.waited, self.worker_busy, self.mark = 0.0, 0.0, time.perf_counter()
+        self.rngs: dict[int, list] = {}  # step -> every worker's random state after its rollout
+        self.waited, self.mark = 0.0, time.perf_counter()
+        self.worker_busy = [0.0] * workers  # seconds each worker spent working, as of its latest probe
 
-    def _call(self, fn, what: str):
+    def _call(self, fn, what: str, rank: int | None = None):
         """`fn()`; a failed collective becomes one line naming the worker that died or went silent."""
         try:
             return fn()
@@ -214,61 +227,78 @@ class RemoteSampler:
                 process.join(timeout=1.0)
             dead = [f"rollout worker {i + 1} (pid {p.pid}) exited with status {p.exitcode}"
                     for i, p in enumerate(self.processes) if not p.is_alive()]
-            why = "; ".join(dead) or f"rollout worker 1: no answer within rollout_timeout_s={self.timeout_s:g}"
-            raise self._lose(f"{what}: {why} ({str(err).splitlines()[0][:160]})") from None
+            silent = f"rollout worker {rank or 'group'}: no answer within rollout_timeout_s={self.timeout_s:g}"
+            raise self._lose(f"{what}: {'; '.join(dead) or silent} ({str(err).splitlines()[0][:160]})") from None
 
     def _lose(self, message: str) -> RolloutWorkerLost:
-        """The worker is lost for good: every later request or receive raises this."""
+        """The workers are lost for good: every later request or receive raises this."""
         self.lost = RolloutWorkerLost(message)
         return self.lost
 
-    def _read(self, kind: str, what: str, step: int | None = None) -> tuple:
-        """The worker's next answer of `kind` (a rollout: of `step`); rollouts of other steps are kept."""
+    def _read(self, rank: int, kind: str, what: str, step: int | None = None) -> tuple:
+        """Worker `rank`'s next answer of `kind` (a rollout: of `step`); its rollouts of other steps are kept."""
         while True:
-            message = self._call(lambda: recv(self.group, 1), what)
+            message = self._call(lambda: recv(self.group, rank), what, rank)
             if message[0] == "error":
-                raise self._lose(f"{what}: rollout worker 1 failed:\n{message[1]}")
+                raise self._lose(f"{what}: rollout worker {rank} failed:\n{message[1]}")
             if message[0] == "rollout":
-                self.arrived[message[1]] = message[2:]
+                self.arrived[message[1], rank] = message[2:]
                 if kind == "rollout" and message[1] == step:
                     return ()
             elif message[0] == kind:
                 return message[1:]
             else:
-                raise self._lose(f"{what}: rollout worker 1 answered {message[0]!r}, expected {kind!r}")
+                raise self._lose(f"{what}: rollout worker {rank} answered {message[0]!r}, expected {kind!r}")
 
     def _check(self) -> None:
         if self.lost is not None:
             raise self.lost
 
     def request(self, prompts: list[str], step: int, first_row: int) -> None:
-        """Hand step `step`'s prompts to the worker; it samples them with the weights of the latest `sync`."""
+        """Hand step `step`'s prompts to the workers, a contiguous share each (sizes within one of each other);
+        they sample them with the weights of the latest `sync`."""
         self._check()
-        self._call(lambda: self.posted.post(self.group, ("sample", prompts, step, first_row), 1),
-                   f"step {step}: sending prompts")
+        self.parts[step], start = [], 0
+        for rank in range(1, self.workers + 1):
+            n = len(prompts) // self.workers + (rank <= len(prompts) % self.workers)
+            if n:
+                request = ("sample", prompts[start:start + n], step, first_row + start * self.group_size)
+                self._call(lambda r=request, k=rank: self.posted.post(self.group, r, k),
+                           f"step {step}: sending prompts", rank)
+                self.parts[step].append(rank)
+            start += n
 
     def receive(self, step: int, wait: bool = True):
-        """Step `step`'s rollout (asked for with `request`); without `wait`, only one already here, else None."""
-        if step not in self.arrived and wait:
+        """Step `step`'s rollout (asked for with `request`), the workers' shares joined in row order; without
+        `wait`, only one whose shares are all here, else None."""
+        ranks = self.parts.get(step, [])
+        missing = [rank for rank in ranks if (step, rank) not in self.arrived]
+        if missing and wait:
             self._check()
             t0 = time.perf_counter()
-            self._read("rollout", f"step {step}: waiting for its rollout", step)
+            for rank in missing:
+                self._read(rank, "rollout", f"step {step}: waiting for its rollout", step)
             self.waited += time.perf_counter() - t0
-        if step not in self.arrived:
+        if not ranks or any((step, rank) not in self.arrived for rank in ranks):
             return None
-        version, rollout, rng = self.arrived.pop(step)
-        self.versions[step], self.rngs[step] = version, rng
+        shares = [self.arrived.pop((step, rank)) for rank in ranks]
+        versions = {version for version, _, _ in shares}
+        assert len(versions) == 1, versions  # every worker got every broadcast before this request
+        for rank, (_, _, rng) in zip(ranks, shares):
+            self.latest_rng[rank - 1] = rng
+        self.versions[step], self.rngs[step] = versions.pop(), list(self.latest_rng)
+        del self.parts[step]
         for old in sorted(self.rngs)[:-KEEP_RNG_STATES]:
             del self.rngs[old], self.versions[old]
-        return on_device(rollout, self.device)
+        return on_device(join_rollouts([rollout for _, rollout, _ in shares], self.pad), self.device)
 
     def sample(self, prompts: list[str], step: int, first_row: int):
         """`request` then `receive`: one step sampled without overlap."""
         self.request(prompts, step, first_row)
         return self.receive(step)
 
-    def rng_after(self, step: int) -> torch.Tensor | None:
-        """The worker's random state right after it sampled step `step` (None: not known here)."""
+    def rng_after(self, step: int) -> list | None:
+        """Each worker's random state right after step `step`'s rollout (None: not known here)."""
         return self.rngs.get(step)
 
     def version_of(self, step: int) -> int:
@@ -276,7 +306,7 @@ class RemoteSampler:
         return self.versions[step]
 
     def sync(self, policy) -> dict:
-        """Broadcast the policy's weights to the worker and check them on the probe; this step's timings.
+        """Broadcast the policy's weights to every worker and check each on the probe; this step's timings.
 
         A lost worker is not raised here (the step's updates are done and its metrics still logged): the next
         `request` or `receive` raises it, before anything of the next step is applied.
@@ -286,26 +316,34 @@ class RemoteSampler:
         t0 = time.perf_counter()
         flat = {dtype: t.cpu() for dtype, t in flat_weights(policy).items()}  # gloo: through the CPU
         shapes = {dtype: t.numel() for dtype, t in flat.items()}
+        answers = []
         try:
             self.version += 1
-            self._call(lambda: self.posted.post(self.group, ("weights", self.version, shapes), 1), "sending weights")
+            for rank in range(1, self.workers + 1):
+                self._call(lambda r=rank: self.posted.post(self.group, ("weights", self.version, shapes), r),
+                           "sending weights", rank)
             for t in flat.values():
                 self._call(lambda t=t: self.group.broadcast(t, 0).wait(), "broadcasting weights")
             t_broadcast = time.perf_counter() - t0
             own = probe_logprobs(policy, self.vocab_size)
-            theirs, busy, load_s = self._read("probe", "checking the broadcast weights")
+            for rank in range(1, self.workers + 1):
+                answers.append(self._read(rank, "probe", "checking the broadcast weights"))
         except RolloutWorkerLost:  # kept in self.lost
             return {}
-        diff = (theirs - own).abs().max().item()
-        if not diff <= 1e-5:
-            raise ValueError(f"rollout worker 1: the broadcast weights give log-probs {diff:.3g} away from the "
-                             "policy's on the probe")
+        for rank, (theirs, _, _) in enumerate(answers, 1):
+            diff = (theirs - own).abs().max().item()
+            if not diff <= 1e-5:
+                raise ValueError(f"rollout worker {rank}: the broadcast weights give log-probs {diff:.3g} away from "
+                                 "the policy's on the probe")
         now = time.perf_counter()
+        load_s = max(load for _, _, load in answers)
         interval, waited = now - self.mark, self.waited + max(0.0, t_broadcast - load_s)
-        stats = {"time/sync_s": load_s,  # the worker's side: receiving and loading; waiting for it is below
+        busy = [b for _, b, _ in answers]
+        stats = {"time/sync_s": load_s,  # the workers' side: receiving and loading; waiting for them is below
                  "time/wait_for_rollout_s": waited,
                  "async/trainer_busy": 1.0 - waited / interval,
-                 "async/worker_busy": (busy - self.worker_busy) / interval,
+                 "async/worker_busy": sum(b - before for b, before in zip(busy, self.worker_busy))
+                 / (self.workers * interval),
                  "async/sync_bytes": float(sum(t.numel() * t.element_size() for t in flat.values()))}
         self.waited, self.worker_busy, self.mark = 0.0, busy, now
         if not self.synced:
@@ -328,7 +366,7 @@ class RemoteSampler:
 def build_sampler(model, tokenizer, cfg, *, seeded: bool, distributed: bool, recorder=lambda model: None,
                   records: bool = False, version: int = 0, rng: torch.Tensor | None = None):
     """The run's Sampler plug: in the trainer's process (`gspo.rollout.Sampler`), or `RemoteSampler` with
-    rollout_workers > 0 (one process, the policy's own weights, no expert record: refused otherwise).
+    rollout_workers > 0 (one trainer process, the policy's own weights, no expert record: refused otherwise).
     `version`: the steps the weights have taken (a resumed run's); `rng`: a resumed worker's random state."""
     from gspo.lora import is_peft
     from gspo.rollout.sampling import Sampler, keeps_sampler_logprobs
