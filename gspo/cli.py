@@ -1,4 +1,4 @@
-"""`gspo <command>`: train, sft, bench, eval, plot, demo, lab."""
+"""`gspo <command>`: train, sft, bench, eval, plot, demo, lab, rollout-server."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the figures (default 1)")
     p.add_argument("--peak-seconds", type=float, default=5.0, help="seconds of matmuls before and after the run")
     p.add_argument("--out", help="also write the figures as JSON to this file")
+    p = _config_parser(sub, "rollout-server", TrainConfig, "a rollout worker on its own (this machine or another): "
+                       "loads the run's model, joins the trainer waiting at rollout_address, samples until it ends")
+    p.add_argument("--connect", required=True, metavar="HOST:PORT", help="the trainer's rollout_address")
+    p.add_argument("--rank", type=int, required=True, help="this worker's number, 1 .. rollout_workers")
     p = sub.add_parser("eval", parents=[_COMMON],
                        help="held-out accuracy of a saved model on a built-in task or dataset")
     p.add_argument("--model", required=True, help="saved model directory or preset")
@@ -151,6 +155,10 @@ def _run(args, argv=None) -> int:
         print(format_bench(result))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
+    elif args.command == "rollout-server":
+        from gspo.rollout.workers import serve_rollouts
+
+        serve_rollouts(load_config(TrainConfig, args.config, args.overrides), args.connect, args.rank)
     elif args.command == "sft":
         from gspo.sft import sft
 

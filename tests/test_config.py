@@ -26,7 +26,7 @@ from gspo.step import loss_options
 def test_train_config_is_its_sections_and_nothing_else():
     own = [f.name for f in dataclasses.fields(TrainConfig)]
     by_section = [f.name for s in TRAIN_SECTIONS for f in dataclasses.fields(s)]
-    assert own == by_section and len(own) == len(set(own)) == 112  # each field in exactly one section, in order
+    assert own == by_section and len(own) == len(set(own)) == 113  # each field in exactly one section, in order
     assert sections(TrainConfig)[:-1] == list(TRAIN_SECTIONS)  # the last is TrainConfig itself (no fields of its own)
     assert all(s in CHECKS for s in TRAIN_SECTIONS if s.__name__ not in ("OutputSettings",))
 
@@ -55,10 +55,13 @@ def test_each_section_check_runs_on_its_own_fields_and_names_the_field():
                             ({"lora_dropout": 1.0}, "lora_dropout=1.0 must be in"),  # LoraSettings
                             ({"reward_funcs": []}, "reward_funcs is empty"),  # RewardSettings
                             ({"eval_k": 0}, "eval_k=0 must be > 0"),  # EvalSettings
-                            ({"rollout_workers": 1, "sampler_lag": 1}, "rollout_workers samples with a gspo/hf"),
+                            ({"rollout_workers": 1, "sampler_lag": 1}, "sampler_lag=1 simulates in one process"),
                             ({"max_staleness": 1}, "max_staleness=1 overlaps sampling with training in rollout worker "
                                                    "processes; set rollout_workers: 1"),
-                            ({"rollout_workers": 1, "max_staleness": -1}, "max_staleness=-1 must be >= 0")]:
+                            ({"rollout_workers": 1, "max_staleness": -1}, "max_staleness=-1 must be >= 0"),
+                            ({"rollout_workers": 1, "rollout_address": "somewhere"},
+                             "rollout_address='somewhere': expected host:port"),
+                            ({"rollout_address": "10.0.0.5:29600"}, "set rollout_workers to how many will join")]:
         with pytest.raises(ValueError, match=message):
             make_config(TrainConfig, values)
     # checks across sections: in the config class's own check

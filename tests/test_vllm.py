@@ -265,3 +265,21 @@ def test_a_lora_policy_is_served_with_its_adapters_merged(tmp_path):
         assert all(torch.equal(p, adapters[n]) for n, p in policy.named_parameters() if "lora_" in n)
     finally:
         generator.sampler.close()
+
+
+def test_a_rollout_worker_samples_with_its_own_engine(tmp_path):
+    """Issue 34: rollout_workers with generation_backend=vllm: each worker starts an engine of its own from the
+    policy, pushes every broadcast into it, and samples one step ahead; with seeded sampling and no staleness
+    the run is the in-process engine's run."""
+    common = dict(generation_backend="vllm", seeded_sampling=True, max_steps=3, max_prompt_length=16,
+                  max_completion_length=8, eval_num_prompts=0, log_mismatch=True, learning_rate=1e-2)
+    train(tiny_cfg(tmp_path / "here", **common))
+    train(tiny_cfg(tmp_path / "worker", rollout_workers=1, **common))
+    train(tiny_cfg(tmp_path / "ahead", rollout_workers=1, max_staleness=1, **common))
+    here, worker, ahead = (read_metrics(tmp_path / name / "run") for name in ("here", "worker", "ahead"))
+    timing = ("time/", "throughput/", "async/")
+    for a, b in zip(here, worker, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(timing)} == {
+            k: v for k, v in b.items() if not k.startswith(timing)}
+    assert [r["async/staleness_max"] for r in ahead] == [0.0, 1.0, 1.0]
+    assert ahead[0]["mismatch/kl"] < 1e-10 and all(r["mismatch/kl"] > 1e-6 for r in ahead[1:])  # stale mu

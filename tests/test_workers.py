@@ -7,15 +7,18 @@ import copy
 import multiprocessing
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 import torch
+import yaml
 
-from conftest import SMALL, final_weights, read_metrics, tiny_cfg
+from conftest import SMALL, final_weights, gspo_argv, gspo_env, read_metrics, tiny_cfg
+from gspo.config import TrainConfig, load_config
 from gspo.models import load_model
 from gspo.rollout import Sampler
-from gspo.rollout.workers import RemoteSampler, RolloutWorkerLost
+from gspo.rollout.workers import RemoteSampler, RolloutWorkerLost, _free_port
 from gspo.run import TrainingAborted
 from gspo.trainer import train
 
@@ -50,11 +53,10 @@ def test_a_worker_samples_what_the_process_samples_and_follows_the_weights(tmp_p
 
 def test_two_workers_share_a_step_as_one_sampler_would(tmp_path):
     model, tok = load_model("tiny-dense", overrides=SMALL)
-    cfg = tiny_cfg(tmp_path, seeded_sampling=True)
-    remote = RemoteSampler(model, tok, cfg, seeded=True, workers=2, timeout_s=60, with_logprobs=True)
+    cfg = tiny_cfg(tmp_path, seeded_sampling=True, log_mismatch=True)  # mu kept
+    remote = RemoteSampler(model, tok, cfg, seeded=True, workers=2, timeout_s=60)
     try:
         local = Sampler(model, tok, cfg, seeded=True)
-        local.with_logprobs = True
         one, two = local.sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)  # shares of 2 and 1 prompts
         assert torch.equal(one.input_ids, two.input_ids) and torch.equal(one.attention_mask, two.attention_mask)
         assert torch.equal(one.completion_mask, two.completion_mask) and one.completions == two.completions
@@ -203,3 +205,39 @@ def test_a_worker_killed_mid_run_stops_it_with_a_checkpoint_that_resumes(tmp_pat
     train(tiny_cfg(tmp_path, **cfg, resume_from_checkpoint="latest"))
     metrics = read_metrics(run)
     assert [r["step"] for r in metrics] == [1, 2, 3, 4] and metrics[-1]["async/staleness_max"] == 0.0
+
+
+def test_a_worker_samples_with_the_run_s_sampler_a_bf16_copy_here(tmp_path):
+    # The worker runs the trainer's own Sampler plug, so sampler_dtype (a bf16 copy, the stand-in for an engine's
+    # numerics) works there as in-process: seeded, the same run.
+    common = dict(max_steps=2, seeded_sampling=True, eval_num_prompts=0, sampler_dtype="bfloat16",
+                  reward_funcs=[text_hash], learning_rate=1e-2)
+    train(tiny_cfg(tmp_path / "here", **common))
+    train(tiny_cfg(tmp_path / "worker", rollout_workers=1, **common))
+    here, worker = read_metrics(tmp_path / "here" / "run"), read_metrics(tmp_path / "worker" / "run")
+    assert [computed(r) for r in here] == [computed(r) for r in worker]
+    assert all(r["mismatch/kl"] > 1e-8 for r in worker)  # bf16 mu against the fp32 trainer
+
+
+def test_a_rollout_server_started_on_its_own_joins_the_trainer_by_address(tmp_path):
+    # `gspo rollout-server` (a separate process, as on another machine) loads the model from the run's config,
+    # joins the trainer waiting at rollout_address and samples one step ahead: the run a spawned worker makes.
+    settings = dict(model="tiny-dense", model_overrides=SMALL, task="add3", max_steps=3, per_device_batch_size=2,
+                    num_generations=4, max_completion_length=12, learning_rate=1e-2, eval_num_prompts=0,
+                    progress=False, device="cpu", seeded_sampling=True, rollout_workers=1, max_staleness=1,
+                    log_mismatch=True)
+    address = f"127.0.0.1:{_free_port()}"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**settings, "rollout_address": address, "output_dir": str(tmp_path / "far")}))
+    server = subprocess.Popen(gspo_argv("rollout-server", "--config", config, "--connect", address, "--rank", 1),
+                              env=gspo_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        train(load_config(TrainConfig, str(config), []))
+        out, _ = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == 0, out
+    train(load_config(TrainConfig, str(config), ["rollout_address=null", f"output_dir={tmp_path / 'near'}"]))
+    far, near = read_metrics(tmp_path / "far"), read_metrics(tmp_path / "near")
+    assert [computed(r) for r in far] == [computed(r) for r in near]
+    assert [r["async/staleness_max"] for r in far] == [0.0, 1.0, 1.0]

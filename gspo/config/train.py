@@ -88,6 +88,8 @@ class SamplingSettings:
     """Longest wait for a rollout worker's answer; a dead or silent worker is then named and the run stops."""
     max_staleness: int = 0
     """Workers sample this many steps ahead: a rollout trains weights at most k updates newer; 0: no overlap."""
+    rollout_address: str | None = None
+    """host:port where the trainer waits for rollout_workers started with `gspo rollout-server`; null: its own."""
 
 
 def reshaping(s: SamplingSettings) -> list[str]:
@@ -121,9 +123,16 @@ def _check_sampling(s: SamplingSettings) -> None:
         raise ValueError(f"config: max_staleness={s.max_staleness} overlaps sampling with training in rollout worker "
                          "processes; set rollout_workers: 1 (sampler_lag simulates staleness in one process)")
     check_positive(s, "rollout_timeout_s")
-    if s.rollout_workers and (s.generation_backend == "vllm" or s.sampler_dtype or s.sampler_lag):
-        raise ValueError("config: rollout_workers samples with a gspo/hf worker holding the policy's own weights; "
-                         "unset generation_backend=vllm, sampler_dtype and sampler_lag")
+    if s.rollout_address is not None:
+        from gspo.rollout.workers import split_address
+
+        prefixed(split_address, s.rollout_address)
+        if not s.rollout_workers:
+            raise ValueError(f"config: rollout_address={s.rollout_address!r} waits for rollout servers; set "
+                             "rollout_workers to how many will join")
+    if s.rollout_workers and s.sampler_lag:
+        raise ValueError(f"config: sampler_lag={s.sampler_lag} simulates in one process the staleness that rollout "
+                         "workers have for real; set max_staleness instead")
     if not 0 < s.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"config: vllm_gpu_memory_utilization={s.vllm_gpu_memory_utilization!r} must be in (0, 1]")
 

@@ -27,6 +27,8 @@ import pickle
 import socket
 import time
 import traceback
+from dataclasses import fields
+from types import SimpleNamespace
 
 import torch
 
@@ -35,22 +37,34 @@ from gspo.rollout.batch import join_rollouts
 TAG_HEADER, TAG_BODY = 0, 1  # a message is its length (int64), then its bytes
 PROBE_LENGTH = 16  # tokens of the probe sequence every weight broadcast is checked on
 START_TIMEOUT_S = 120.0  # the least time a worker is given to start and join the group
-KEEP_RNG_STATES = 16  # the worker's random state after each of this many latest rollouts (for checkpoints)
+KEEP_RNG_STATES = 16
+# the fields outside SamplingSettings that gspo.rollout.Sampler reads (its batch size, seed, and whether mu is kept)
+SAMPLER_READS = ("num_generations", "seed", "per_device_batch_size", "use_sampler_logprobs", "rollout_correction",
+                 "log_mismatch")  # the worker's random state after each of this many latest rollouts (for checkpoints)
 
 
 class RolloutWorkerLost(ValueError):
     """A rollout worker died, went silent or failed; the message names it."""
 
 
-def _group(rank: int, world: int, port: int, timeout_s: float):
-    """A gloo group of the trainer (rank 0) and its workers, built from a TCPStore on localhost. Joining may
-    take START_TIMEOUT_S at least (a spawned worker imports torch first); messages wait `timeout_s`."""
+def _group(rank: int, world: int, host: str, port: int, timeout_s: float):
+    """A gloo group of the trainer (rank 0) and its workers, built from a TCPStore the trainer serves at
+    host:port. Joining may take START_TIMEOUT_S at least (a worker imports torch first); messages wait
+    `timeout_s`."""
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
     start = datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
-    store = TCPStore("127.0.0.1", port, world, rank == 0, timeout=start)
+    store = TCPStore(host, port, world, rank == 0, timeout=start)
     return ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port"; a ValueError naming the setting otherwise."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rollout_address={address!r}: expected host:port (e.g. 10.0.0.5:29600)")
+    return host, int(port)
 
 
 def _free_port() -> int:
@@ -65,14 +79,14 @@ class Posted:
     def __init__(self):
         self.items: list = []
 
-    def post(self, group, obj, dst: int) -> int:
-        """Send a picklable object to rank `dst` without waiting; returns its size in bytes."""
+    def post(self, group, obj, dst: int) -> list:
+        """Send a picklable object to rank `dst` without waiting; returns the sends' Work objects."""
         body = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # (n,)
         header = torch.tensor([body.numel()], dtype=torch.int64)  # (1,)
         works = [group.send([header], dst, TAG_HEADER), group.send([body], dst, TAG_BODY)]
         self.items = [item for item in self.items if not all(w.is_completed() for w in item[0])]
         self.items.append((works, (header, body)))
-        return body.numel()
+        return works
 
 
 def recv(group, src: int):
@@ -102,6 +116,11 @@ def on_device(rollout, device):
 
 def load_flat_weights(model, flat: dict[torch.dtype, torch.Tensor]) -> None:
     """Copy buffers of `flat_weights` back into `model`'s parameters, in the same order."""
+    own = {dtype: t.numel() for dtype, t in flat_weights(model).items()}
+    sent = {dtype: t.numel() for dtype, t in flat.items()}
+    if own != sent:
+        raise ValueError(f"the broadcast weights do not fit this model: {sent} values per dtype sent, this model "
+                         f"has {own} (a rollout server must load the trainer's model)")
     offsets = dict.fromkeys(flat, 0)
     with torch.no_grad():
         for p in model.parameters():
@@ -119,23 +138,33 @@ def probe_logprobs(model, vocab_size: int) -> torch.Tensor:
     return torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
 
 
-def _worker_main(rank: int, world: int, port: int, timeout_s: float, model, tokenizer, options: dict) -> None:
-    """A rollout worker: sample on request, load broadcast weights, in the order asked, until told to stop."""
-    from gspo.rollout.sampling import generate, row_seeds
+def _worker_main(rank: int, world: int, host: str, port: int, timeout_s: float, model, tokenizer,
+                 device: str | None = None) -> None:
+    """A rollout worker: join the group, take the run's sampling settings, then sample on request and load
+    broadcast weights, in the order asked, until told to stop.
 
-    torch.set_num_threads(options.pop("threads"))
-    group, posted = _group(rank, world, port, timeout_s), Posted()
-    model = model.to(options.pop("device")).eval()  # the trainer's device (one GPU: shared by both processes)
-    version, seeded, seed, rng = options.pop("version"), options.pop("seeded"), options.pop("seed"), options.pop("rng")
+    It samples with the trainer's own Sampler plug, built from the run's sampling settings: the policy
+    copy itself, a low-precision copy of it (sampler_dtype) or an engine (vllm), as in the trainer's process.
+    `device`: where it samples (a rollout server's own); None: the trainer's.
+    """
+    from gspo.rollout.sampling import Sampler
+
+    group, posted = _group(rank, world, host, port, timeout_s), Posted()
+    _, options = recv(group, 0)  # ("setup", options): the same for every worker but its random state
+    torch.set_num_threads(options["threads"])
+    model = model.to(device or options["device"]).eval()  # one GPU: shared by the trainer and its workers
+    sampler = Sampler(model, tokenizer, options["settings"], seeded=options["seeded"])
+    version, rng = options["version"], options["rng"]
     if rng is not None:  # resumed: where the checkpointed run's worker stood
         torch.set_rng_state(rng)
-    elif not seeded:
-        torch.manual_seed(seed + 1000 * rank)  # its own stream, reproducible for a given seed
+    elif not options["seeded"]:
+        torch.manual_seed(options["settings"].seed + 1000 * rank)  # its own stream, reproducible for a given seed
     busy = 0.0  # seconds spent sampling and loading weights
     while True:
         request = recv(group, 0)
         kind, t0 = request[0], time.perf_counter()
         if kind == "stop":
+            sampler.close()
             return
         try:
             if kind == "weights":
@@ -144,14 +173,13 @@ def _worker_main(rank: int, world: int, port: int, timeout_s: float, model, toke
                 for dtype in shapes:
                     group.broadcast(flat[dtype], 0).wait()
                 load_flat_weights(model, flat)
+                sampler.sync(model)  # a copy or an engine takes the new weights (an engine checks them itself)
                 load_s = time.perf_counter() - t0
                 busy += load_s
                 reply = ("probe", probe_logprobs(model, options["vocab_size"]), busy, load_s)
             elif kind == "sample":
                 _, prompts, step, first_row = request
-                G = options["num_generations"]
-                rollout = generate(model, tokenizer, prompts, G, **options["generate"],
-                                   row_seeds=row_seeds(seed, step, first_row, len(prompts) * G) if seeded else None)
+                rollout = sampler.sample(prompts, step, first_row)
                 busy += time.perf_counter() - t0
                 reply = ("rollout", step, version, on_device(rollout, "cpu"), torch.get_rng_state())
         except Exception:  # noqa: BLE001  reported to the trainer, which stops the run naming this worker
@@ -159,11 +187,22 @@ def _worker_main(rank: int, world: int, port: int, timeout_s: float, model, toke
         posted.post(group, reply, 0)
 
 
+def sampler_settings(cfg) -> SimpleNamespace:
+    """What a worker's Sampler reads of the run's config (SamplingSettings and a few more), as plain values:
+    the whole TrainConfig would carry reward functions and data a worker neither needs nor can always unpickle."""
+    from gspo.config import SamplingSettings
+
+    names = [f.name for f in fields(SamplingSettings)] + list(SAMPLER_READS)
+    return SimpleNamespace(**{name: getattr(cfg, name) for name in names})
+
+
 class RemoteSampler:
     """The Sampler plug with its sampling in worker processes (`rollout_workers: N`).
 
     Built from the policy as training starts (or resumes: `version`, the workers' random states `rng`):
-    each worker gets a copy of it, then every `sync(policy)` broadcasts the updated weights to all of them
+    it starts the workers with a copy of it each, or (`address`, "host:port") waits there for rollout
+    servers started elsewhere (`gspo rollout-server`), sends every worker the run's sampling settings and
+    broadcasts the policy's weights; then every `sync(policy)` broadcasts the updated weights to all of them
     (`time/sync_s`, `async/sync_bytes`) and checks each on a probe. `request` hands each worker a contiguous
     share of a step's prompts (whole groups, row numbers kept: with seeded sampling the tokens are those one
     sampler draws) and returns at once; `receive` waits for every share and joins them into one padded
@@ -171,14 +210,11 @@ class RemoteSampler:
     """
 
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, workers: int, timeout_s: float = 300.0,
-                 with_logprobs: bool = False, version: int = 0, rng: list | None = None):
+                 version: int = 0, rng: list | None = None, address: str | None = None):
         import torch.multiprocessing as mp
 
-        from gspo.config import SamplingSettings, section
         from gspo.rollout.batch import pad_id
-        from gspo.rollout.sampling import sampling_options
 
-        s = section(cfg, SamplingSettings)
         self.name = "workers"
         self.reason = (f"sampler: {workers} rollout worker process(es), gloo weight broadcast, rollouts asked for "
                        f"{cfg.max_staleness} step(s) ahead")
@@ -193,30 +229,34 @@ class RemoteSampler:
             raise ValueError(f"resume: the checkpoint holds the random states of {len(self.latest_rng)} rollout "
                              f"worker(s), this run has rollout_workers={workers}")
         # the trainer's thread count: the same kernels split the same way, so mu is bitwise the in-process one
-        options = {"threads": torch.get_num_threads(), "seeded": seeded, "seed": cfg.seed, "version": version,
-                   "device": str(self.device), "num_generations": cfg.num_generations, "vocab_size": self.vocab_size,
-                   "generate": {**sampling_options(s), "with_logprobs": with_logprobs,
-                                "backend": s.generation_backend}}
-        port, world = _free_port(), workers + 1
-        ctx = mp.get_context("spawn")
-        t0 = time.perf_counter()
-        self.processes = []
-        for rank in range(1, world):
-            copied = copy.deepcopy(model).cpu()  # its own weights (a CPU copy travels through shared memory)
-            process = ctx.Process(target=_worker_main, name=f"gspo-rollout-worker-{rank}", daemon=True,
-                                  args=(rank, world, port, timeout_s, copied, tokenizer,
-                                        {**options, "rng": self.latest_rng[rank - 1]}))
+        options = {"threads": torch.get_num_threads(), "seeded": seeded, "version": version,
+                   "device": str(self.device), "vocab_size": self.vocab_size, "settings": sampler_settings(cfg)}
+        host, port = split_address(address) if address else ("127.0.0.1", _free_port())
+        world, t0 = workers + 1, time.perf_counter()
+        self.processes = []  # the workers this sampler started (none: rollout servers started elsewhere)
+        for rank in range(1, world if address is None else 1):
+            copied = copy.deepcopy(model).cpu()  # the architecture (a CPU copy travels through shared memory)
+            process = mp.get_context("spawn").Process(target=_worker_main, name=f"gspo-rollout-worker-{rank}",
+                                                      args=(rank, world, host, port, timeout_s, copied, tokenizer),
+                                                      daemon=True)
             process.start()
             self.processes.append(process)
         self.posted, self.lost = Posted(), None  # lost: a RolloutWorkerLost, once a worker is
-        self.group = self._call(lambda: _group(0, world, port, timeout_s), "joining the sampler's group")
-        self.start_s = time.perf_counter() - t0
+        waiting = f"waiting at {address} for {workers} rollout server(s)" if address else "joining the sampler's group"
+        self.group = self._call(lambda: _group(0, world, host, port, timeout_s), waiting)
         self.parts: dict[int, list[int]] = {}  # step -> the workers sampling its prompts, in row order
         self.arrived: dict[tuple[int, int], tuple] = {}  # (step, worker) -> (version, rollout, rng), not handed out
         self.versions: dict[int, int] = {}  # step -> the weights' version that sampled its rollout
         self.rngs: dict[int, list] = {}  # step -> every worker's random state after its rollout
+        for rank in range(1, world):
+            setup = ("setup", {**options, "rng": self.latest_rng[rank - 1]})
+            self._call(lambda r=rank, m=setup: self.posted.post(self.group, m, r), "sending the sampling settings",
+                       rank)
+        sent = self._broadcast(model)  # every worker starts from the policy's weights, checked on the probe
+        self._check()
+        self.start_s = time.perf_counter() - t0
         self.waited, self.mark = 0.0, time.perf_counter()
-        self.worker_busy = [0.0] * workers  # seconds each worker spent working, as of its latest probe
+        self.worker_busy = [busy for _, busy, _ in sent["answers"]]  # seconds each worker spent working so far
 
     def _call(self, fn, what: str, rank: int | None = None):
         """`fn()`; a failed collective becomes one line naming the worker that died or went silent."""
@@ -305,20 +345,14 @@ class RemoteSampler:
         """The version of the weights (the number of `sync`s before) that sampled step `step`'s rollout."""
         return self.versions[step]
 
-    def sync(self, policy) -> dict:
-        """Broadcast the policy's weights to every worker and check each on the probe; this step's timings.
-
-        A lost worker is not raised here (the step's updates are done and its metrics still logged): the next
-        `request` or `receive` raises it, before anything of the next step is applied.
-        """
-        if self.lost is not None:
-            return {}
+    def _broadcast(self, policy) -> dict | None:
+        """Send the policy's weights (version `self.version`) to every worker and check each on the probe;
+        (seconds in the broadcast, the workers' answers), or None once a worker is lost."""
         t0 = time.perf_counter()
         flat = {dtype: t.cpu() for dtype, t in flat_weights(policy).items()}  # gloo: through the CPU
         shapes = {dtype: t.numel() for dtype, t in flat.items()}
         answers = []
         try:
-            self.version += 1
             for rank in range(1, self.workers + 1):
                 self._call(lambda r=rank: self.posted.post(self.group, ("weights", self.version, shapes), r),
                            "sending weights", rank)
@@ -329,33 +363,51 @@ class RemoteSampler:
             for rank in range(1, self.workers + 1):
                 answers.append(self._read(rank, "probe", "checking the broadcast weights"))
         except RolloutWorkerLost:  # kept in self.lost
-            return {}
+            return None
         for rank, (theirs, _, _) in enumerate(answers, 1):
             diff = (theirs - own).abs().max().item()
             if not diff <= 1e-5:
                 raise ValueError(f"rollout worker {rank}: the broadcast weights give log-probs {diff:.3g} away from "
                                  "the policy's on the probe")
+        return {"t_broadcast": t_broadcast, "answers": answers,
+                "bytes": float(sum(t.numel() * t.element_size() for t in flat.values()))}
+
+    def sync(self, policy) -> dict:
+        """Broadcast the policy's weights to every worker and check each on the probe; this step's timings.
+
+        A lost worker is not raised here (the step's updates are done and its metrics still logged): the next
+        `request` or `receive` raises it, before anything of the next step is applied.
+        """
+        if self.lost is not None:
+            return {}
+        self.version += 1
+        sent = self._broadcast(policy)
+        if sent is None:
+            return {}
         now = time.perf_counter()
-        load_s = max(load for _, _, load in answers)
-        interval, waited = now - self.mark, self.waited + max(0.0, t_broadcast - load_s)
-        busy = [b for _, b, _ in answers]
+        load_s = max(load for _, _, load in sent["answers"])
+        interval, waited = now - self.mark, self.waited + max(0.0, sent["t_broadcast"] - load_s)
+        busy = [b for _, b, _ in sent["answers"]]
         stats = {"time/sync_s": load_s,  # the workers' side: receiving and loading; waiting for them is below
                  "time/wait_for_rollout_s": waited,
                  "async/trainer_busy": 1.0 - waited / interval,
                  "async/worker_busy": sum(b - before for b, before in zip(busy, self.worker_busy))
                  / (self.workers * interval),
-                 "async/sync_bytes": float(sum(t.numel() * t.element_size() for t in flat.values()))}
+                 "async/sync_bytes": sent["bytes"]}
         self.waited, self.worker_busy, self.mark = 0.0, busy, now
         if not self.synced:
             stats["time/sampler_start_s"], self.synced = self.start_s, True
         return stats
 
     def close(self) -> None:
-        for rank, process in enumerate(self.processes, 1):
-            if process.is_alive():
+        """Tell every worker to stop (and wait until each has the message: a rollout server would otherwise see
+        the trainer's connection close first); end the ones this sampler started."""
+        for rank in range(1, self.workers + 1):
+            if self.lost is None or (rank <= len(self.processes) and self.processes[rank - 1].is_alive()):
                 try:
-                    self.posted.post(self.group, ("stop",), rank)
-                except RuntimeError:
+                    for work in self.posted.post(self.group, ("stop",), rank):
+                        work.wait(datetime.timedelta(seconds=10))
+                except RuntimeError:  # that worker is gone already
                     pass
         for process in self.processes:
             process.join(timeout=10)
@@ -369,7 +421,7 @@ def build_sampler(model, tokenizer, cfg, *, seeded: bool, distributed: bool, rec
     rollout_workers > 0 (one trainer process, the policy's own weights, no expert record: refused otherwise).
     `version`: the steps the weights have taken (a resumed run's); `rng`: a resumed worker's random state."""
     from gspo.lora import is_peft
-    from gspo.rollout.sampling import Sampler, keeps_sampler_logprobs
+    from gspo.rollout.sampling import Sampler
 
     if not cfg.rollout_workers:
         return Sampler(model, tokenizer, cfg, seeded=seeded, recorder=recorder, records=records)
@@ -381,9 +433,27 @@ def build_sampler(model, tokenizer, cfg, *, seeded: bool, distributed: bool, rec
     if is_peft(model):
         raise ValueError("rollout_workers: not with LoRA yet (the worker would need the adapters' merged weights)")
     return RemoteSampler(model, tokenizer, cfg, seeded=seeded, workers=cfg.rollout_workers,
-                         timeout_s=cfg.rollout_timeout_s, with_logprobs=keeps_sampler_logprobs(cfg), version=version,
-                         rng=rng)
+                         timeout_s=cfg.rollout_timeout_s, version=version, rng=rng, address=cfg.rollout_address)
+
+
+def serve_rollouts(cfg, address: str, rank: int) -> None:
+    """`gspo rollout-server`: one rollout worker started on its own, here or on another machine. It loads the
+    run's model as `cfg` says (the trainer's config: the same architecture; the weights come from the trainer),
+    joins the trainer waiting at `address` as worker `rank` (1 .. rollout_workers) and samples on its own
+    device (cfg.device) until the trainer stops it."""
+    from gspo.config import ModelSettings, section
+    from gspo.models import seeded_model
+
+    if not 1 <= rank <= cfg.rollout_workers:
+        raise ValueError(f"rollout-server: --rank {rank} must be in 1..rollout_workers={cfg.rollout_workers}")
+    host, port = split_address(address)
+    device, model, tokenizer = seeded_model(section(cfg, ModelSettings))
+    try:
+        _worker_main(rank, cfg.rollout_workers + 1, host, port, cfg.rollout_timeout_s, model, tokenizer,
+                     device=str(device))
+    except RuntimeError as err:  # gloo: the trainer ended or cannot be reached
+        raise ValueError(f"rollout-server: lost the trainer at {address}: {str(err).splitlines()[0][:200]}") from None
 
 
 __all__ = ["Posted", "RemoteSampler", "RolloutWorkerLost", "build_sampler", "flat_weights", "load_flat_weights",
-           "probe_logprobs", "recv"]
+           "probe_logprobs", "recv", "serve_rollouts", "split_address"]
