@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--seeded", action="store_true",
                         help="seeded sampling (per-row generators): every side draws the same tokens from the same "
                              "weights, so a pair does the same work where the weights do not move")
+    parser.add_argument("--backend", default="auto", help="generation_backend of every side: auto, gspo, hf, vllm")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--B", type=int, default=16)
@@ -79,6 +80,7 @@ def main() -> None:
             spec = dict(model_dir=model_dir, seed=rep, steps=args.steps, B=args.B, G=args.G, M=args.M, T=args.T,
                         lr=args.lr, eval_prompts=args.eval_prompts, eval_k=args.eval_k, threads=args.threads,
                         device=args.device, max_staleness=k, use_sampler_logprobs=mu, seeded=args.seeded,
+                        backend=args.backend,
                         output_dir=str(work / f"{side}_seed{rep}"))
             load, t0 = os.getloadavg()[0], time.perf_counter()
             proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,

@@ -41,10 +41,17 @@ else
 fi
 # Asynchronous rollouts (issue 34): the synchronous loop against one rollout worker one step ahead, the worker
 # on the same GPU as the trainer (weights through the CPU over gloo): the demo model, then the 50M model at
-# T = 512 with long-tailed lengths. vLLM workers are not built yet.
+# T = 512 with long-tailed lengths; then, where vllm is installed, 1 trainer + 1 vLLM worker on the GPU.
 python3 benchmarks/async_rollouts.py --device cuda --reps 2 --steps 20 --eval-prompts 100 \
   --work-dir /tmp/gpu_async_demo --out "$OUT/async_demo.json" > "$OUT/async_demo.log" 2>&1
 echo "async demo rc=$?"; tail -n 14 "$OUT/async_demo.log"
 python3 benchmarks/async_rollouts.py --device cuda --model 50m --T 512 --B 4 --G 4 --M 2 --steps 8 --reps 2 \
   --eval-prompts 1 --eval-k 1 --work-dir /tmp/gpu_async_50m --out "$OUT/async_50m.json" > "$OUT/async_50m.log" 2>&1
 echo "async 50m rc=$?"; tail -n 12 "$OUT/async_50m.log"
+if python3 -c "import vllm" >/dev/null 2>&1; then
+  python3 benchmarks/async_rollouts.py --device cuda --backend vllm --model 50m --T 512 --B 4 --G 4 --M 2 --steps 8 \
+    --reps 2 --eval-prompts 1 --eval-k 1 --work-dir /tmp/gpu_async_vllm --out "$OUT/async_vllm.json" > "$OUT/async_vllm.log" 2>&1
+  echo "async vllm rc=$?"; tail -n 12 "$OUT/async_vllm.log"
+else
+  echo "async vllm: vllm is not installed in this Python; skipped"
+fi

@@ -58,7 +58,8 @@ def rl_config(spec: dict):
         eval_k=spec["eval_k"], eval_steps=0, save_steps=0, log_samples_steps=0, progress=False,
         overwrite_output_dir=True, device=spec.get("device", "cpu"), dtype="float32",
         rollout_workers=int(spec.get("max_staleness") is not None), max_staleness=spec.get("max_staleness") or 0,
-        use_sampler_logprobs=spec.get("use_sampler_logprobs", False), seeded_sampling=spec.get("seeded", False)))
+        use_sampler_logprobs=spec.get("use_sampler_logprobs", False), seeded_sampling=spec.get("seeded", False),
+        generation_backend=spec.get("backend", "auto")))
 
 
 def ordered_prompts(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
