@@ -272,7 +272,8 @@ def test_a_rollout_worker_samples_with_its_own_engine(tmp_path):
     policy, pushes every broadcast into it, and samples one step ahead; with seeded sampling and no staleness
     the run is the in-process engine's run."""
     common = dict(generation_backend="vllm", seeded_sampling=True, max_steps=3, max_prompt_length=16,
-                  max_completion_length=8, eval_num_prompts=0, log_mismatch=True, learning_rate=1e-2)
+                  max_completion_length=8, eval_num_prompts=0, log_mismatch=True, learning_rate=1e-2,
+                  reward_funcs=[starts_with_digit])  # rewards with spread: the weights move every step
     train(tiny_cfg(tmp_path / "here", **common))
     train(tiny_cfg(tmp_path / "worker", rollout_workers=1, **common))
     train(tiny_cfg(tmp_path / "ahead", rollout_workers=1, max_staleness=1, **common))
