@@ -149,8 +149,10 @@ def test_workers_one_step_ahead_are_the_in_process_lag_of_one(tmp_path, workers)
     # two workers sample in other batch shapes (the same tokens: seeded per row).
     exact = [{k: v for k, v in computed(r).items() if not k.startswith("mismatch/")} for r in (*lag, *real)]
     assert exact[:4] == exact[4:]
-    for a, b in zip(lag, real):
-        assert all(b[k] == pytest.approx(v, rel=1e-5, abs=1e-9) for k, v in a.items() if k.startswith("mismatch/"))
+    for a, b in zip(lag, real):  # abs 1e-6: step 1's values are rounding alone (1e-8 .. 6e-7 with 2 threads)
+        off = {k: (v, b[k]) for k, v in a.items() if k.startswith("mismatch/") and b[k] != pytest.approx(v, rel=1e-5,
+                                                                                                          abs=1e-6)}
+        assert not off, off
     assert [r["async/staleness_mean"] for r in real] == [0.0, 1.0, 1.0, 1.0]  # step 1: the first weights
     # step 1: mu and pi_old of the same weights (KV-cached decode vs one forward: rounding only); then stale
     assert real[0]["mismatch/kl"] < 1e-10 and all(r["mismatch/kl"] > 1e-3 for r in real[1:])
