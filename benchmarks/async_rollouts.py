@@ -17,14 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, table, write_result  # noqa: E402
+from common import machine, median, served_as_worker, table, worker_result, write_result  # noqa: E402
 from vs_trl import cold_start, random_50m, run_gspo, summarise  # noqa: E402
+
+
+def worker(spec: dict) -> dict:
+    """One gspo run (vs_trl.run_gspo) at the spec's torch thread count."""
+    if spec.get("threads"):
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    return run_gspo(spec)
 
 
 def main() -> None:
@@ -56,13 +64,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    if args.worker:  # one run in a fresh process
-        spec = json.loads(args.worker)
-        if spec.get("threads"):
-            import torch
-
-            torch.set_num_threads(spec["threads"])
-        print("RESULT " + json.dumps(run_gspo(spec)))
+    if served_as_worker(args.worker, worker):  # one run in a fresh process
         return
 
     work = Path(args.work_dir).resolve()
@@ -83,12 +85,7 @@ def main() -> None:
                         backend=args.backend,
                         output_dir=str(work / f"{side}_seed{rep}"))
             load, t0 = os.getloadavg()[0], time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
-                                  text=True)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                sys.exit(f"{side} run {rep} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-            run = json.loads(lines[-1][len("RESULT "):])
+            run = worker_result([sys.executable, __file__, "--worker", json.dumps(spec)], f"{side} run {rep}")
             run.update(side=side, seed=rep, process_s=time.perf_counter() - t0, load_before=load,
                        summary=summarise(run, args.skip_first))
             run["summary"]["clip_frac"] = sum(s["clip_frac"] for s in run["steps"]) / len(run["steps"])

@@ -18,6 +18,7 @@ lost cannot hand over its unfinished rollouts: those steps are left out and samp
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, fields
 
 from gspo.data.rows import Row
@@ -31,7 +32,7 @@ class RolloutFeed:
     """Prompts and rollouts step by step, `ahead` steps asked for in advance (0: when the step begins)."""
 
     def __init__(self, source, sampler, *, batch: int, share: slice, first_row: int, ahead: int = 0, after: int = 0,
-                 last: int | None = None, pending: dict | None = None):
+                 last: float = math.inf, pending: dict | None = None):
         """`after`: the step the run resumes after (0: a new run); `last`: the last step (max_steps: nothing is
         asked for beyond it); `pending`: the checkpoint's rollouts asked for ahead."""
         self.source, self.sampler, self.ahead, self.last = source, sampler, ahead, last
@@ -54,7 +55,7 @@ class RolloutFeed:
 
     def next(self, step: int) -> tuple[list, Rollout]:
         """(the global batch of examples, this rank's rollout) of `step`."""
-        self._ask(step + self.ahead if self.last is None else max(step, min(step + self.ahead, self.last)))
+        self._ask(min(step + self.ahead, self.last))
         for old in [s for s in self.source_before if s < step]:  # done with: resume_state never goes back
             del self.source_before[old], self.examples[old]
         for done in (self.ready, self.versions):

@@ -258,7 +258,7 @@ class SeededSampler:
 
 def sampling_options(s) -> dict:
     """`generate`'s keywords that a SamplingSettings (gspo.config) sets: the completion length, the reshaping of the
-    distribution and the prompt limit; the in-process Sampler and a rollout worker sample with the same."""
+    distribution and the prompt limit (rollout workers build the same Sampler, so they sample with the same)."""
     return dict(max_new_tokens=s.max_completion_length, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                 min_p=s.min_p, repetition_penalty=s.repetition_penalty, max_prompt_length=s.max_prompt_length,
                 truncate_prompts=s.truncate_prompts)

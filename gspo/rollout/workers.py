@@ -116,7 +116,9 @@ def on_device(rollout, device):
 
 def load_flat_weights(model, flat: dict[torch.dtype, torch.Tensor]) -> None:
     """Copy buffers of `flat_weights` back into `model`'s parameters, in the same order."""
-    own = {dtype: t.numel() for dtype, t in flat_weights(model).items()}
+    own: dict[torch.dtype, int] = {}
+    for p in model.parameters():  # counted, not copied: flat_weights(model) would concatenate every weight
+        own[p.dtype] = own.get(p.dtype, 0) + p.numel()
     sent = {dtype: t.numel() for dtype, t in flat.items()}
     if own != sent:
         raise ValueError(f"the broadcast weights do not fit this model: {sent} values per dtype sent, this model "
