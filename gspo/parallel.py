@@ -281,6 +281,17 @@ class Topology:
             p.grad = flat[offset : offset + n].view_as(p).clone() if u > 0 else None
             offset += n
 
+    def gather_object(self, obj) -> list | None:
+        """Every rank's picklable `obj`, in rank order, on rank 0 (None elsewhere); [obj] in one process. Every
+        rank must call it."""
+        if not self.enabled:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def any(self, flag: bool) -> bool:
         """True on every rank if it is true on any (e.g. a stop signal seen by one rank)."""
         if not self.enabled:

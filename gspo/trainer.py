@@ -74,7 +74,7 @@ from gspo.parallel import Topology
 from gspo.precision import enable_gradient_checkpointing, forward_precision
 from gspo.reference import reference_policy
 from gspo.rollout import eos_ids
-from gspo.rollout.feed import PENDING_FILE, RolloutFeed
+from gspo.rollout.feed import PENDING_FILE, RolloutFeed, all_ranks_pending, rank_pending
 from gspo.rollout.workers import RolloutWorkerLost, build_sampler
 from gspo.routing import build_routing
 from gspo.run import (
@@ -185,9 +185,11 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
         # schedule as step `step` left them). The feed gives the prompt source's state and the rollouts
         # asked for beyond `step` (max_staleness; `wait`: False when the worker that samples them is lost).
         source_state, pending = feed.resume_state(step, wait=wait)
+        pending = topology.gather_object(pending)  # torchrun: each rank's workers sample its own share ahead
         path, state = out_dir / f"checkpoint-{step}", topology.full_state(model, optimizer)
-        extra_states = {**baseline.checkpoint_states(), PENDING_FILE: pending}  # a critic's state; rollouts ahead
+        extra_states = baseline.checkpoint_states()  # a critic's state; below, the rollouts asked for ahead
         if topology.is_main:
+            extra_states[PENDING_FILE] = all_ranks_pending(pending)
             path = save_checkpoint(out_dir, step, model=model, tokenizer=tokenizer, scheduler=scheduler,
                                    config=saved_config(cfg, W), rng_generators={"shuffle": shuffle},
                                    rng_state=rng, keep=cfg.save_total_limit, trainer_state={
@@ -202,10 +204,11 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
         first, evals, pending = 1, {}, None
     else:  # exact resume: weights, optimizer, schedule, data position and RNG states as they were
         first, evals = restore(checkpoint, cfg, topology, out_dir, model, optimizer, scheduler, shuffle, source, guard)
-        pending = load_state_file(checkpoint / PENDING_FILE) if (checkpoint / PENDING_FILE).exists() else None
+        pending = rank_pending(load_state_file(checkpoint / PENDING_FILE) if (checkpoint / PENDING_FILE).exists()
+                               else None, topology.rank, W)
     # the sampler starts from the weights training starts from (a copy, an engine, a worker: loaded now)
     sampler = build_sampler(model, tokenizer, cfg, seeded=cfg.seeded_sampling or topology.enabled,
-                            distributed=topology.enabled, recorder=routing.sampling_recorder,
+                            rank=topology.rank, recorder=routing.sampling_recorder,
                             records=routing.records_sampling, version=first - 1,
                             rng=(pending or {}).get("worker_rng"))
     # each step's prompts and rollout: sampled as the step begins, or asked for max_staleness steps ahead
@@ -302,6 +305,9 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
         saved = save_checkpoint_now(step - 1, resume_rng)
         raise TrainingInterrupted(stopped.signum, step - 1, saved) from None
     except RolloutWorkerLost as lost:  # raised as step `step` waits for its rollout: nothing of it applied
+        if topology.enabled:  # the other ranks are inside the step: they stop as this rank ends, naming it
+            raise TrainingAborted(f"rank {topology.rank}: {lost}\nstopped in step {step}; continue from the latest "
+                                  "checkpoint with --resume latest") from None
         saved = save_checkpoint_now(step - 1, resume_rng, wait=False)
         raise TrainingAborted(f"{lost}\nstopped after step {step - 1}; checkpoint saved to {saved}; continue with "
                               "--resume latest (rollouts the worker had not returned are sampled again)") from None

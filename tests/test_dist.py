@@ -25,6 +25,7 @@ from conftest import (
     changed,
     comparable,
     final_weights,
+    gspo_argv,
     gspo_env,
     initial_weights,
     read_metrics,
@@ -369,3 +370,88 @@ def test_lora_under_ddp_matches_one_process(tmp_path):
     assert any(a[k].abs().max() > 0 for k in lora_b)  # trained (B starts at 0)
     for key, tensor in a.items():
         assert (tensor - b[key]).abs().max() <= 5e-5 * max(float(tensor.abs().max()), 1e-3), key
+
+
+def without_async(run_dir) -> list[dict]:
+    """`comparable` without the async/* bookkeeping that only a run with rollout workers logs."""
+    return [{k: v for k, v in r.items() if not k.startswith("async/")} for r in comparable(run_dir)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torchrun_ranks_with_rollout_workers_train_as_without(tmp_path, mode):
+    """Each rank has a worker of its own for its share of the batch (fsdp: every rank gathers each parameter
+    whole, then broadcasts to its worker, which loaded the model from the config). Sampling under torchrun is
+    seeded, so at max_staleness 0 the run is the run without workers, metric for metric and bit for bit."""
+    (tmp_path / "rewards_mod.py").write_text(REWARD)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({**RUN, "max_steps": 2, "eval_num_prompts": 0,
+                                                       "per_device_batch_size": 2, "distributed": mode}))
+    for name, extra in (("plain", []), ("workers", ["rollout_workers=1"])):
+        proc = run(tmp_path, 2, f"output_dir={name}", *extra)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    names = ["workers"]
+    if mode == "ddp":  # and rollout servers started on their own, one per trainer rank, rank r's at port + r
+        port = two_free_ports()
+        servers = [subprocess.Popen(gspo_argv("rollout-server", "--config", "run.yaml", "--connect",
+                                              f"127.0.0.1:{port + r}", "--rank", 1, "rollout_workers=1"),
+                                    cwd=tmp_path, env=gspo_env(tmp_path), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        try:
+            proc = run(tmp_path, 2, "output_dir=servers", "rollout_workers=1", f"rollout_address=127.0.0.1:{port}")
+            outs = [server.communicate(timeout=60)[0] for server in servers]
+        finally:
+            for server in servers:
+                server.kill()
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert [server.returncode for server in servers] == [0, 0], outs
+        names.append("servers")
+    a = saved_tensors(tmp_path / "plain")
+    for name in names:
+        assert without_async(tmp_path / "plain") == without_async(tmp_path / name), name
+        metrics = read_metrics(tmp_path / name)
+        assert [r["async/staleness_max"] for r in metrics] == [0.0, 0.0] and metrics[0]["async/sync_bytes"] > 0
+        b = saved_tensors(tmp_path / name)
+        assert a.keys() == b.keys() and changed(a, b) == [], name
+
+
+def two_free_ports() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (a trainer rank r waits at rollout_address's port + r)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_resume_with_the_rollouts_their_workers_sampled_ahead(tmp_path):
+    """max_staleness 1 under ddp: each rank's checkpointed share of the rollout sampled ahead goes back to its
+    rank, so the resumed run is the uninterrupted one, bit for bit; another world size is refused by name."""
+    (tmp_path / "rewards_mod.py").write_text(REWARD)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({**RUN, "max_steps": 3, "eval_num_prompts": 0,
+                                                       "per_device_batch_size": 2, "rollout_workers": 1,
+                                                       "max_staleness": 1, "save_steps": 1}))
+    whole = run(tmp_path, 2, "output_dir=whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    pending = torch.load(tmp_path / "whole" / "checkpoint-2" / "rollouts.pt", weights_only=True)
+    assert [part["steps"] for part in pending["ranks"]] == [[3], [3]]  # each rank's share of step 3
+    shutil.copytree(tmp_path / "whole", tmp_path / "parts")
+    shutil.rmtree(tmp_path / "parts" / "checkpoint-3")
+    shutil.rmtree(tmp_path / "parts" / "model")
+    resumed = run(tmp_path, 2, "output_dir=parts", "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert without_async(tmp_path / "whole") == without_async(tmp_path / "parts")
+    staleness = [r["async/staleness_max"] for r in read_metrics(tmp_path / "parts")]
+    assert staleness == [0.0, 1.0, 1.0]
+    assert changed(saved_tensors(tmp_path / "whole"), saved_tensors(tmp_path / "parts")) == []
+    shutil.rmtree(tmp_path / "parts" / "checkpoint-3")
+    shutil.rmtree(tmp_path / "parts" / "model")
+    alone = run(tmp_path, 1, "output_dir=parts", "per_device_batch_size=4", "--resume", "latest")
+    assert alone.returncode != 0 and "resume it with 2 process(es) (this run has 1)" in alone.stderr

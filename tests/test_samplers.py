@@ -130,3 +130,41 @@ def test_join_rollouts_lays_shares_out_as_one_sampler_would():
     assert torch.equal(join_rollouts([a], pad=0).input_ids, a.input_ids)  # one share: itself
     with pytest.raises(ValueError, match="sampler_logprobs is set in some parts only"):
         join_rollouts([a, Rollout(b.input_ids, b.attention_mask, b.completion_mask, b.prompts, b.completions)], pad=0)
+
+
+def test_join_rollouts_widens_routing_records_on_input_ids_columns():
+    from gspo.moe import RoutingRecord
+    from gspo.rollout.batch import Rollout, join_rollouts
+
+    # one router (layer 3), top-1; share a: 1 row of P=2, T=2 (record 4 positions: experts 1 2 3 4);
+    # share b: 1 row of P=1, T=1 (experts 7 8). The joined layout is P=2, T=2: b gets one column on the left
+    # (its prompt padding) and one on the right (its completion padding), both -1 (route freely).
+    a = Rollout(input_ids=torch.tensor([[5, 6, 7, 2]]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                completion_mask=torch.tensor([[True, True]]), prompts=["p"], completions=["x"],
+                routing=RoutingRecord(torch.tensor([[[[1], [2], [3], [4]]]]), (3,)))
+    b = Rollout(input_ids=torch.tensor([[9, 2]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+                completion_mask=torch.tensor([[True]]), prompts=["q"], completions=[""],
+                routing=RoutingRecord(torch.tensor([[[[7], [8]]]]), (3,)))
+    joined = join_rollouts([a, b], pad=0)
+    assert joined.input_ids.tolist() == [[5, 6, 7, 2], [0, 9, 2, 0]]
+    assert joined.routing.layers == (3,)
+    assert joined.routing.indices[0, :, :, 0].tolist() == [[1, 2, 3, 4], [-1, 7, 8, -1]]
+    other = Rollout(b.input_ids, b.attention_mask, b.completion_mask, b.prompts, b.completions,
+                    routing=RoutingRecord(torch.tensor([[[[7], [8]]]]), (4,)))
+    with pytest.raises(ValueError, match="different routers"):
+        join_rollouts([a, other], pad=0)
+
+
+def test_rollouts_sampled_ahead_under_torchrun_go_back_to_their_rank():
+    from gspo.rollout.feed import all_ranks_pending, rank_pending
+
+    mine, theirs = {"steps": [3], "rank": 0}, {"steps": [3], "rank": 1}
+    assert all_ranks_pending([mine]) is mine  # one process: the file as it always was
+    both = all_ranks_pending([mine, theirs])
+    assert rank_pending(both, 1, 2) is theirs and rank_pending(both, 0, 2) is mine
+    assert rank_pending(mine, 0, 1) is mine and rank_pending(None, 0, 2) is None
+    with pytest.raises(ValueError, match=r"sampled ahead .* by the workers of 2 trainer process\(es\).*resume it "
+                                         r"with 2 process\(es\) \(this run has 1\)"):
+        rank_pending(both, 0, 1)
+    nothing = all_ranks_pending([{"steps": []}, {"steps": []}])  # max_staleness 0: any world size resumes
+    assert rank_pending(nothing, 0, 1) is None

@@ -4,6 +4,7 @@ stand-in does, resumes bit for bit, and a dead or silent worker is named within 
 with a checkpoint."""
 
 import copy
+import importlib.util
 import multiprocessing
 import os
 import signal
@@ -13,8 +14,9 @@ import time
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
-from conftest import SMALL, final_weights, gspo_argv, gspo_env, read_metrics, tiny_cfg
+from conftest import SMALL, SMALL_MOE, final_weights, gspo_argv, gspo_env, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, load_config
 from gspo.models import load_model
 from gspo.rollout import Sampler
@@ -243,3 +245,57 @@ def test_a_rollout_server_started_on_its_own_joins_the_trainer_by_address(tmp_pa
     far, near = read_metrics(tmp_path / "far"), read_metrics(tmp_path / "near")
     assert [computed(r) for r in far] == [computed(r) for r in near]
     assert [r["async/staleness_max"] for r in far] == [0.0, 1.0, 1.0]
+
+
+def test_a_worker_that_cannot_build_its_sampler_says_why(tmp_path):
+    # The worker answers "ready" or its traceback once its Sampler is built: here a vllm engine without vllm.
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: the worker's engine would start")
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    with pytest.raises(RolloutWorkerLost, match=r"(?s)starting the rollout workers: rollout worker 1 failed:\n"
+                                                r"Traceback.*backend='vllm' cannot run this model: .*vllm"):
+        RemoteSampler(model, tok, tiny_cfg(tmp_path, generation_backend="vllm"), seeded=False, workers=1,
+                      timeout_s=60)
+
+
+MOE_R3 = dict(model="tiny-moe", model_overrides=SMALL_MOE, routing_replay="rollout", seeded_sampling=True,
+              eval_num_prompts=0, learning_rate=1e-2, reward_funcs=[text_hash])
+
+
+def test_a_worker_returns_its_experts_for_rollout_routing_replay_and_resumes(tmp_path):
+    # routing_replay=rollout (R3) replays the experts the sampler chose: a worker records them and they travel
+    # in the rollout, so a seeded run with a worker at max_staleness 0 is the in-process run; at max_staleness 1
+    # a checkpoint holds the record of the rollout sampled ahead and the resumed run is the uninterrupted one.
+    train(tiny_cfg(tmp_path / "here", max_steps=2, **MOE_R3))
+    train(tiny_cfg(tmp_path / "worker", max_steps=2, rollout_workers=1, **MOE_R3))
+    here, worker = read_metrics(tmp_path / "here" / "run"), read_metrics(tmp_path / "worker" / "run")
+    assert [computed(r) for r in here] == [computed(r) for r in worker]
+    w0, w1 = final_weights(tmp_path / "here" / "run"), final_weights(tmp_path / "worker" / "run")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+    def cfg(name, **kw):
+        return tiny_cfg(tmp_path / name, max_steps=3, rollout_workers=1, max_staleness=1, **MOE_R3, **kw)
+
+    train(cfg("whole"))
+    train(cfg("parts"), callbacks=[lambda step, metrics: "stop" if step == 1 else None])
+    pending = torch.load(tmp_path / "parts" / "run" / "checkpoint-1" / "rollouts.pt", weights_only=True)
+    (record,) = pending["rollouts"]
+    assert record["routing"]["indices"].shape[:2] == (2, 8) and record["routing"]["indices"].max() >= 0
+    train(cfg("parts", resume_from_checkpoint="latest"))
+    whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
+    assert [computed(r) for r in whole] == [computed(r) for r in parts]
+    w, p = final_weights(tmp_path / "whole" / "run"), final_weights(tmp_path / "parts" / "run")
+    assert all(torch.equal(w[k], p[k]) for k in w)
+
+
+def test_a_lora_run_s_worker_gets_the_adapters_only_after_the_first_broadcast(tmp_path):
+    lora = dict(max_steps=2, seeded_sampling=True, eval_num_prompts=0, lora_r=4, lora_alpha=8.0,
+                reward_funcs=[text_hash], learning_rate=1e-2)
+    train(tiny_cfg(tmp_path / "here", **lora))
+    train(tiny_cfg(tmp_path / "worker", rollout_workers=1, **lora))
+    here, worker = read_metrics(tmp_path / "here" / "run"), read_metrics(tmp_path / "worker" / "run")
+    assert [computed(r) for r in here] == [computed(r) for r in worker]
+    w0, w1 = (load_file(tmp_path / name / "run" / "model" / "adapter_model.safetensors") for name in ("here", "worker"))
+    assert w0 and all(".lora_" in k for k in w0) and all(torch.equal(w0[k], w1[k]) for k in w0)
+    # the adapters in float32: 4 bytes per value of every lora_A / lora_B matrix, the frozen base not again
+    assert [r["async/sync_bytes"] for r in worker] == [4.0 * sum(v.numel() for v in w0.values())] * 2

@@ -89,7 +89,8 @@ class SamplingSettings:
     max_staleness: int = 0
     """Workers sample this many steps ahead: a rollout trains weights at most k updates newer; 0: no overlap."""
     rollout_address: str | None = None
-    """host:port where the trainer waits for rollout_workers started with `gspo rollout-server`; null: its own."""
+    """host:port where the trainer waits for rollout_workers started with `gspo rollout-server`; null: it starts
+    its own. Under torchrun, trainer rank r waits at port + r for workers of its own."""
 
 
 def reshaping(s: SamplingSettings) -> list[str]:

@@ -74,7 +74,8 @@ class Rollout:
 def join_rollouts(parts: list[Rollout], pad: int) -> Rollout:
     """One Rollout of `parts` (rows in order) in one padded layout: each part's prompts padded on the left
     and its completions on the right to the widest (`pad` ids, mask 0, log-probs 0), as one sampler would
-    have laid out all the rows. Parts carry sampled fields only (no rewards, advantages or routing yet)."""
+    have laid out all the rows. Parts carry sampled fields only (no rewards or advantages yet); a routing
+    record is widened with -1 (route freely) like input_ids, so it stays aligned with it."""
     P = max(r.input_ids.shape[1] - r.completion_len for r in parts)
     T = max(r.completion_len for r in parts)
 
@@ -86,8 +87,17 @@ def join_rollouts(parts: list[Rollout], pad: int) -> Rollout:
         values = [getattr(r, f.name) for r in parts]
         if all(v is None for v in values):
             joined[f.name] = None
-        elif any(v is None for v in values) or f.name == "routing":
-            raise ValueError(f"join_rollouts: {f.name} is set in some parts only, or cannot be joined")
+        elif any(v is None for v in values):
+            raise ValueError(f"join_rollouts: {f.name} is set in some parts only")
+        elif f.name == "routing":  # (R, n, P_i+T_i, k) each: widened on the same columns as input_ids
+            layers = values[0].layers
+            if any(v.layers != layers for v in values):
+                raise ValueError("join_rollouts: the routing records come from different routers")
+            indices = [torch.cat([v.indices.new_full((*v.indices.shape[:2], P - (v.shape[1] - r.completion_len),
+                                                      v.top_k), -1), v.indices,
+                                  v.indices.new_full((*v.indices.shape[:2], T - r.completion_len, v.top_k), -1)],
+                                 dim=2) for v, r in zip(values, parts)]  # (R, n, P+T, k) each
+            joined[f.name] = type(values[0])(torch.cat(indices, dim=1), layers)  # (R, N, P+T, k)
         elif isinstance(values[0], list):
             joined[f.name] = [x for v in values for x in v]
         elif f.name in ("input_ids", "attention_mask"):  # prompt columns, then completion columns

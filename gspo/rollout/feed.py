@@ -108,8 +108,31 @@ def pack_pending(steps: list[int], examples: list, rollouts: list[Rollout], vers
             "rollouts": [{k: v for k, v in asdict(r).items() if v is not None} for r in rollouts]}
 
 
+def all_ranks_pending(states: list[dict]) -> dict:
+    """The checkpoint's PENDING_FILE from every trainer rank's `pack_pending` (rank order): one process's as it
+    is; under torchrun {"ranks": [...]}, each rank's workers having sampled its own share ahead."""
+    return states[0] if len(states) == 1 else {"ranks": states}
+
+
+def rank_pending(state: dict | None, rank: int, world_size: int) -> dict | None:
+    """This rank's part of a checkpoint's PENDING_FILE (`all_ranks_pending`); a ValueError where rollouts sampled
+    ahead by another number of trainer ranks would have to be split anew."""
+    if not state:
+        return None
+    ranks = state.get("ranks", [state])
+    if len(ranks) != world_size:
+        if any(part["steps"] for part in ranks):
+            raise ValueError(f"resume: the checkpoint holds rollouts sampled ahead (max_staleness) by the workers of "
+                             f"{len(ranks)} trainer process(es), each for its own share of the batch; resume it with "
+                             f"{len(ranks)} process(es) (this run has {world_size})")
+        return None
+    return ranks[rank]
+
+
 def unpack_pending(state: dict | None):
     """(step, examples, Rollout, weights' version) of each pending rollout of `pack_pending`."""
+    from gspo.moe import RoutingRecord
+
     if not state:
         return []
     names = {f.name for f in fields(Rollout)}
@@ -120,8 +143,9 @@ def unpack_pending(state: dict | None):
                              f"{sorted(unknown)}")
     examples = [[e["values"] if e["where"] is None else Row(e["values"], e["where"]) for e in batch]
                 for batch in state["examples"]]
-    rollouts = [Rollout(**r) for r in state["rollouts"]]
+    rollouts = [Rollout(**{**r, **({"routing": RoutingRecord(**r["routing"])} if "routing" in r else {})})
+                for r in state["rollouts"]]  # asdict made the routing record a dict
     return list(zip(state["steps"], examples, rollouts, state["versions"]))
 
 
-__all__ = ["PENDING_FILE", "RolloutFeed", "pack_pending", "unpack_pending"]
+__all__ = ["PENDING_FILE", "RolloutFeed", "all_ranks_pending", "pack_pending", "rank_pending", "unpack_pending"]

@@ -14,15 +14,21 @@ and two processes that each wait on a send before receiving would wait forever. 
 messages in the order they were sent, so which weights sample which step is fixed by the order of the
 trainer's calls, never by timing (gspo/rollout/feed.py).
 
-A worker that dies, stops answering within `rollout_timeout_s` or fails is named in one line
-(`RolloutWorkerLost`); the trainer then stops with a checkpoint. Workers are daemon processes: they end
-with the trainer.
+A rollout carries what the worker's sampler recorded: token ids, mu and, for routing_replay=rollout, the
+experts it chose (Rollout.routing). With LoRA only the adapters travel after the first broadcast. Under
+torchrun every trainer rank has workers of its own for its share of the batch (fsdp: the ranks gather each
+parameter whole once, then each broadcasts to its workers).
+
+A worker that dies, stops answering within `rollout_timeout_s` or fails (one that cannot build its sampler
+says why in its first answer) is named in one line (`RolloutWorkerLost`); the trainer then stops with a
+checkpoint. Workers are daemon processes: they end with the trainer.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import os
 import pickle
 import socket
 import time
@@ -37,10 +43,13 @@ from gspo.rollout.batch import join_rollouts
 TAG_HEADER, TAG_BODY = 0, 1  # a message is its length (int64), then its bytes
 PROBE_LENGTH = 16  # tokens of the probe sequence every weight broadcast is checked on
 START_TIMEOUT_S = 120.0  # the least time a worker is given to start and join the group
-KEEP_RNG_STATES = 16
+KEEP_RNG_STATES = 16  # the workers' random state after each of this many latest rollouts (for checkpoints)
+# what torchrun sets in its ranks' environment, which a spawned worker inherits and must not read as its own
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 # the fields outside SamplingSettings that gspo.rollout.Sampler reads (its batch size, seed, and whether mu is kept)
 SAMPLER_READS = ("num_generations", "seed", "per_device_batch_size", "use_sampler_logprobs", "rollout_correction",
-                 "log_mismatch")  # the worker's random state after each of this many latest rollouts (for checkpoints)
+                 "log_mismatch")
 
 
 class RolloutWorkerLost(ValueError):
@@ -98,34 +107,45 @@ def recv(group, src: int):
     return pickle.loads(body.numpy().tobytes())
 
 
-def flat_weights(model) -> dict[torch.dtype, torch.Tensor]:
-    """The parameters of `model` (tied ones once) flattened into one buffer per dtype."""
+def sent_parameters(model, trained_only: bool) -> list:
+    """The parameters a weight broadcast carries, in order (tied ones once): all of them, or (`trained_only`, every
+    broadcast after the first) those the optimizer changes: with LoRA the adapters, the frozen base went once."""
+    return [p for p in model.parameters() if p.requires_grad or not trained_only]
+
+
+def flat_weights(model, trained_only: bool = False) -> dict[torch.dtype, torch.Tensor]:
+    """The parameters of `model` (`sent_parameters`) flattened into one CPU buffer per dtype (gloo sends from
+    the CPU). Under fsdp each parameter is gathered whole first, parameter by parameter: a collective, so every
+    rank calls this at the same point (each then broadcasts to its own workers)."""
     by_dtype: dict[torch.dtype, list] = {}
-    for p in model.parameters():
-        by_dtype.setdefault(p.dtype, []).append(p.detach().reshape(-1))
+    for p in sent_parameters(model, trained_only):
+        whole = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()  # fsdp: a DTensor shard
+        by_dtype.setdefault(p.dtype, []).append(whole.reshape(-1).cpu())
     return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
 
 
 def on_device(rollout, device):
-    """`rollout` with its tensors on `device` (a worker's rollout travels through the CPU)."""
+    """`rollout` with its tensors (and routing record) on `device` (a worker's rollout travels through the CPU)."""
     from dataclasses import fields, replace
 
     return replace(rollout, **{f.name: getattr(rollout, f.name).to(device) for f in fields(rollout)
-                               if isinstance(getattr(rollout, f.name), torch.Tensor)})
+                               if isinstance(getattr(rollout, f.name), torch.Tensor) or f.name == "routing"
+                               and rollout.routing is not None})
 
 
-def load_flat_weights(model, flat: dict[torch.dtype, torch.Tensor]) -> None:
+def load_flat_weights(model, flat: dict[torch.dtype, torch.Tensor], trained_only: bool = False) -> None:
     """Copy buffers of `flat_weights` back into `model`'s parameters, in the same order."""
+    params = sent_parameters(model, trained_only)
     own: dict[torch.dtype, int] = {}
-    for p in model.parameters():  # counted, not copied: flat_weights(model) would concatenate every weight
+    for p in params:  # counted, not copied: flat_weights(model) would concatenate every weight
         own[p.dtype] = own.get(p.dtype, 0) + p.numel()
     sent = {dtype: t.numel() for dtype, t in flat.items()}
     if own != sent:
         raise ValueError(f"the broadcast weights do not fit this model: {sent} values per dtype sent, this model "
-                         f"has {own} (a rollout server must load the trainer's model)")
+                         f"has {own} (a rollout server must load the trainer's model, with the same LoRA settings)")
     offsets = dict.fromkeys(flat, 0)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in params:
             start = offsets[p.dtype]
             p.copy_(flat[p.dtype][start : start + p.numel()].view_as(p))
             offsets[p.dtype] = start + p.numel()
@@ -140,22 +160,48 @@ def probe_logprobs(model, vocab_size: int) -> torch.Tensor:
     return torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
 
 
+def load_worker_model(model_settings, lora_settings) -> tuple:
+    """(device, model, tokenizer): the run's model loaded as its config names it, with the run's LoRA adapters,
+    for a worker that cannot be handed a copy (a rollout server; a worker of an fsdp trainer, whose copy is
+    sharded); its weights then come from the trainer's first broadcast."""
+    from gspo.lora import attach_adapters
+    from gspo.models import seeded_model
+
+    device, model, tokenizer = seeded_model(model_settings)
+    return device, attach_adapters(model, lora_settings), tokenizer
+
+
 def _worker_main(rank: int, world: int, host: str, port: int, timeout_s: float, model, tokenizer,
-                 device: str | None = None) -> None:
+                 device: str | None = None, load: tuple | None = None) -> None:
     """A rollout worker: join the group, take the run's sampling settings, then sample on request and load
     broadcast weights, in the order asked, until told to stop.
 
     It samples with the trainer's own Sampler plug, built from the run's sampling settings: the policy
     copy itself, a low-precision copy of it (sampler_dtype) or an engine (vllm), as in the trainer's process.
-    `device`: where it samples (a rollout server's own); None: the trainer's.
+    `device`: where it samples (a rollout server's own); None: the trainer's. `load`: (ModelSettings,
+    LoraSettings) to load the model from (`load_worker_model`) when `model` is None.
     """
+    from gspo.moe import record_routing
     from gspo.rollout.sampling import Sampler
 
+    for name in TORCHRUN_ENV:  # spawned by a torchrun rank: a process on its own, not one of its ranks
+        os.environ.pop(name, None)
     group, posted = _group(rank, world, host, port, timeout_s), Posted()
     _, options = recv(group, 0)  # ("setup", options): the same for every worker but its random state
-    torch.set_num_threads(options["threads"])
-    model = model.to(device or options["device"]).eval()  # one GPU: shared by the trainer and its workers
-    sampler = Sampler(model, tokenizer, options["settings"], seeded=options["seeded"])
+    try:
+        torch.set_num_threads(options["threads"])
+        if model is None:
+            _, model, tokenizer = load_worker_model(*load)
+        model = model.to(device or options["device"]).eval()  # one GPU: shared by the trainer and its workers
+        # routing_replay=rollout: the experts this worker's sampler chose travel in the rollout (Rollout.routing)
+        recorder = record_routing if options["records"] else lambda sampler: None
+        sampler = Sampler(model, tokenizer, options["settings"], seeded=options["seeded"], recorder=recorder,
+                          records=options["records"])
+    except Exception:  # noqa: BLE001  (no engine, a model it cannot run): the trainer reports it and stops
+        for work in posted.post(group, ("error", traceback.format_exc(limit=4)), 0):
+            work.wait()
+        return
+    posted.post(group, ("ready",), 0)
     version, rng = options["version"], options["rng"]
     if rng is not None:  # resumed: where the checkpointed run's worker stood
         torch.set_rng_state(rng)
@@ -170,11 +216,11 @@ def _worker_main(rank: int, world: int, host: str, port: int, timeout_s: float, 
             return
         try:
             if kind == "weights":
-                _, version, shapes = request
+                _, version, shapes, trained_only = request
                 flat = {dtype: torch.empty(n, dtype=dtype) for dtype, n in shapes.items()}
                 for dtype in shapes:
                     group.broadcast(flat[dtype], 0).wait()
-                load_flat_weights(model, flat)
+                load_flat_weights(model, flat, trained_only)
                 sampler.sync(model)  # a copy or an engine takes the new weights (an engine checks them itself)
                 load_s = time.perf_counter() - t0
                 busy += load_s
@@ -212,9 +258,13 @@ class RemoteSampler:
     """
 
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, workers: int, timeout_s: float = 300.0,
-                 version: int = 0, rng: list | None = None, address: str | None = None):
+                 version: int = 0, rng: list | None = None, address: str | None = None, records: bool = False,
+                 trainer_rank: int = 0):
         import torch.multiprocessing as mp
 
+        from gspo.config import LoraSettings, ModelSettings, section
+        from gspo.given import is_marker
+        from gspo.logprobs import is_fsdp2
         from gspo.rollout.batch import pad_id
 
         self.name = "workers"
@@ -231,16 +281,23 @@ class RemoteSampler:
             raise ValueError(f"resume: the checkpoint holds the random states of {len(self.latest_rng)} rollout "
                              f"worker(s), this run has rollout_workers={workers}")
         # the trainer's thread count: the same kernels split the same way, so mu is bitwise the in-process one
-        options = {"threads": torch.get_num_threads(), "seeded": seeded, "version": version,
+        options = {"threads": torch.get_num_threads(), "seeded": seeded, "version": version, "records": records,
                    "device": str(self.device), "vocab_size": self.vocab_size, "settings": sampler_settings(cfg)}
         host, port = split_address(address) if address else ("127.0.0.1", _free_port())
+        port += trainer_rank  # under torchrun each trainer rank has its own workers, rank r at port + r
         world, t0 = workers + 1, time.perf_counter()
+        # fsdp: the trainer holds a shard only, so each worker loads the model as the config names it
+        load = (section(cfg, ModelSettings), section(cfg, LoraSettings)) if is_fsdp2(model) else None
+        if load and is_marker(cfg.model):
+            raise ValueError("rollout_workers under distributed=fsdp: each worker loads the model the config names "
+                             "(the trainer's copy is sharded), and a model object given from Python cannot be "
+                             "loaded there; name the model by path, or use distributed=ddp")
         self.processes = []  # the workers this sampler started (none: rollout servers started elsewhere)
         for rank in range(1, world if address is None else 1):
-            copied = copy.deepcopy(model).cpu()  # the architecture (a CPU copy travels through shared memory)
+            copied = None if load else copy.deepcopy(model).cpu()  # the architecture (through shared memory)
             process = mp.get_context("spawn").Process(target=_worker_main, name=f"gspo-rollout-worker-{rank}",
-                                                      args=(rank, world, host, port, timeout_s, copied, tokenizer),
-                                                      daemon=True)
+                                                      args=(rank, world, host, port, timeout_s, copied, tokenizer,
+                                                            None, load), daemon=True)
             process.start()
             self.processes.append(process)
         self.posted, self.lost = Posted(), None  # lost: a RolloutWorkerLost, once a worker is
@@ -254,8 +311,12 @@ class RemoteSampler:
             setup = ("setup", {**options, "rng": self.latest_rng[rank - 1]})
             self._call(lambda r=rank, m=setup: self.posted.post(self.group, m, r), "sending the sampling settings",
                        rank)
+        for rank in range(1, world):  # each builds its Sampler; one that cannot says why (its traceback)
+            self._read(rank, "ready", "starting the rollout workers")
+        self.started = False  # the first broadcast sends every weight, later ones what training changes
         sent = self._broadcast(model)  # every worker starts from the policy's weights, checked on the probe
         self._check()
+        self.started = True
         self.start_s = time.perf_counter() - t0
         self.waited, self.mark = 0.0, time.perf_counter()
         self.worker_busy = [busy for _, busy, _ in sent["answers"]]  # seconds each worker spent working so far
@@ -350,18 +411,22 @@ class RemoteSampler:
     def _broadcast(self, policy) -> dict | None:
         """Send the policy's weights (version `self.version`) to every worker and check each on the probe;
         (seconds in the broadcast, the workers' answers), or None once a worker is lost."""
+        trained_only = self.started  # after the first broadcast: what the optimizer changes (LoRA: the adapters)
         t0 = time.perf_counter()
-        flat = {dtype: t.cpu() for dtype, t in flat_weights(policy).items()}  # gloo: through the CPU
+        flat = flat_weights(policy, trained_only)  # fsdp: gathered once here, broadcast once below
+        t_gather = time.perf_counter() - t0
+        # fsdp: the probe's forward is a collective too, taken before anything here can fail on this rank only
+        own = probe_logprobs(policy, self.vocab_size)
+        t0 = time.perf_counter() - t_gather  # the trainer's own work (the probe) is not time in the broadcast
         shapes = {dtype: t.numel() for dtype, t in flat.items()}
         answers = []
         try:
             for rank in range(1, self.workers + 1):
-                self._call(lambda r=rank: self.posted.post(self.group, ("weights", self.version, shapes), r),
-                           "sending weights", rank)
+                message = ("weights", self.version, shapes, trained_only)
+                self._call(lambda r=rank, m=message: self.posted.post(self.group, m, r), "sending weights", rank)
             for t in flat.values():
                 self._call(lambda t=t: self.group.broadcast(t, 0).wait(), "broadcasting weights")
             t_broadcast = time.perf_counter() - t0
-            own = probe_logprobs(policy, self.vocab_size)
             for rank in range(1, self.workers + 1):
                 answers.append(self._read(rank, "probe", "checking the broadcast weights"))
         except RolloutWorkerLost:  # kept in self.lost
@@ -417,25 +482,18 @@ class RemoteSampler:
                 process.kill()
 
 
-def build_sampler(model, tokenizer, cfg, *, seeded: bool, distributed: bool, recorder=lambda model: None,
+def build_sampler(model, tokenizer, cfg, *, seeded: bool, rank: int = 0, recorder=lambda model: None,
                   records: bool = False, version: int = 0, rng: torch.Tensor | None = None):
     """The run's Sampler plug: in the trainer's process (`gspo.rollout.Sampler`), or `RemoteSampler` with
-    rollout_workers > 0 (one trainer process, the policy's own weights, no expert record: refused otherwise).
-    `version`: the steps the weights have taken (a resumed run's); `rng`: a resumed worker's random state."""
-    from gspo.lora import is_peft
+    rollout_workers > 0: under torchrun each trainer rank (`rank`) has workers of its own for its share of the
+    batch. `version`: the steps the weights have taken (a resumed run's); `rng`: a resumed worker's random state."""
     from gspo.rollout.sampling import Sampler
 
     if not cfg.rollout_workers:
         return Sampler(model, tokenizer, cfg, seeded=seeded, recorder=recorder, records=records)
-    if distributed:
-        raise ValueError("rollout_workers: not under torchrun yet (each rank would need its own workers)")
-    if records:
-        raise ValueError("rollout_workers: routing_replay=rollout needs the sampler's expert record, which a worker "
-                         "does not return yet; use routing_replay=old_policy")
-    if is_peft(model):
-        raise ValueError("rollout_workers: not with LoRA yet (the worker would need the adapters' merged weights)")
     return RemoteSampler(model, tokenizer, cfg, seeded=seeded, workers=cfg.rollout_workers,
-                         timeout_s=cfg.rollout_timeout_s, version=version, rng=rng, address=cfg.rollout_address)
+                         timeout_s=cfg.rollout_timeout_s, version=version, rng=rng, address=cfg.rollout_address,
+                         records=records, trainer_rank=rank)
 
 
 def serve_rollouts(cfg, address: str, rank: int) -> None:
@@ -443,13 +501,12 @@ def serve_rollouts(cfg, address: str, rank: int) -> None:
     run's model as `cfg` says (the trainer's config: the same architecture; the weights come from the trainer),
     joins the trainer waiting at `address` as worker `rank` (1 .. rollout_workers) and samples on its own
     device (cfg.device) until the trainer stops it."""
-    from gspo.config import ModelSettings, section
-    from gspo.models import seeded_model
+    from gspo.config import LoraSettings, ModelSettings, section
 
     if not 1 <= rank <= cfg.rollout_workers:
         raise ValueError(f"rollout-server: --rank {rank} must be in 1..rollout_workers={cfg.rollout_workers}")
     host, port = split_address(address)
-    device, model, tokenizer = seeded_model(section(cfg, ModelSettings))
+    device, model, tokenizer = load_worker_model(section(cfg, ModelSettings), section(cfg, LoraSettings))
     try:
         _worker_main(rank, cfg.rollout_workers + 1, host, port, cfg.rollout_timeout_s, model, tokenizer,
                      device=str(device))
