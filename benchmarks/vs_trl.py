@@ -327,6 +327,9 @@ def main() -> None:
                              "alternating with the others")
     parser.add_argument("--async", dest="async_k", type=int, default=None, metavar="K",
                         help="also run gspo with a rollout worker sampling K steps ahead (max_staleness K)")
+    parser.add_argument("--mu-as-pi-old", action="store_true",
+                        help="with --async: the sampler's log-probs (mu) as pi_old (use_sampler_logprobs), "
+                             "not pi_old recomputed by the trainer")
     parser.add_argument("--worker", choices=["gspo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -380,6 +383,7 @@ def main() -> None:
                         lr=args.lr, eval_prompts=args.eval_prompts, eval_k=args.eval_k, threads=args.threads,
                         output_dir=str(work / f"{side}_seed{rep}"),
                         max_staleness=args.async_k if side == "gspo_async" else None,
+                        use_sampler_logprobs=args.mu_as_pi_old and side == "gspo_async",
                         profile=str(work / f"profile_{side}_{rep}.txt") if args.profile else None)
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
@@ -459,7 +463,8 @@ def main() -> None:
 
     path = write_result("vs_trl", {
         "settings": {k: getattr(args, k) for k in ("model", "reps", "steps", "B", "G", "M", "T", "lr", "eval_prompts",
-                                                    "eval_k", "skip_first", "threads", "baseline", "async_k")},
+                                                    "eval_k", "skip_first", "threads", "baseline", "async_k",
+                                                    "mu_as_pi_old")},
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
         "cold_start": cold, "median": med, "ratio": ratio,
         "runs": [{k: r[k] for k in ("side", "seed", "summary", "steps", "eval", "process_s", "load_before",
