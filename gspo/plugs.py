@@ -38,8 +38,9 @@ class Sampler(Protocol):
 
     name: str  # the backend that samples: gspo, hf, vllm, workers
 
-    def request(self, prompts: list[str], step: int, first_row: int) -> None:
-        """Step `step`'s prompts (this rank's): sampled now or later, with the weights of the latest `sync`."""
+    def request(self, prompts: list[str], step: int, first_row: int, rows: list | None = None) -> None:
+        """Step `step`'s prompts (this rank's) and their data rows (an environment's episodes start from them):
+        sampled now or later, with the weights of the latest `sync`."""
 
     def receive(self, step: int, wait: bool = True) -> Rollout | None:
         """Step `step`'s rollout, with the sampler's log-probs (mu) where the run needs them; None without
@@ -101,8 +102,9 @@ class PromptSource(Protocol):
 
     def score(self, rows: list[dict], prompts: list[str], completions: list[str], group_size: int, *,
               drop_bad: bool = False, offset: int = 0, timeout_s: float | None = None,
-              completion_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Rewards (N,) and each reward function's raw values (N,)."""
+              completion_ids: list[list[int]] | None = None,
+              episodes: list[dict] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Rewards (N,) and each reward function's raw values (N,); `episodes`: a multi-turn rollout's."""
 
     def observe(self, rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:
         """Per-task metrics of the latest batch (and, under dynamic weighting, new weights)."""

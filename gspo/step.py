@@ -9,6 +9,7 @@ needs from other ranks; in one process each of those calls is the identity.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -178,6 +179,28 @@ def mismatch_stats(rollout: Rollout, topology: Topology) -> dict[str, float]:
     return mismatch_metrics(topology.reduce(moments, {k: counts[u] for k, u in units.items()}))
 
 
+def episode_stats(rollout: Rollout, topology: Topology) -> dict[str, float]:
+    """`episode/*` of a multi-turn rollout, means over the step's episodes (every rank's); {} for single turns:
+    turns, tool calls and tool errors per episode, the share a limit truncated, the share of the tokens after
+    the prompts that the environment wrote (never trained), and the environment's reward where it gives one."""
+    if rollout.episodes is None:
+        return {}
+    n, eps = float(len(rollout.episodes)), rollout.episodes
+    stats = {"episode/turns_mean": sum(e["turns"] for e in eps) / n,
+             "episode/tool_calls": sum(e["tool_calls"] for e in eps) / n,
+             "episode/tool_errors": sum(e["tool_errors"] for e in eps) / n,
+             "episode/truncated_frac": sum(e["truncated"] for e in eps) / n,
+             "episode/observation_token_frac": sum(e["observation_tokens"] for e in eps)
+             / max(1, sum(e["tokens"] for e in eps))}
+    weights = dict.fromkeys(stats, n)
+    weights["episode/observation_token_frac"] = float(sum(e["tokens"] for e in eps))
+    rewarded = [e["env_reward"] for e in eps if e["env_reward"] is not None]
+    # every rank reduces the same keys; one without rewarded episodes weighs 0, and none anywhere leaves it out
+    stats["episode/env_reward_mean"] = sum(rewarded) / len(rewarded) if rewarded else math.nan
+    weights["episode/env_reward_mean"] = float(len(rewarded))
+    return {k: float(v) for k, v in topology.reduce(stats, weights).items() if not math.isnan(float(v))}
+
+
 def logprob_options(temperature: float, precision: PrecisionSettings) -> dict:
     """`completion_logprobs` options of a run: every forward (pi_old, pi_ref, training, SFT) uses the same."""
     return dict(temperature=temperature, chunk_size=precision.logprob_chunk_size, packed=precision.padding_free)
@@ -266,7 +289,8 @@ def ended_with_eos(rollout: Rollout, stop_ids: list[int]) -> torch.Tensor:
     """(N,) True where the completion stopped on a stop token rather than at the length limit."""
     T = rollout.completion_len
     completion = rollout.input_ids[:, -T:]  # (N, T)
-    last = rollout.completion_mask.sum(-1) - 1  # (N,) index of the last real token
+    # (N,) index of the last token of the model's (an episode's observations are not; a prefix otherwise)
+    last = T - 1 - rollout.completion_mask.flip(-1).int().argmax(-1)
     final = completion.gather(1, last[:, None]).squeeze(1)  # (N,)
     return torch.isin(final, torch.tensor(stop_ids, device=final.device))
 
@@ -277,7 +301,14 @@ def token_mean(advantage: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def sample_records(rollout: Rollout, count: int) -> list[dict]:
-    return [{"prompt": rollout.prompts[i], "completion": rollout.completions[i],
-             "reward": rollout.rewards[i].item(),
-             "advantage": token_mean(rollout.advantages[i], rollout.completion_mask[i])}
-            for i in range(min(count, rollout.num_sequences))]
+    """samples.jsonl's lines; a multi-turn episode's also hold its transcript as ["model" | "env", text] segments
+    (only the model's were trained) and its turns and tool calls."""
+    records = [{"prompt": rollout.prompts[i], "completion": rollout.completions[i],
+                "reward": rollout.rewards[i].item(),
+                "advantage": token_mean(rollout.advantages[i], rollout.completion_mask[i])}
+               for i in range(min(count, rollout.num_sequences))]
+    for i, rec in enumerate(records if rollout.episodes is not None else ()):
+        episode = rollout.episodes[i]
+        rec.update(transcript=episode["segments"], turns=episode["turns"], tool_calls=episode["tool_calls"],
+                   tool_errors=episode["tool_errors"], truncated=episode["truncated"])
+    return records

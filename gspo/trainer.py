@@ -94,6 +94,7 @@ from gspo.run import (
 from gspo.schedules import lr_schedule
 from gspo.step import (
     Learner,
+    episode_stats,
     gather_scores,
     logprob_options,
     loss_options,
@@ -258,7 +259,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
             rewards, per_fn = source.score(mine, rollout.prompts, rollout.completions, G, drop_bad=cfg.drop_bad_rewards,
                                            offset=topology.rank * B, timeout_s=cfg.reward_timeout_s,
-                                           completion_ids=rollout.completion_token_ids())
+                                           completion_ids=rollout.completion_token_ids(), episodes=rollout.episodes)
             scores = gather_scores(topology, rollout, rewards, per_fn, stop_ids)
             task_metrics = source.observe(scores.rewards, scores.valid, G)  # several tasks: reweigh them
             # 3. Prepare: the minibatch plan, pi_old and pi_ref log-probs, advantages (a critic's values), once.
@@ -275,7 +276,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
             step_stats = [learner.update(batch, i, part, on_policy=on_policy, step=step)
                           for i, part, on_policy in batch.minibatches()]
             sampler_stats = {**sampler.sync(model), **feed.staleness(step),  # time/sync_s, async/*
-                             **mismatch_stats(batch.rollout, topology)}
+                             **mismatch_stats(batch.rollout, topology), **episode_stats(batch.rollout, topology)}
             t_train = time.perf_counter() - t0 - t_rollout
 
             # 5. Metrics.

@@ -285,7 +285,7 @@ def test_get_reward_fn_builtins_and_user_module(tmp_path, monkeypatch):
         get_reward_fn("my_rewards_mod:NOT_CALLABLE")
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
         get_reward_fn("no_such_module_xyz:f")
-    with pytest.raises(ValueError, match=r"unknown reward .acc.*answer_match, code_tests, format"):
+    with pytest.raises(ValueError, match=r"unknown reward .acc.*answer_match, code_tests, environment, format"):
         get_reward_fn("acc")
 
 

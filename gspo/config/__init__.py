@@ -41,6 +41,7 @@ from gspo.config.train import (
     CheckpointSettings,
     CorrectionSettings,
     DistributedSettings,
+    EpisodeSettings,
     LoggingSettings,
     LoraSettings,
     ObjectiveSettings,
@@ -54,7 +55,8 @@ from gspo.config.train import (
 )
 
 __all__ = ["CHECKS", "TRAIN_SECTIONS", "AdvantageSettings", "BatchSettings", "CheckpointSettings",
-           "CorrectionSettings", "DataSettings", "DistributedSettings", "EvalSettings", "LoggingSettings",
+           "CorrectionSettings", "DataSettings", "DistributedSettings", "EpisodeSettings", "EvalSettings",
+           "LoggingSettings",
            "LoraSettings", "ModelSettings", "ObjectiveSettings", "OptimizerSettings", "OutputSettings",
            "PrecisionSettings", "ProgressSettings", "RewardSettings", "RoutingSettings", "SFTConfig",
            "SFTTermSettings", "SamplingSettings", "TaskSettings", "TrainConfig", "check_choice", "check_positive",

@@ -139,6 +139,47 @@ def _check_sampling(s: SamplingSettings) -> None:
 
 
 @dataclass
+class EpisodeSettings:
+    """Multi-turn episodes: an environment answers each model turn (tool calls, a game); only the model's
+    tokens are trained (docs/samplers.md, "Episodes")."""
+
+    environment: str | None = None
+    """"module:Class" (or "file.py:Class"), called once per episode for an object with reset(row) and step(turn);
+    "tools": the built-in tool environment over `tools`; null: single-turn completions."""
+    tools: list | None = None
+    """Tool functions, "module:function" each (type-hinted arguments); for environment: tools."""
+    tool_call_style: str = "hermes"
+    """How the model writes a call: hermes (<tool_call>{json}</tool_call>) or text (<<name: argument>>)."""
+    tool_timeout_s: float = 5.0
+    """Longest a tool call may run; a call that takes longer is an error the model reads (episode/tool_errors)."""
+    tool_max_output_chars: int = 1000
+    """A tool's result is cut to this many characters before the model reads it."""
+    max_turns: int = 4
+    """Model turns per episode (each at most max_completion_length tokens); more: the episode is truncated."""
+    max_episode_tokens: int = 256
+    """The model's and the environment's tokens after the prompt; more: the episode is truncated."""
+
+
+@checks(EpisodeSettings)
+def _check_episodes(s: EpisodeSettings) -> None:
+    from gspo.env import STYLES
+
+    check_choice(s, "tool_call_style", STYLES)
+    check_positive(s, "tool_timeout_s", "tool_max_output_chars", "max_turns", "max_episode_tokens")
+    bad = [t for t in s.tools or () if not isinstance(t, str) or ":" not in t]
+    if bad:
+        raise ValueError(f"config: tools: {bad[0]!r} is not \"module:function\" (or \"file.py:function\")")
+    if s.tools and s.environment != "tools":
+        raise ValueError(f"config: tools={s.tools!r} are called by the built-in tool environment; set environment: "
+                         "tools (or leave tools out: a custom environment runs its own)")
+    if s.environment == "tools" and not s.tools:
+        raise ValueError("config: environment: tools needs `tools`, a list of \"module:function\"")
+    if s.environment is not None and s.environment != "tools" and ":" not in s.environment:
+        raise ValueError(f"config: environment={s.environment!r}: expected \"module:Class\" (or \"file.py:Class\") "
+                         "or tools")
+
+
+@dataclass
 class TaskSettings:
     """Multi-task runs (docs/multitask.md): the tasks and how each batch draws from them."""
 
@@ -436,15 +477,16 @@ def _check_distributed(s: DistributedSettings) -> None:
 # The sections of a training run in the order `gspo train --help` lists them. A dataclass collects its bases'
 # fields from the last base to the first, hence TrainConfig's bases are this tuple reversed.
 TRAIN_SECTIONS = (ModelSettings, OutputSettings, DataSettings, EvalSettings, RewardSettings, BatchSettings,
-                  SamplingSettings, TaskSettings, SFTTermSettings, ObjectiveSettings, AdvantageSettings,
-                  OptimizerSettings, LoraSettings, PrecisionSettings, CorrectionSettings, RoutingSettings,
-                  CheckpointSettings, LoggingSettings, ProgressSettings, DistributedSettings)
+                  SamplingSettings, EpisodeSettings, TaskSettings, SFTTermSettings, ObjectiveSettings,
+                  AdvantageSettings, OptimizerSettings, LoraSettings, PrecisionSettings, CorrectionSettings,
+                  RoutingSettings, CheckpointSettings, LoggingSettings, ProgressSettings, DistributedSettings)
 
 
 @dataclass
 class TrainConfig(DistributedSettings, ProgressSettings, LoggingSettings, CheckpointSettings, RoutingSettings,
                   CorrectionSettings, PrecisionSettings, LoraSettings, OptimizerSettings, AdvantageSettings,
-                  ObjectiveSettings, SFTTermSettings, TaskSettings, SamplingSettings, BatchSettings, RewardSettings,
+                  ObjectiveSettings, SFTTermSettings, TaskSettings, EpisodeSettings, SamplingSettings, BatchSettings,
+                  RewardSettings,
                   EvalSettings, DataSettings, OutputSettings, ModelSettings):
     """GRPO/GSPO training run: the sections above, with flat field names (TRL's where TRL has one)."""
 
@@ -464,6 +506,9 @@ def check_train(cfg: TrainConfig) -> None:
         raise ValueError(f"config: advantage_estimator=gae gives one advantage per token, but objective "
                          f"{cfg.objective!r} takes one per sequence; use objective grpo (PPO's token ratio), "
                          "gspo_token, cispo or sapo")
+    if gae and cfg.environment is not None:
+        raise ValueError("config: environment: a critic's per-token values over multi-turn episodes (gae) are not "
+                         "supported yet; use a group advantage_estimator")
     if cfg.kl_in_reward and cfg.kl_coef <= 0:
         raise ValueError("config: kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
     if cfg.rollout_workers > cfg.per_device_batch_size:

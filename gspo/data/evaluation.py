@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from gspo.config import EvalSettings, RewardSettings, SamplingSettings, section
+from gspo.config import EpisodeSettings, EvalSettings, RewardSettings, SamplingSettings, section
 from gspo.data.rewards import get_reward_fn, reward_options, score_completions
-from gspo.data.rows import chat_prompts, columns_of
+from gspo.data.rows import chat_prompts, columns_of, episode_columns
 from gspo.rollout import generate, policy_backend, row_seeds
 
 EVAL_STEP = 0
@@ -33,16 +33,46 @@ class Evaluation:
     rewards: RewardSettings
     sampling: SamplingSettings  # max_completion_length, prompt limits, seeded_sampling, generation_backend
     seed: int
+    episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # an environment: multi-turn episodes
 
     @classmethod
     def of(cls, cfg) -> Evaluation:
         """The builder. An SFTConfig has no sampling section: its max_completion_length, the defaults otherwise."""
         sampling = (section(cfg, SamplingSettings) if isinstance(cfg, SamplingSettings)
                     else SamplingSettings(max_completion_length=cfg.max_completion_length))
-        return cls(section(cfg, EvalSettings), section(cfg, RewardSettings), sampling, cfg.seed)
+        episodes = section(cfg, EpisodeSettings) if isinstance(cfg, EpisodeSettings) else EpisodeSettings()
+        return cls(section(cfg, EvalSettings), section(cfg, RewardSettings), sampling, cfg.seed, episodes)
 
 
 @torch.no_grad()
+def episode_runner(model, tokenizer, plan: Evaluation):
+    """With an environment, a stand-in for `generate` that runs each completion as an episode (greedy or
+    sampled as asked, the run's limits), its Rollout carrying the episodes; None without one."""
+    from gspo.env import environment_factory
+    from gspo.rollout import GENERATORS, pick_generator
+    from gspo.rollout.episodes import EpisodeLimits, sample_episodes
+    from gspo.rollout.sampling import SeededSampler
+
+    make_env = environment_factory(plan.episodes)
+    if make_env is None:
+        return None
+    limits = EpisodeLimits(max_turns=plan.episodes.max_turns, max_turn_tokens=plan.sampling.max_completion_length,
+                           max_total_tokens=plan.episodes.max_episode_tokens)
+
+    def run(prompts, copies, *, rows, greedy=False, temperature=1.0, row_seeds=None, max_new_tokens,
+            max_prompt_length, truncate_prompts, backend):
+        episode_rows = [row for row in rows for _ in range(copies)]
+        seeded = None if row_seeds is None else SeededSampler(row_seeds, temperature, next(model.parameters()).device)
+        rollout, _ = sample_episodes(GENERATORS[pick_generator(model, backend)], model, model, tokenizer,
+                                     [make_env() for _ in episode_rows], episode_rows, limits, greedy=greedy,
+                                     max_prompt_length=max_prompt_length, truncate_prompts=truncate_prompts,
+                                     seeded=seeded, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+                                     repetition_penalty=1.0)
+        return rollout
+
+    return run
+
+
 def evaluate(model, tokenizer, rows: list[dict], plan: Evaluation, *, reward_fns: list | None = None,
              reward_weights: list[float] | None = None, sampled: bool = True) -> dict[str, float]:
     """Held-out scores of `rows`, each completion scored as training scores it: the total reward of `reward_fns`
@@ -68,10 +98,17 @@ def evaluate(model, tokenizer, rows: list[dict], plan: Evaluation, *, reward_fns
                   truncate_prompts=sampling.truncate_prompts, backend=policy_backend(sampling.generation_backend))
     starts = range(0, n, size)
 
+    episodes = episode_runner(model, tokenizer, plan)  # an environment: every completion an episode
+
+    def run(prompts: list[str], copies: int, *, rows: list[dict], **options):
+        return (episodes(prompts, copies, rows=rows, **options) if episodes is not None
+                else generate(model, tokenizer, prompts, copies, **options))
+
     def score(runs: list, copies: int) -> torch.Tensor:  # total rewards (n * copies,) of the chunks' completions
+        episodes = None if runs[0].episodes is None else [e for r in runs for e in r.episodes]
         rewards, _ = score_completions(
             reward_fns, reward_weights, [p for r in runs for p in r.prompts], [c for r in runs for c in r.completions],
-            columns_of(rows, copies), drop_bad=plan.rewards.drop_bad_rewards,
+            {**columns_of(rows, copies), **episode_columns(episodes)}, drop_bad=plan.rewards.drop_bad_rewards,
             timeout_s=plan.rewards.reward_timeout_s, chat=chat_prompts(rows, copies),
             completion_ids=[ids for r in runs for ids in r.completion_token_ids()])
         return rewards
@@ -79,11 +116,15 @@ def evaluate(model, tokenizer, rows: list[dict], plan: Evaluation, *, reward_fns
     def succeeded(total: torch.Tensor) -> torch.Tensor:  # float32 totals: a weighted sum may miss by a rounding
         return (total >= threshold - 1e-6 * max(1.0, abs(threshold))).float()
 
-    greedy = score([generate(model, tokenizer, [r["prompt"] for r in rows[i : i + size]], 1, greedy=True, **common)
-                    for i in starts], 1)  # (n,)
+    greedy_runs = [run([r["prompt"] for r in rows[i : i + size]], 1, greedy=True, **common,
+                       rows=rows[i : i + size]) for i in starts]
+    greedy = score(greedy_runs, 1)  # (n,)
     out = {"eval/accuracy": succeeded(greedy).mean().item(), "eval/reward": greedy.nanmean().item()}
+    if greedy_runs[0].episodes is not None:  # how often the greedy episodes call a tool at all
+        calls = [e["tool_calls"] for r in greedy_runs for e in r.episodes]
+        out["eval/tool_call_rate"] = sum(c > 0 for c in calls) / len(calls)
     if sampled:
-        runs = [generate(model, tokenizer, [r["prompt"] for r in rows[i : i + size]], k,
+        runs = [run([r["prompt"] for r in rows[i : i + size]], k, rows=rows[i : i + size],
                          temperature=settings.eval_temperature, **common,  # seeds by global row number: chunk-free
                          row_seeds=row_seeds(plan.seed, EVAL_STEP, i * k, len(rows[i : i + size]) * k) if seeded
                          else None) for i in starts]

@@ -35,7 +35,15 @@ from gspo.advantages import group_stats
 from gspo.config import DataSettings, RewardSettings, section
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.rewards import get_reward_fn, reward_options, reward_spec, score_completions
-from gspo.data.rows import PromptSampler, chat_prompts, columns_of, config_splits, state_count, stderr_line
+from gspo.data.rows import (
+    PromptSampler,
+    chat_prompts,
+    columns_of,
+    config_splits,
+    episode_columns,
+    state_count,
+    stderr_line,
+)
 from gspo.tasks import TASKS
 
 WEIGHTINGS = ("static", "dynamic")
@@ -286,8 +294,10 @@ class TaskMixture:
 
     def score(self, rows: list[dict], prompts: list[str], completions: list[str], group_size: int, *,
               drop_bad: bool = False, offset: int = 0, timeout_s: float | None = None,
-              completion_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """`score_completions` task by task with each task's reward functions: rewards (N,), raw values (N,).
+              completion_ids: list[list[int]] | None = None,
+              episodes: list[dict] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`score_completions` task by task with each task's reward functions: rewards (N,), raw values (N,);
+        multi-turn `episodes` add their columns (episode_columns).
 
         `rows` are rows offset.. of the latest batch (under torchrun a rank scores its share).
         A reward function a task does not use reads NaN on that task's samples.
@@ -299,10 +309,12 @@ class TaskMixture:
         rewards = torch.empty(N)  # (N,)
         # every task's functions, always: the same keys on every step (and every rank)
         per_fn = {name: torch.full((N,), math.nan) for fns in self.reward_fns for name in reward_names(fns)}
+        extra = episode_columns(episodes)
         for k, row_span, span in self._blocks(group_size, offset, len(rows)):
             spec = self.specs[k]
+            columns = {**columns_of(rows[row_span], group_size), **{c: v[span] for c, v in extra.items()}}
             r, raw = score_completions(self.reward_fns[k], spec.reward_weights, prompts[span], completions[span],
-                                       columns_of(rows[row_span], group_size), drop_bad=drop_bad,
+                                       columns, drop_bad=drop_bad,
                                        timeout_s=timeout_s, chat=chat_prompts(rows[row_span], group_size),
                                        completion_ids=None if completion_ids is None else completion_ids[span])
             rewards[span] = r

@@ -15,25 +15,26 @@ from pathlib import Path
 __all__ = ["import_reward_fn"]
 
 
-def import_reward_fn(spec: str):
-    """The function a "module:function" or "file.py:function" spec names; ValueError where it cannot be had."""
+def import_reward_fn(spec: str, kind: str = "reward"):
+    """The function a "module:function" or "file.py:function" spec names; ValueError where it cannot be had
+    (the message names the spec as a `kind`: a reward, a tool, an environment)."""
     module_name, _, attr = spec.partition(":")
     if spec.rpartition(":")[0].endswith(".py"):  # a file: "my_rewards.py:fn", "path/to/rewards.py:fn"
         module_name, _, attr = spec.rpartition(":")
         if not Path(module_name).is_file():
-            raise ValueError(f"reward {spec!r}: file {module_name} not found (relative to {Path.cwd()})")
+            raise ValueError(f"{kind} {spec!r}: file {module_name} not found (relative to {Path.cwd()})")
     try:
         module = _import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {err}") from err
+        raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r}: {err}") from err
     except (Exception, SystemExit) as err:  # the module's own code failed as it ran: name where
-        raise ValueError(f"reward {spec!r}: importing module {module_name!r} raised {type(err).__name__}: {err} "
+        raise ValueError(f"{kind} {spec!r}: importing module {module_name!r} raised {type(err).__name__}: {err} "
                          f"({_raised_at(err)})") from err
     fn = getattr(module, attr, None)
     if fn is None:
-        raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {attr!r} is not callable")
+        raise ValueError(f"{kind} {spec!r}: {attr!r} is not callable")
     return fn
 
 

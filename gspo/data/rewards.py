@@ -283,7 +283,18 @@ def code_tests(prompts: list[str], completions: list[str], **columns) -> list[fl
 
 code_tests = reads_text(code_tests)
 
+def environment(prompts: list[str], completions: list[str], env_reward: list | None = None,
+                **_) -> list[float | None]:
+    """The sum of the environment's step rewards over each episode (None where it gave none): the reward of
+    multi-turn runs whose environment scores the episode itself (gspo/env)."""
+    if env_reward is None:
+        raise ValueError("reward 'environment' reads the rewards an environment gives; this run has no environment "
+                         "(set `environment`, or use another reward)")
+    return list(env_reward)
+
+
 _BUILTINS: dict[str, RewardFn] = {
+    "environment": environment,
     "answer_match": answer_match,
     "math": math_reward,
     "format": format_reward,

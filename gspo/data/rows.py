@@ -371,6 +371,15 @@ def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
     return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}  # a row may lack a key: None
 
 
+EPISODE_COLUMNS = ("env_reward", "turns", "tool_calls", "tool_errors", "truncated")
+
+
+def episode_columns(episodes: list[dict] | None) -> dict[str, list]:
+    """What reward functions read of multi-turn episodes (one value per completion): the environment's summed
+    reward (None: it gave none), turns, tool calls and errors, whether a limit ended it; {} for single turns."""
+    return {} if episodes is None else {k: [e[k] for e in episodes] for k in EPISODE_COLUMNS}
+
+
 def chat_prompts(rows: list[dict], repeat: int = 1) -> list | None:
     """Each completion's prompt as chat messages (a row without them: its text), or None when no row
     was a chat: the `chat` that `score_completions` hands to conversational reward functions."""

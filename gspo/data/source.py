@@ -14,7 +14,7 @@ from gspo.config import RewardSettings, section
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.mixture import TaskMixture
 from gspo.data.rewards import get_reward_fn, reward_options, score_completions
-from gspo.data.rows import PromptSampler, chat_prompts, columns_of, config_splits, stderr_line
+from gspo.data.rows import PromptSampler, chat_prompts, columns_of, config_splits, episode_columns, stderr_line
 
 
 def prompt_source(cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line):
@@ -64,10 +64,13 @@ class SingleTask:
 
     def score(self, rows: list[dict], prompts: list[str], completions: list[str], group_size: int, *,
               drop_bad: bool = False, offset: int = 0, timeout_s: float | None = None,
-              completion_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Rewards (N,) and each function's raw values (N,) of `rows`' completions (G per row, in order)."""
+              completion_ids: list[list[int]] | None = None,
+              episodes: list[dict] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Rewards (N,) and each function's raw values (N,) of `rows`' completions (G per row, in order);
+        multi-turn `episodes` (Rollout.episodes) add their columns (episode_columns)."""
         return score_completions(self.reward_fns, self.reward_weights, prompts, completions,
-                                 columns_of(rows, group_size), drop_bad=drop_bad, timeout_s=timeout_s,
+                                 {**columns_of(rows, group_size), **episode_columns(episodes)}, drop_bad=drop_bad,
+                                 timeout_s=timeout_s,
                                  chat=chat_prompts(rows, group_size), completion_ids=completion_ids)
 
     def observe(self, rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:

@@ -51,7 +51,8 @@ class RolloutFeed:
             self.source_before[step] = copy.deepcopy(self.source.state_dict())
             self.examples[step] = examples = self.source.next(self.batch)
             if step not in self.ready:
-                self.sampler.request([e["prompt"] for e in examples[self.share]], step, first_row=self.first_row)
+                mine = examples[self.share]
+                self.sampler.request([e["prompt"] for e in mine], step, first_row=self.first_row, rows=mine)
 
     def next(self, step: int) -> tuple[list, Rollout]:
         """(the global batch of examples, this rank's rollout) of `step`."""

@@ -249,6 +249,13 @@ class SeededSampler:
         self.seeds, self.temperature = list(seeds), temperature  # an engine seeds its own sampler from `seeds`
         self.generators = [torch.Generator(device=device).manual_seed(int(s) % 2**63) for s in seeds]
 
+    def rows(self, index: list[int]) -> SeededSampler:
+        """The sampler of rows `index` only, drawing from the same generators (a multi-turn episode's rows that
+        are still running: each row's stream goes on where its last turn left it)."""
+        view = copy.copy(self)
+        view.seeds, view.generators = [self.seeds[i] for i in index], [self.generators[i] for i in index]
+        return view
+
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         V = scores.shape[-1]
         uniform = torch.stack([torch.rand(V, generator=g, device=scores.device) for g in self.generators])  # (N, V)
@@ -396,10 +403,16 @@ class Sampler:
     """
 
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, recorder=lambda model: None, records: bool = False):
-        """The plug's builder: it reads the run's TrainConfig; the sampler keeps its SamplingSettings only."""
-        from gspo.config import SamplingSettings, section
+        """The plug's builder: it reads the run's TrainConfig; the sampler keeps its SamplingSettings (and
+        EpisodeSettings: with an environment every sequence is a multi-turn episode) only."""
+        from gspo.config import EpisodeSettings, SamplingSettings, section
+        from gspo.env import environment_factory
+        from gspo.rollout.episodes import EpisodeLimits
 
-        sampling = section(cfg, SamplingSettings)
+        sampling, episodes = section(cfg, SamplingSettings), section(cfg, EpisodeSettings)
+        self.make_env = environment_factory(episodes)  # None: single-turn
+        self.limits = EpisodeLimits(max_turns=episodes.max_turns, max_turn_tokens=sampling.max_completion_length,
+                                    max_total_tokens=episodes.max_episode_tokens)
         self.model, self.tokenizer, self.seeded, self.recorder = model, tokenizer, seeded, recorder
         self.options = sampling_options(sampling)
         self.group_size, self.seed = cfg.num_generations, cfg.seed
@@ -411,6 +424,10 @@ class Sampler:
         if missing:
             raise ValueError(f"generation_backend={self.name!r} cannot provide {', '.join(missing)}, which this run "
                              "needs (seeded_sampling or torchrun, routing_replay=rollout, the sampler's log-probs)")
+        if self.make_env is not None and (backend.start is not None or records):
+            blocker = "routing_replay=rollout" if records else f"generation_backend={self.name}"
+            raise ValueError(f"environment: multi-turn episodes are sampled by gspo's loop or hf, one call per turn; "
+                             f"not yet with {blocker}")
         self.with_logprobs, self.synced = with_logprobs, False
         B, G = cfg.per_device_batch_size, cfg.num_generations
         self.sampler = (backend.start(model, tokenizer, sampling, rows=B * G, seed=cfg.seed) if backend.start
@@ -418,15 +435,16 @@ class Sampler:
         if isinstance(self.sampler, PolicySampler):  # an engine sizes its own memory (vllm_gpu_memory_utilization)
             check_sampling_memory(self.sampler.model, B, G, sampling.max_completion_length)
 
-    def request(self, prompts: list[str], step: int, first_row: int) -> None:
-        """Remember step `step`'s prompts; `receive(step)` samples them (in this process nothing runs ahead)."""
-        self.asked = (prompts, step, first_row)
+    def request(self, prompts: list[str], step: int, first_row: int, rows: list | None = None) -> None:
+        """Remember step `step`'s prompts (and their data rows, which start episodes); `receive(step)` samples
+        them (in this process nothing runs ahead)."""
+        self.asked = (prompts, step, first_row, rows)
 
     def receive(self, step: int, wait: bool = True) -> Rollout | None:
         """Step `step`'s rollout, sampled now from the prompts `request` gave (None without `wait`)."""
-        prompts, asked, first_row = self.asked
+        prompts, asked, first_row, rows = self.asked
         assert asked == step, (asked, step)
-        return self.sample(prompts, step, first_row) if wait else None
+        return self.sample(prompts, step, first_row, rows) if wait else None
 
     def rng_after(self, step: int) -> None:
         """Nothing: this sampler draws from the trainer's random state, which the checkpoint holds."""
@@ -434,20 +452,37 @@ class Sampler:
     def version_of(self, step: int) -> None:
         """None: sampled in this process from the weights the step trains (or sampler_lag's copy, a fixed lag)."""
 
-    def sample(self, prompts: list[str], step: int, first_row: int) -> Rollout:
+    def sample(self, prompts: list[str], step: int, first_row: int, rows: list | None = None) -> Rollout:
         G = self.group_size
         sampler = self.sampler.model if isinstance(self.sampler, PolicySampler) else self.sampler
+        seeds = row_seeds(self.seed, step, first_row, len(prompts) * G) if self.seeded else None
         try:
+            if self.make_env is not None:  # one episode per sequence, G per row, each with its own environment
+                return self.episodes(sampler, [row for row in rows for _ in range(G)], seeds)
             return generate(self.model, self.tokenizer, prompts, G, **self.options, with_logprobs=self.with_logprobs,
-                            routing_recorder=self.recorder(sampler),
-                            row_seeds=row_seeds(self.seed, step, first_row, len(prompts) * G) if self.seeded else None,
-                            backend=self.name, sampler=sampler)
+                            routing_recorder=self.recorder(sampler), row_seeds=seeds, backend=self.name,
+                            sampler=sampler)
         except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
             if not out_of_memory(err):
                 raise
             text = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
             raise ValueError(f"step {step}: sampling {len(prompts) * G} sequences (per_device_batch_size="
                              f"{len(prompts)} x num_generations={G}) ran out of memory ({text}); {_LOWER}") from None
+
+    def episodes(self, sampler, rows: list, seeds: list[int] | None) -> Rollout:
+        """Multi-turn episodes of `rows` (one per sequence) sampled by `sampler` (gspo/rollout/episodes.py)."""
+        from gspo.rollout.episodes import sample_episodes
+
+        options = {k: v for k, v in self.options.items() if k not in ("max_new_tokens", "max_prompt_length",
+                                                                      "truncate_prompts")}
+        seeded = None if seeds is None else SeededSampler(seeds, options["temperature"],
+                                                           next(self.model.parameters()).device)
+        rollout, _ = sample_episodes(GENERATORS[self.name], sampler, self.model, self.tokenizer,
+                                     [self.make_env() for _ in rows], rows, self.limits,
+                                     max_prompt_length=self.options["max_prompt_length"],
+                                     truncate_prompts=self.options["truncate_prompts"], seeded=seeded,
+                                     with_logprobs=self.with_logprobs, **options)
+        return rollout
 
     def sync(self, policy) -> dict:
         """Load the updated policy into the sampler; {"time/sync_s": seconds}, and on the first call

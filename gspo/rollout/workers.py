@@ -226,8 +226,8 @@ def _worker_main(rank: int, world: int, host: str, port: int, timeout_s: float, 
                 busy += load_s
                 reply = ("probe", probe_logprobs(model, options["vocab_size"]), busy, load_s)
             elif kind == "sample":
-                _, prompts, step, first_row = request
-                rollout = sampler.sample(prompts, step, first_row)
+                _, prompts, step, first_row, rows = request
+                rollout = sampler.sample(prompts, step, first_row, rows)
                 busy += time.perf_counter() - t0
                 reply = ("rollout", step, version, on_device(rollout, "cpu"), torch.get_rng_state())
         except Exception:  # noqa: BLE001  reported to the trainer, which stops the run naming this worker
@@ -238,9 +238,9 @@ def _worker_main(rank: int, world: int, host: str, port: int, timeout_s: float, 
 def sampler_settings(cfg) -> SimpleNamespace:
     """What a worker's Sampler reads of the run's config (SamplingSettings and a few more), as plain values:
     the whole TrainConfig would carry reward functions and data a worker neither needs nor can always unpickle."""
-    from gspo.config import SamplingSettings
+    from gspo.config import EpisodeSettings, SamplingSettings
 
-    names = [f.name for f in fields(SamplingSettings)] + list(SAMPLER_READS)
+    names = [f.name for f in fields(SamplingSettings) + fields(EpisodeSettings)] + list(SAMPLER_READS)
     return SimpleNamespace(**{name: getattr(cfg, name) for name in names})
 
 
@@ -357,15 +357,16 @@ class RemoteSampler:
         if self.lost is not None:
             raise self.lost
 
-    def request(self, prompts: list[str], step: int, first_row: int) -> None:
-        """Hand step `step`'s prompts to the workers, a contiguous share each (sizes within one of each other);
-        they sample them with the weights of the latest `sync`."""
+    def request(self, prompts: list[str], step: int, first_row: int, rows: list | None = None) -> None:
+        """Hand step `step`'s prompts (and data rows) to the workers, a contiguous share each (sizes within one of
+        each other); they sample them with the weights of the latest `sync`."""
         self._check()
         self.parts[step], start = [], 0
         for rank in range(1, self.workers + 1):
             n = len(prompts) // self.workers + (rank <= len(prompts) % self.workers)
             if n:
-                request = ("sample", prompts[start:start + n], step, first_row + start * self.group_size)
+                request = ("sample", prompts[start:start + n], step, first_row + start * self.group_size,
+                           None if rows is None else [dict(row) for row in rows[start:start + n]])
                 self._call(lambda r=request, k=rank: self.posted.post(self.group, r, k),
                            f"step {step}: sending prompts", rank)
                 self.parts[step].append(rank)
@@ -395,9 +396,9 @@ class RemoteSampler:
             del self.rngs[old], self.versions[old]
         return on_device(join_rollouts([rollout for _, rollout, _ in shares], self.pad), self.device)
 
-    def sample(self, prompts: list[str], step: int, first_row: int):
+    def sample(self, prompts: list[str], step: int, first_row: int, rows: list | None = None):
         """`request` then `receive`: one step sampled without overlap."""
-        self.request(prompts, step, first_row)
+        self.request(prompts, step, first_row, rows)
         return self.receive(step)
 
     def rng_after(self, step: int) -> list | None:

@@ -1,0 +1,93 @@
+"""Environments of multi-turn episodes (docs/samplers.md): the model takes a turn, the environment answers
+with an observation (tokens the model reads and is never trained on), maybe a reward, and whether the
+episode is over. `gspo.rollout.episodes.sample_episodes` runs them into one Rollout whose completion mask
+covers the model's own tokens only.
+
+An environment is any object with these two methods (no base class):
+
+    class Guess:
+        def reset(self, row: dict) -> str:             # the episode's first text: its prompt
+            self.answer = row["answer"]
+            return row["prompt"]
+
+        def step(self, model_turn: str) -> Turn:        # the model's turn, as text
+            if model_turn.strip() == self.answer:
+                return Turn(reward=1.0, done=True)
+            return Turn(observation=" no, again: ")
+
+`ToolEnvironment` is the built-in one: tools are plain Python functions (gspo/env/tools.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from gspo.env.tools import STYLES, Toolbox, ToolCall, ToolResult, parse_tool_calls
+
+
+@dataclass
+class Turn:
+    """An environment's answer to one model turn."""
+
+    observation: str | None = None  # text appended after the model's turn (read, never trained); None: nothing
+    reward: float | None = None  # this step's reward; an episode's reward is the sum of its steps' (None: none)
+    done: bool = False  # the episode is over (so is it when there is no observation)
+    info: dict = field(default_factory=dict)  # counts summed over the episode, e.g. tool_calls, tool_errors
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def reset(self, row: dict) -> str:
+        """Start an episode for a data row; its first text (the prompt the model continues)."""
+
+    def step(self, model_turn: str) -> Turn:
+        """Answer the model's turn (its text, special tokens left out)."""
+
+
+# how a tool's result is shown to the model, per call style: hermes as Qwen's template shows a tool message
+OBSERVATIONS = {"hermes": "\n<tool_response>\n{text}\n</tool_response>\n", "text": "\n<<= {text}>>\n"}
+
+
+class ToolEnvironment:
+    """Tool calling as an environment: each model turn's calls are run and their results are the observation;
+    a turn without a call ends the episode (its reward comes from the reward functions, on the transcript)."""
+
+    def __init__(self, tools: list, *, style: str = "hermes", timeout_s: float = 5.0, max_output_chars: int = 1000):
+        self.toolbox = Toolbox(tools, style=style, timeout_s=timeout_s, max_output_chars=max_output_chars)
+
+    def reset(self, row: dict) -> str:
+        return row["prompt"]
+
+    def step(self, model_turn: str) -> Turn:
+        results = self.toolbox.run(model_turn)
+        if not results:
+            return Turn(done=True)
+        shown = "".join(OBSERVATIONS[self.toolbox.style].format(text=r.text) for r in results)
+        return Turn(observation=shown, info={"tool_calls": len(results),
+                                             "tool_errors": sum(r.error is not None for r in results)})
+
+
+def environment_factory(settings):
+    """A no-argument callable making one fresh environment per episode, from an EpisodeSettings (gspo.config);
+    None for single-turn runs. Specs are imported here, so a bad one is an error before any sampling."""
+    from gspo.data.reward_import import import_reward_fn
+
+    if settings.environment is None:
+        return None
+    if settings.environment == "tools":
+        tools = [import_reward_fn(spec, kind="tool") for spec in settings.tools]
+        Toolbox(tools, style=settings.tool_call_style)  # checked now: named functions
+        return lambda: ToolEnvironment(tools, style=settings.tool_call_style, timeout_s=settings.tool_timeout_s,
+                                       max_output_chars=settings.tool_max_output_chars)
+    make = import_reward_fn(settings.environment, kind="environment")
+    env = make()
+    missing = [name for name in ("reset", "step") if not callable(getattr(env, name, None))]
+    if missing:
+        raise ValueError(f"environment {settings.environment!r}: {type(env).__name__} has no {missing[0]}() method "
+                         "(an environment has reset(row) -> str and step(model_turn) -> gspo.env.Turn)")
+    return make
+
+
+__all__ = ["OBSERVATIONS", "STYLES", "Environment", "ToolCall", "ToolEnvironment", "ToolResult", "Toolbox", "Turn",
+           "environment_factory", "parse_tool_calls"]

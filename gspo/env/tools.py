@@ -1,0 +1,168 @@
+"""Tool calling: tools are plain Python functions with type hints; the model's calls are parsed from its turn,
+run with a timeout, and their results (or what went wrong) become the next observation.
+
+Two formats of a call (`style`):
+  hermes  the chat-template format of Qwen and Hermes models:
+          <tool_call>{"name": "calc", "arguments": {"expression": "12*34"}}</tool_call>
+  text    a short one for models without a template: <<calc: 12*34>> (the text after the colon is the
+          function's one argument; a JSON object there gives several by name)
+
+A malformed call (bad JSON, an unknown tool, wrong arguments), a tool that raises, one that does not return
+within `timeout_s` and a result longer than `max_output_chars` are observations the model reads, counted in
+the call's `error` (a result cut short is not an error: `truncated`); nothing of it ends the run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import threading
+import typing
+from dataclasses import dataclass, field
+
+STYLES = ("hermes", "text")
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_TEXT = re.compile(r"<<\s*([A-Za-z_][A-Za-z0-9_]*)\s*:(.*?)>>", re.S)
+_COERCE = {int: int, float: float, str: str, bool: lambda v: v if isinstance(v, bool) else str(v).lower() == "true"}
+
+
+@dataclass
+class ToolCall:
+    """One call parsed from a model's turn: the tool's name and arguments, or why it could not be read."""
+
+    name: str | None
+    arguments: dict = field(default_factory=dict)
+    error: str | None = None  # a malformed call: the reason, shown to the model
+
+
+@dataclass
+class ToolResult:
+    """What one call gave: the text the model reads and whether it went wrong."""
+
+    name: str | None
+    text: str
+    error: str | None = None  # "malformed", "unknown tool", "bad arguments", "raised", "timed out"
+    truncated: bool = False
+
+
+def parse_tool_calls(text: str, style: str = "hermes") -> list[ToolCall]:
+    """Every tool call in `text`, in order; [] when the turn calls no tool."""
+    if style not in STYLES:
+        raise ValueError(f"tool call style must be one of {STYLES}; got {style!r}")
+    if style == "text":
+        return [_text_call(name, body.strip()) for name, body in _TEXT.findall(text)]
+    calls = []
+    for body in _HERMES.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as err:
+            calls.append(ToolCall(None, error=f"the call is not JSON ({err.msg} at character {err.pos})"))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append(ToolCall(None, error='a call is a JSON object {"name": ..., "arguments": {...}}'))
+        elif not isinstance(call.get("arguments", {}), dict):
+            calls.append(ToolCall(call["name"], error="arguments must be a JSON object"))
+        else:
+            calls.append(ToolCall(call["name"], call.get("arguments", {})))
+    return calls
+
+
+def _text_call(name: str, body: str) -> ToolCall:
+    if body.startswith("{"):
+        try:
+            arguments = json.loads(body)
+        except json.JSONDecodeError as err:
+            return ToolCall(name, error=f"the arguments are not JSON ({err.msg})")
+        if not isinstance(arguments, dict):
+            return ToolCall(name, error="arguments must be a JSON object")
+        return ToolCall(name, arguments)
+    return ToolCall(name, {None: body})  # the one argument, named when the tool is known
+
+
+class Toolbox:
+    """The tools an episode may call, by function name; `run(turn)` answers every call in a model's turn."""
+
+    def __init__(self, tools: list, *, style: str = "hermes", timeout_s: float = 5.0, max_output_chars: int = 1000):
+        if style not in STYLES:
+            raise ValueError(f"tool call style must be one of {STYLES}; got {style!r}")
+        self.tools = {}
+        for fn in tools:
+            if not callable(fn) or not getattr(fn, "__name__", "").isidentifier():
+                raise ValueError(f"a tool is a named Python function; got {fn!r}")
+            self.tools[fn.__name__] = fn
+        self.style, self.timeout_s, self.max_output_chars = style, timeout_s, max_output_chars
+
+    def run(self, turn: str) -> list[ToolResult]:
+        """The result of every call in `turn`, in order ([] when it calls none)."""
+        return [self.call(c) for c in parse_tool_calls(turn, self.style)]
+
+    def call(self, call: ToolCall) -> ToolResult:
+        if call.error is not None:
+            return ToolResult(call.name, f"error: {call.error}", "malformed")
+        fn = self.tools.get(call.name)
+        if fn is None:
+            return ToolResult(call.name, f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})",
+                              "unknown tool")
+        try:
+            kwargs = _arguments(fn, call.arguments)
+        except (TypeError, ValueError) as err:
+            return ToolResult(call.name, f"error: {err}", "bad arguments")
+        value, error = _call_with_timeout(fn, kwargs, self.timeout_s)
+        if error == "timed out":
+            return ToolResult(call.name, f"error: {call.name} did not return within {self.timeout_s:g} s", error)
+        if error is not None:
+            return ToolResult(call.name, f"error: {call.name} raised {error}", "raised")
+        text = str(value)
+        if len(text) > self.max_output_chars:
+            return ToolResult(call.name, text[: self.max_output_chars] + " ... (cut)", truncated=True)
+        return ToolResult(call.name, text)
+
+
+def _arguments(fn, arguments: dict) -> dict:
+    """`arguments` as keyword arguments of `fn`, each coerced to its annotated type (int, float, str, bool)."""
+    params = inspect.signature(fn).parameters
+    if None in arguments:  # the text style's one argument: the function's first parameter
+        if not params:
+            raise ValueError(f"{fn.__name__} takes no arguments")
+        arguments = {next(iter(params)): arguments[None]}
+    unknown = set(arguments) - set(params)
+    if unknown:
+        raise ValueError(f"{fn.__name__} has no argument {sorted(unknown)[0]!r} (it takes {', '.join(params)})")
+    try:
+        hints = typing.get_type_hints(fn)
+    except (NameError, TypeError):  # an annotation that does not resolve: taken as it comes
+        hints = {}
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in arguments]
+    if missing:
+        raise ValueError(f"{fn.__name__} needs argument {missing[0]!r}")
+    out = {}
+    for name, value in arguments.items():
+        kind = hints.get(name)
+        try:
+            out[name] = _COERCE[kind](value) if kind in _COERCE else value
+        except (TypeError, ValueError):
+            raise ValueError(f"{fn.__name__}: argument {name!r} must be {kind.__name__}; got {value!r}") from None
+    return out
+
+
+def _call_with_timeout(fn, kwargs: dict, timeout_s: float) -> tuple[object, str | None]:
+    """(value, None), (None, "ExcType: message") or (None, "timed out"). The call runs in a daemon thread: a
+    tool that hangs is left behind (Python cannot stop a thread), the episode goes on."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(**kwargs)
+        except Exception as exc:  # noqa: BLE001  shown to the model, which decides what to do next
+            box["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+    worker = threading.Thread(target=target, name=f"gspo-tool-{fn.__name__}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        return None, "timed out"
+    return box.get("value"), box.get("error")
+
+
+__all__ = ["STYLES", "ToolCall", "ToolResult", "Toolbox", "parse_tool_calls"]

@@ -1,0 +1,168 @@
+"""Multi-turn episodes as one Rollout: the model's turns and the environment's observations in one sequence,
+the completion mask over the model's own tokens only (docs/samplers.md, "Episodes").
+
+Every stage reads `completion_mask`, so no stage learns about environments: log-probs, pi_old, mu, ratios,
+KL, entropy, corrections and routing replay count the model's tokens only, and GSPO's length-normalised
+sequence ratio is the exp of the mean log-ratio over the model's tokens of the whole episode (|y_i| counts
+the model's tokens; the observations are context, like the prompt). The attention mask covers every real
+token, observations included, so a forward reads the episode exactly as the model did while sampling.
+
+Each turn is a continuation: the episodes still running are sampled together from their whole context so far
+(prompt, earlier turns, observations), one generator call per turn. With seeded sampling every row draws from
+its own generator across all its turns, so an episode's tokens do not depend on the other episodes of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gspo.rollout.batch import Rollout, completion_mask_from_ids, encode_prompts, eos_ids, pad_id
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Per-episode limits; an episode that reaches one ends there, counted as truncated."""
+
+    max_turns: int = 4  # model turns
+    max_turn_tokens: int = 48  # new tokens per model turn
+    max_total_tokens: int = 256  # the model's and the environment's tokens after the prompt
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_turn_tokens", "max_total_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+
+
+@dataclass
+class Episode:
+    """One episode as it is built: the tokens after its prompt and which of them are the model's."""
+
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    model: list[bool] = field(default_factory=list)  # True: sampled by the model (trained); False: observation
+    logprobs: list[float] = field(default_factory=list)  # mu of the model's tokens, 0.0 for observations
+    turns: int = 0
+    reward: float | None = None  # the sum of the environment's step rewards (None: it gave none)
+    info: dict = field(default_factory=dict)  # the environment's counts, summed (tool_calls, tool_errors, ...)
+    truncated: bool = False  # ended by a limit, not by the environment
+    done: bool = False
+
+
+def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list[dict], limits: EpisodeLimits, *,
+                    max_prompt_length: int = 512, truncate_prompts: str = "error", seeded=None,
+                    with_logprobs: bool = False, greedy: bool = False, **options) -> tuple[Rollout, list[Episode]]:
+    """Run one episode per environment (N = len(envs); `rows[i]` starts `envs[i]`) into one padded Rollout.
+
+    `generator`: a registered GeneratorBackend (gspo.rollout.sampling.GENERATORS) and `sampler` what it samples
+    with (the model, a copy); `options`: its sampling keywords (temperature, top_p, ...); `seeded`: a
+    SeededSampler of N rows or None; `greedy`: every turn greedy (evaluation). Returns the Rollout (completion
+    columns: every token after the prompt; completion_mask: the model's; sampler_logprobs: mu, 0 on
+    observations; episodes: `record`s) and the episodes (rewards, counts).
+    """
+    device = next(model.parameters()).device
+    prompts = [env.reset(row) for env, row in zip(envs, rows)]
+    ids, mask = encode_prompts(tokenizer, prompts, max_prompt_length, device, truncate_prompts)  # (N, P)
+    episodes = [Episode(prompt_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask)]
+    eos, pad = eos_ids(tokenizer, model), pad_id(tokenizer, model)
+    for _ in range(limits.max_turns):
+        active = [i for i, e in enumerate(episodes) if not e.done]
+        if not active:
+            break
+        contexts = [episodes[i].prompt_ids + episodes[i].tokens for i in active]
+        width = max(map(len, contexts))
+        context_ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=device)  # (n, L)
+        context_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)  # (n, L)
+        budget = max(limits.max_total_tokens - len(episodes[i].tokens) for i in active)
+        was_training = model.training
+        model.eval()
+        with torch.inference_mode():  # what leaves it are Python lists
+            turn_ids, turn_lp = generator.sample(
+                sampler, context_ids, context_mask, eos=eos, pad=pad,
+                max_new_tokens=min(limits.max_turn_tokens, budget), seeded=None if seeded is None else
+                seeded.rows(active), with_logprobs=with_logprobs, greedy=greedy, group_size=1, **options)  # (n, t) x2
+        model.train(was_training)
+        keep = completion_mask_from_ids(turn_ids, eos)  # (n, t) up to and including the first stop token
+        for k, i in enumerate(active):
+            episode = episodes[i]
+            room = limits.max_total_tokens - len(episode.tokens)
+            new = turn_ids[k][keep[k]].tolist()[:room]
+            episode.tokens += new
+            episode.model += [True] * len(new)
+            episode.logprobs += turn_lp[k][keep[k]].tolist()[:room] if turn_lp is not None else [0.0] * len(new)
+            episode.turns += 1
+            if len(episode.tokens) >= limits.max_total_tokens:
+                episode.truncated = episode.done = True
+                continue
+            try:
+                _answer(envs[i], episode, tokenizer.decode(new, skip_special_tokens=True), tokenizer, limits,
+                        last=episode.turns == limits.max_turns)
+            except Exception as err:  # an environment's bug: named, with the episode and its turn
+                raise ValueError(f"environment {type(envs[i]).__name__}: step raised {type(err).__name__}: "
+                                 f"{str(err)[:200]} (episode {i}, turn {episode.turns})") from err
+    return _rollout(episodes, prompts, ids, mask, tokenizer, pad, with_logprobs), episodes
+
+
+def _answer(env, episode: Episode, text: str, tokenizer, limits: EpisodeLimits, last: bool) -> None:
+    """The environment's answer to the model's turn `text`, appended to `episode` (cut at the token limit; after
+    the `last` turn allowed its reward still counts, its observation is left out: no turn would answer it)."""
+    turn = env.step(text)
+    if turn.reward is not None:
+        episode.reward = (episode.reward or 0.0) + float(turn.reward)
+    for key, value in turn.info.items():
+        episode.info[key] = episode.info.get(key, 0) + value
+    if turn.done or not turn.observation:
+        episode.done = True
+        return
+    if last:
+        episode.truncated = episode.done = True
+        return
+    seen = tokenizer(turn.observation, add_special_tokens=False)["input_ids"]
+    room = limits.max_total_tokens - len(episode.tokens)
+    if len(seen) >= room:  # no room left for the model to answer it
+        seen, episode.truncated, episode.done = seen[:room], True, True
+    episode.tokens += seen
+    episode.model += [False] * len(seen)
+    episode.logprobs += [0.0] * len(seen)
+
+
+def _rollout(episodes: list[Episode], prompts: list[str], ids, mask, tokenizer, pad: int,
+             with_logprobs: bool) -> Rollout:
+    T = max(1, max(len(e.tokens) for e in episodes))
+
+    def padded(values: list, fill, dtype) -> torch.Tensor:  # (N, T): each episode's, right-padded with `fill`
+        return torch.tensor([v + [fill] * (T - len(v)) for v in values], dtype=dtype, device=ids.device)
+
+    completion = padded([e.tokens for e in episodes], pad, torch.long)  # (N, T)
+    real = padded([[1] * len(e.tokens) for e in episodes], 0, torch.long)  # (N, T)
+    return Rollout(
+        input_ids=torch.cat([ids, completion], dim=1),  # (N, P+T)
+        attention_mask=torch.cat([mask, real], dim=1),  # (N, P+T) observations included
+        completion_mask=padded([e.model for e in episodes], False, torch.bool),  # (N, T) the model's tokens
+        prompts=prompts,
+        completions=[tokenizer.decode(e.tokens, skip_special_tokens=True) for e in episodes],  # whole transcripts
+        sampler_logprobs=padded([e.logprobs for e in episodes], 0.0, torch.float32) if with_logprobs else None,
+        episodes=[record(e, tokenizer) for e in episodes],
+    )
+
+
+COUNTS = ("tool_calls", "tool_errors")  # the environments' counts every record holds (0 where one gave none)
+
+
+def record(episode: Episode, tokenizer) -> dict:
+    """What the trainer keeps of an episode (plain values): its counts, reward, and the transcript as segments
+    ["model", text] / ["env", text] (samples.jsonl shows which parts were trained)."""
+    segments, start = [], 0
+    for end in range(1, len(episode.tokens) + 1):
+        if end == len(episode.tokens) or episode.model[end] != episode.model[start]:
+            text = tokenizer.decode(episode.tokens[start:end], skip_special_tokens=True)
+            segments.append(["model" if episode.model[start] else "env", text])
+            start = end
+    observed = len(episode.model) - sum(episode.model)
+    return {"turns": episode.turns, "truncated": episode.truncated, "env_reward": episode.reward,
+            "observation_tokens": observed, "tokens": len(episode.tokens), "segments": segments,
+            **{key: episode.info.get(key, 0) for key in COUNTS}}
+
+
+__all__ = ["COUNTS", "Episode", "EpisodeLimits", "record", "sample_episodes"]

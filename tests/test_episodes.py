@@ -1,0 +1,317 @@
+"""Multi-turn episodes (gspo/rollout/episodes.py) and tool calling (gspo/env/): the layout and mask of a
+scripted episode written out by hand, log-probs and GSPO's length normalisation over the model's tokens
+only, no gradient through an environment's tokens, seeded episodes equal to their turns sampled one call at
+a time, and every way a tool or an environment can go wrong."""
+
+import time
+
+import pytest
+import torch
+
+from conftest import SMALL
+from gspo.env import Toolbox, ToolEnvironment, Turn, parse_tool_calls
+from gspo.logprobs import completion_logprobs
+from gspo.models import load_model
+from gspo.objectives import policy_loss
+from gspo.rollout.episodes import EpisodeLimits, sample_episodes
+from gspo.rollout.sampling import GENERATORS, GeneratorBackend, SeededSampler
+
+OPTIONS = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+
+
+def scripted(turns: list[list[list[int]]]):
+    """A generator backend that answers turn j of row i with turns[j][i] (its mu: -0.5 per token), whatever the
+    context: a model whose answers the test writes."""
+    calls = []
+
+    def sample(sampler, prompt_ids, prompt_mask, *, max_new_tokens, with_logprobs, pad, **_):
+        calls.append((prompt_ids.clone(), prompt_mask.clone(), max_new_tokens))
+        answers = turns[len(calls) - 1]
+        width = max(map(len, answers))
+        ids = torch.tensor([a + [pad] * (width - len(a)) for a in answers])  # (n, t)
+        return ids, torch.full(ids.shape, -0.5) if with_logprobs else None
+
+    return GeneratorBackend(sample, lambda model: None), calls
+
+
+class Echo:
+    """Answers every turn with `observation` until the model says "9", then ends with reward 1."""
+
+    def __init__(self, observation: str = "ab"):
+        self.observation = observation
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, model_turn):
+        if "9" in model_turn:
+            return Turn(reward=1.0, done=True)
+        return Turn(observation=self.observation, reward=0.25, info={"tool_calls": 1})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_model("tiny-dense", overrides=SMALL)
+
+
+def test_an_episode_is_laid_out_with_the_model_s_tokens_masked_in(tiny):
+    model, tok = tiny  # ids: '1' 5, '2' 6, '9' 13, 'a' 29, 'b' 30, '=' 17, eos 2, pad 0
+    backend, calls = scripted([[[5, 6, 2], [13, 2]], [[13, 2]]])  # turn 1 of rows 0, 1; turn 2 of row 0
+    rollout, episodes = sample_episodes(backend, model, model, tok, [Echo(), Echo()],
+                                        [{"prompt": "1="}, {"prompt": "12="}], EpisodeLimits(max_turns=3),
+                                        with_logprobs=True, **OPTIONS)
+    # row 0: "12" EOS, then the observation "ab", then "9" EOS; row 1: "9" EOS at once
+    assert rollout.input_ids.tolist() == [[0, 5, 17, 5, 6, 2, 29, 30, 13, 2], [5, 6, 17, 13, 2, 0, 0, 0, 0, 0]]
+    assert rollout.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]]
+    assert rollout.completion_mask.int().tolist() == [[1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0]]
+    assert rollout.sampler_logprobs.tolist() == [[-0.5, -0.5, -0.5, 0, 0, -0.5, -0.5], [-0.5, -0.5, 0, 0, 0, 0, 0]]
+    assert rollout.completions == ["12ab9", "9"] and rollout.prompts == ["1=", "12="]
+    assert [(e.turns, e.reward, e.info, e.truncated) for e in episodes] == [(2, 1.25, {"tool_calls": 1}, False),
+                                                                            (1, 1.0, {}, False)]
+    # turn 2 continued row 0 alone, from its whole context: prompt, its turn, the observation
+    assert calls[1][0].tolist() == [[5, 17, 5, 6, 2, 29, 30]] and calls[1][1].tolist() == [[1] * 7]
+
+
+def test_limits_end_an_episode_as_truncated(tiny):
+    model, tok = tiny
+    never_ends = [[[5, 2]]] * 3
+    backend, _ = scripted(never_ends)
+    _, (episode,) = sample_episodes(backend, model, model, tok, [Echo()], [{"prompt": "1="}],
+                                    EpisodeLimits(max_turns=3), **OPTIONS)
+    assert episode.turns == 3 and episode.truncated and len(episode.tokens) == 3 * 2 + 2 * 2  # last obs: none
+    backend, calls = scripted([[[5, 6, 7, 2]], [[5, 2]]])
+    rollout, (episode,) = sample_episodes(backend, model, model, tok, [Echo("abcdef")], [{"prompt": "1="}],
+                                          EpisodeLimits(max_turns=5, max_total_tokens=8), **OPTIONS)
+    # 4 model tokens, then the 6-token observation cut to the 4 left: no room for another turn
+    assert episode.truncated and episode.turns == 1 and len(calls) == 1
+    assert rollout.completion_mask.int().tolist() == [[1, 1, 1, 1, 0, 0, 0, 0]]
+
+
+def test_an_environment_that_raises_is_named_with_its_episode(tiny):
+    model, tok = tiny
+
+    class Broken(Echo):
+        def step(self, model_turn):
+            raise KeyError("score")
+
+    backend, _ = scripted([[[5, 2]]])
+    with pytest.raises(ValueError, match=r"environment Broken: step raised KeyError: 'score' \(episode 0, turn 1\)"):
+        sample_episodes(backend, model, model, tok, [Broken()], [{"prompt": "1="}], EpisodeLimits(), **OPTIONS)
+
+
+def test_log_probs_and_gspo_s_ratio_count_the_model_s_tokens_only(tiny):
+    model, tok = tiny
+    gen = GENERATORS["gspo"]
+    seeded = SeededSampler([11, 12], 1.0, "cpu")
+    rollout, _ = sample_episodes(gen, model, model, tok, [Echo("ab"), Echo("b")], [{"prompt": "1="}, {"prompt": "2="}],
+                                 EpisodeLimits(max_turns=3, max_turn_tokens=4), seeded=seeded, with_logprobs=True,
+                                 **OPTIONS)
+    mask = rollout.completion_mask
+    assert (~mask & rollout.attention_mask[:, -mask.shape[1]:].bool()).any()  # observations inside the sequence
+    # the trainer's forward over the whole episode gives mu back on the model's tokens (KV-cached decode vs one
+    # forward: rounding only)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+    assert (logp - rollout.sampler_logprobs)[mask].abs().max() < 1e-5
+    # GSPO eq. (7) with hand values: log-ratios 0.3, 0.1, 0.2 on model tokens, 5.0 on an observation token
+    # between them: s = exp(mean(0.3, 0.1, 0.2)) = exp(0.2), the observation left out (exp(mean) over 3 tokens,
+    # not exp(sum), not over 4)
+    old = torch.zeros(1, 4)
+    new = torch.tensor([[0.3, 0.1, 5.0, 0.2]], requires_grad=True)
+    hole = torch.tensor([[True, True, False, True]])
+    _, stats = policy_loss(new, old, torch.tensor([1.0]), hole, objective="gspo", clip_low=0.9, clip_high=10.0)
+    assert stats["ratio/mean"].item() == pytest.approx(torch.tensor(0.2).exp().item(), rel=1e-6)
+
+
+def test_an_observation_token_never_receives_gradient(tiny):
+    model, tok = tiny
+    backend, _ = scripted([[[5, 6, 2]], [[13, 2]]])
+    rollout, _ = sample_episodes(backend, model, model, tok, [Echo()], [{"prompt": "1="}], EpisodeLimits(),
+                                 **OPTIONS)
+    logp, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)  # (1, T)
+    logp.retain_grad()
+    for objective in ("gspo", "grpo", "gspo_token"):
+        logp.grad = None
+        loss, _ = policy_loss(logp, logp.detach() - 0.01, torch.tensor([1.0]), rollout.completion_mask,
+                              objective=objective, clip_low=0.5, clip_high=0.5)
+        loss.backward(retain_graph=True)
+        grad = logp.grad[0]  # (T,)
+        assert grad.tolist()[3:5] == [0.0, 0.0], objective  # the observation "ab": exactly nothing
+        assert (grad[rollout.completion_mask[0]] != 0).all(), objective  # every model token: something
+
+
+def test_a_seeded_episode_is_its_turns_sampled_one_call_at_a_time(tiny):
+    # Two episodes sampled together; then episode 1's turns again, alone, each a single call of the generator
+    # on its context so far with its own generator stream continuing: the same tokens.
+    model, tok = tiny
+    gen, seeds = GENERATORS["gspo"], [21, 22]
+    envs = [Echo("ab"), Echo("a")]
+    rows = [{"prompt": "12+3="}, {"prompt": "4="}]
+    limits = EpisodeLimits(max_turns=3, max_turn_tokens=5)
+    _, episodes = sample_episodes(gen, model, model, tok, envs, rows, limits,
+                                  seeded=SeededSampler(seeds, 1.0, "cpu"), **OPTIONS)
+    alone, stream, context = [], SeededSampler(seeds[1:], 1.0, "cpu"), tok("4=")["input_ids"]
+    for turn in range(episodes[1].turns):
+        with torch.inference_mode():
+            ids, _ = gen.sample(model, torch.tensor([context]), torch.ones(1, len(context), dtype=torch.long),
+                                eos=[tok.eos_token_id], pad=tok.pad_token_id, max_new_tokens=5, seeded=stream,
+                                with_logprobs=False, greedy=False, group_size=1, **OPTIONS)
+        new = ids[0].tolist()
+        new = new[: new.index(tok.eos_token_id) + 1] if tok.eos_token_id in new else new
+        alone += new
+        context += new
+        if "9" in tok.decode(new, skip_special_tokens=True) or turn == episodes[1].turns - 1:
+            break
+        seen = tok("a", add_special_tokens=False)["input_ids"]
+        alone += seen
+        context += seen
+    assert alone == episodes[1].tokens and episodes[1].turns >= 2  # more than one turn, so the claim has teeth
+
+
+# ----------------------------------------------------------------------------------------------- tools
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def calc(expression: str) -> str:
+    if not set(expression) <= set("0123456789+-*() "):
+        raise ValueError("only digits and + - * ( )")
+    return str(eval(expression))  # noqa: S307  (the characters are checked above)
+
+
+def slow(x: int) -> int:
+    time.sleep(2)
+    return x
+
+
+def huge() -> str:
+    return "x" * 5000
+
+
+def test_tool_calls_are_parsed_in_both_styles():
+    (call,) = parse_tool_calls('ok <tool_call>{"name": "add", "arguments": {"a": 1, "b": "2"}}</tool_call>')
+    assert (call.name, call.arguments, call.error) == ("add", {"a": 1, "b": "2"}, None)
+    bad, not_object = parse_tool_calls('<tool_call>{"name": add}</tool_call><tool_call>[1]</tool_call>')
+    assert bad.error.startswith("the call is not JSON") and not_object.error.startswith("a call is a JSON object")
+    calls = parse_tool_calls('<<calc: 12*34>> and <<add: {"a": 1, "b": 2}>>', style="text")
+    assert [(c.name, c.arguments) for c in calls] == [("calc", {None: "12*34"}), ("add", {"a": 1, "b": 2})]
+    assert parse_tool_calls("no call here") == [] and parse_tool_calls("<<calc 1>>", style="text") == []
+    with pytest.raises(ValueError, match="style must be one of"):
+        parse_tool_calls("x", style="xml")
+
+
+def test_every_tool_failure_is_an_observation_with_its_kind():
+    box = Toolbox([add, calc, slow, huge], timeout_s=0.3, max_output_chars=100)
+    ok = box.run('<tool_call>{"name": "add", "arguments": {"a": "40", "b": 2}}</tool_call>')
+    assert [(r.text, r.error) for r in ok] == [("42", None)]  # "40" coerced to int by the type hint
+    cases = {
+        '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>': ("bad arguments", "needs argument 'b'"),
+        '<tool_call>{"name": "add", "arguments": {"a": "x", "b": 1}}</tool_call>': ("bad arguments", "must be int"),
+        '<tool_call>{"name": "sub", "arguments": {}}</tool_call>': ("unknown tool", "no tool named 'sub'"),
+        '<tool_call>{"name": "calc", "arguments": {"expression": "os"}}</tool_call>': ("raised", "ValueError"),
+        '<tool_call>{"name": "calc" </tool_call>': ("malformed", "not JSON"),
+    }
+    for turn, (kind, words) in cases.items():
+        (result,) = box.run(turn)
+        assert result.error == kind and words in result.text, (turn, result)
+    t0 = time.perf_counter()
+    (hung,) = box.run('<tool_call>{"name": "slow", "arguments": {"x": 1}}</tool_call>')
+    assert hung.error == "timed out" and time.perf_counter() - t0 < 1.5 and "within 0.3 s" in hung.text
+    (cut,) = box.run('<tool_call>{"name": "huge"}</tool_call>')
+    assert cut.error is None and cut.truncated and cut.text == "x" * 100 + " ... (cut)"
+
+
+def test_a_tool_environment_answers_calls_and_ends_without_one():
+    env = ToolEnvironment([calc], style="text")
+    assert env.reset({"prompt": "12345*678="}) == "12345*678="
+    turn = env.step("<<calc: 12345*678>>")
+    assert (turn.observation, turn.done, turn.info) == ("\n<<= 8369910>>\n", False, {"tool_calls": 1,
+                                                                                      "tool_errors": 0})
+    assert env.step("<<calc: import os>>").info == {"tool_calls": 1, "tool_errors": 1}
+    assert env.step("8369910").done
+    hermes = ToolEnvironment([add]).step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    assert hermes.observation == "\n<tool_response>\n5\n</tool_response>\n"
+    with pytest.raises(ValueError, match="a named Python function"):
+        Toolbox([lambda x: x])
+
+
+# ----------------------------------------------------------------------------------------------- training
+class Countdown:
+    """Three model turns: after each of the first two the environment says "=" and pays 0.25 if the turn
+    started with a digit; the third ends the episode with 1.0 on the same condition."""
+
+    def reset(self, row):
+        self.turn = 0
+        return row["prompt"]
+
+    def step(self, model_turn):
+        self.turn += 1
+        paid = float(model_turn[:1].isdigit())
+        if self.turn < 3:
+            return Turn(observation="=", reward=0.25 * paid)
+        return Turn(reward=paid, done=True)
+
+
+EPISODES = dict(environment="test_episodes:Countdown", reward_funcs=["environment"], max_turns=3,
+                max_episode_tokens=64, max_completion_length=6, seeded_sampling=True, learning_rate=1e-2)
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_episodes_and_logs_them(tmp_path):
+    from conftest import final_weights, initial_weights, read_metrics, tiny_cfg
+    from gspo.trainer import train
+
+    cfg = tiny_cfg(tmp_path, max_steps=2, eval_num_prompts=2, eval_k=2, **EPISODES)
+    train(cfg)
+    run = tmp_path / "run"
+    metrics = read_metrics(run)
+    for m in metrics[1:]:
+        assert 1 <= m["episode/turns_mean"] <= 3 and 0 < m["episode/observation_token_frac"] < 1
+        assert m["episode/tool_calls"] == 0 and 0 <= m["episode/truncated_frac"] <= 1
+        # the reward is the environment's: the sum of its step rewards (reward/mean over the same episodes)
+        assert m["reward/mean"] == pytest.approx(m["episode/env_reward_mean"], abs=1e-6)
+    assert "eval/accuracy" in metrics[-1] and "eval/tool_call_rate" in metrics[-1]
+    samples = [line for line in (run / "samples.jsonl").read_text().splitlines()]
+    first = __import__("json").loads(samples[0])
+    roles = [role for role, _ in first["transcript"]]
+    assert roles[0] == "model" and ("env" in roles) == (first["turns"] > 1)
+    assert "".join(text for _, text in first["transcript"]) == first["completion"]
+    before, after = initial_weights(cfg), final_weights(run)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_a_worker_samples_the_episodes_the_trainer_s_process_would(tmp_path):
+    from conftest import read_metrics, tiny_cfg
+    from gspo.trainer import train
+
+    for name, workers in (("here", 0), ("worker", 1)):
+        train(tiny_cfg(tmp_path / name, max_steps=2, eval_num_prompts=0, rollout_workers=workers, **EPISODES))
+    here, worker = (read_metrics(tmp_path / name / "run") for name in ("here", "worker"))
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "async/"))}  # noqa: E731
+    assert [strip(r) for r in here] == [strip(r) for r in worker]
+    assert all(r["episode/turns_mean"] >= 1 for r in worker)
+
+
+def test_bad_environment_settings_are_named(tmp_path):
+    from conftest import tiny_cfg
+    from gspo.rollout import Sampler
+
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    with pytest.raises(ValueError, match=r"tool 'nowhere_mod:calc': cannot import module 'nowhere_mod'"):
+        Sampler(model, tok, tiny_cfg(tmp_path, environment="tools", tools=["nowhere_mod:calc"]), seeded=False)
+    with pytest.raises(ValueError, match=r"Echo has no step\(\) method"):
+        Sampler(model, tok, tiny_cfg(tmp_path, environment="test_episodes:NoStep"), seeded=False)
+    with pytest.raises(ValueError, match=r"gae\) are not supported yet"):
+        tiny_cfg(tmp_path, environment="test_episodes:Countdown", advantage_estimator="gae", objective="grpo")
+    with pytest.raises(ValueError, match="set environment: tools"):
+        tiny_cfg(tmp_path, tools=["test_episodes:calc"])
+
+
+def NoStep():  # noqa: N802  (an environment factory, named like the class it pretends to be)
+    class Echo:
+        def reset(self, row):
+            return row["prompt"]
+
+    return Echo()
