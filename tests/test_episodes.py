@@ -169,6 +169,36 @@ def test_a_seeded_episode_is_its_turns_sampled_one_call_at_a_time(tiny):
     assert alone == episodes[1].tokens and episodes[1].turns >= 2  # more than one turn, so the claim has teeth
 
 
+def test_hf_generate_samples_the_episodes_gspo_s_loop_does_and_packing_reads_them_alike(tiny):
+    # Seeded, HF generate and gspo's loop draw the same tokens turn after turn; the padding-free forward
+    # (packed rows: observations are real tokens, so each row stays contiguous) gives the padded one's log-probs.
+    model, tok = tiny
+    rows, limits = [{"prompt": "12+3="}, {"prompt": "4="}, {"prompt": "99="}], EpisodeLimits(max_turns=3,
+                                                                                           max_turn_tokens=4)
+    runs = {name: sample_episodes(GENERATORS[name], model, model, tok, [Echo("ab") for _ in rows], rows, limits,
+                                  seeded=SeededSampler([5, 6, 7], 1.0, "cpu"), **OPTIONS)[0] for name in ("gspo", "hf")}
+    assert torch.equal(runs["gspo"].input_ids, runs["hf"].input_ids)
+    assert torch.equal(runs["gspo"].completion_mask, runs["hf"].completion_mask)
+    rollout = runs["gspo"]
+    assert max(e["turns"] for e in rollout.episodes) >= 2
+    with torch.no_grad():
+        padded, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len)
+        packed, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len,
+                                        packed=True)
+    mask = rollout.completion_mask
+    assert (padded - packed)[mask].abs().max() < 1e-5
+
+
+def test_the_record_of_an_episode_holds_its_transcript_and_final_turn(tiny):
+    model, tok = tiny
+    backend, _ = scripted([[[5, 6, 2]], [[13, 2]]])
+    rollout, _ = sample_episodes(backend, model, model, tok, [Echo("ab")], [{"prompt": "1="}], EpisodeLimits(),
+                                 **OPTIONS)
+    (record,) = rollout.episodes
+    assert record["segments"] == [["model", "12"], ["env", "ab"], ["model", "9"]] and record["final_turn"] == "9"
+    assert (record["turns"], record["observation_tokens"], record["tokens"]) == (2, 2, 7)
+
+
 # ----------------------------------------------------------------------------------------------- tools
 def add(a: int, b: int) -> int:
     return a + b
@@ -194,9 +224,9 @@ def test_tool_calls_are_parsed_in_both_styles():
     assert (call.name, call.arguments, call.error) == ("add", {"a": 1, "b": "2"}, None)
     bad, not_object = parse_tool_calls('<tool_call>{"name": add}</tool_call><tool_call>[1]</tool_call>')
     assert bad.error.startswith("the call is not JSON") and not_object.error.startswith("a call is a JSON object")
-    calls = parse_tool_calls('<<calc: 12*34>> and <<add: {"a": 1, "b": 2}>>', style="text")
-    assert [(c.name, c.arguments) for c in calls] == [("calc", {None: "12*34"}), ("add", {"a": 1, "b": 2})]
-    assert parse_tool_calls("no call here") == [] and parse_tool_calls("<<calc 1>>", style="text") == []
+    calls = parse_tool_calls('calc((1+2)*34)\nthen\n  add({"a": 1, "b": 2})', style="text")
+    assert [(c.name, c.arguments) for c in calls] == [("calc", {None: "(1+2)*34"}), ("add", {"a": 1, "b": 2})]
+    assert parse_tool_calls("no call here") == [] and parse_tool_calls("x = calc(1) + 2", style="text") == []
     with pytest.raises(ValueError, match="style must be one of"):
         parse_tool_calls("x", style="xml")
 
@@ -225,10 +255,10 @@ def test_every_tool_failure_is_an_observation_with_its_kind():
 def test_a_tool_environment_answers_calls_and_ends_without_one():
     env = ToolEnvironment([calc], style="text")
     assert env.reset({"prompt": "12345*678="}) == "12345*678="
-    turn = env.step("<<calc: 12345*678>>")
-    assert (turn.observation, turn.done, turn.info) == ("\n<<= 8369910>>\n", False, {"tool_calls": 1,
-                                                                                      "tool_errors": 0})
-    assert env.step("<<calc: import os>>").info == {"tool_calls": 1, "tool_errors": 1}
+    turn = env.step("calc(12345*678)")
+    assert (turn.observation, turn.done, turn.info) == ("\nresult: 8369910\n", False, {"tool_calls": 1,
+                                                                                         "tool_errors": 0})
+    assert env.step("calc(import os)").info == {"tool_calls": 1, "tool_errors": 1}
     assert env.step("8369910").done
     hermes = ToolEnvironment([add]).step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
     assert hermes.observation == "\n<tool_response>\n5\n</tool_response>\n"

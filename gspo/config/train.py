@@ -149,7 +149,7 @@ class EpisodeSettings:
     tools: list | None = None
     """Tool functions, "module:function" each (type-hinted arguments); for environment: tools."""
     tool_call_style: str = "hermes"
-    """How the model writes a call: hermes (<tool_call>{json}</tool_call>) or text (<<name: argument>>)."""
+    """How the model writes a call: hermes (<tool_call>{json}</tool_call>) or text (a line name(argument))."""
     tool_timeout_s: float = 5.0
     """Longest a tool call may run; a call that takes longer is an error the model reads (episode/tool_errors)."""
     tool_max_output_chars: int = 1000

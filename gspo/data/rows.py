@@ -371,12 +371,13 @@ def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
     return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}  # a row may lack a key: None
 
 
-EPISODE_COLUMNS = ("env_reward", "turns", "tool_calls", "tool_errors", "truncated")
+EPISODE_COLUMNS = ("env_reward", "turns", "tool_calls", "tool_errors", "truncated", "final_turn")
 
 
 def episode_columns(episodes: list[dict] | None) -> dict[str, list]:
     """What reward functions read of multi-turn episodes (one value per completion): the environment's summed
-    reward (None: it gave none), turns, tool calls and errors, whether a limit ended it; {} for single turns."""
+    reward (None: it gave none), turns, tool calls and errors, whether a limit ended it, and the text of the
+    model's last turn (its final answer: the completion is the whole transcript); {} for single turns."""
     return {} if episodes is None else {k: [e[k] for e in episodes] for k in EPISODE_COLUMNS}
 
 

@@ -46,7 +46,7 @@ class Environment(Protocol):
 
 
 # how a tool's result is shown to the model, per call style: hermes as Qwen's template shows a tool message
-OBSERVATIONS = {"hermes": "\n<tool_response>\n{text}\n</tool_response>\n", "text": "\n<<= {text}>>\n"}
+OBSERVATIONS = {"hermes": "\n<tool_response>\n{text}\n</tool_response>\n", "text": "\nresult: {text}\n"}
 
 
 class ToolEnvironment:

@@ -4,8 +4,9 @@ run with a timeout, and their results (or what went wrong) become the next obser
 Two formats of a call (`style`):
   hermes  the chat-template format of Qwen and Hermes models:
           <tool_call>{"name": "calc", "arguments": {"expression": "12*34"}}</tool_call>
-  text    a short one for models without a template: <<calc: 12*34>> (the text after the colon is the
-          function's one argument; a JSON object there gives several by name)
+  text    a short one for models without a template (or a vocabulary without <, >, braces): a line that is
+          nothing but the call, calc(12*34) (the text inside the outer parentheses is the function's one
+          argument; a JSON object there gives several by name)
 
 A malformed call (bad JSON, an unknown tool, wrong arguments), a tool that raises, one that does not return
 within `timeout_s` and a result longer than `max_output_chars` are observations the model reads, counted in
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 STYLES = ("hermes", "text")
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-_TEXT = re.compile(r"<<\s*([A-Za-z_][A-Za-z0-9_]*)\s*:(.*?)>>", re.S)
+_TEXT = re.compile(r"^[ \t]*([A-Za-z_][A-Za-z0-9_]*)\((.*)\)[ \t]*$", re.M)  # a whole line: name(argument)
 _COERCE = {int: int, float: float, str: str, bool: lambda v: v if isinstance(v, bool) else str(v).lower() == "true"}
 
 

@@ -160,8 +160,9 @@ def record(episode: Episode, tokenizer) -> dict:
             segments.append(["model" if episode.model[start] else "env", text])
             start = end
     observed = len(episode.model) - sum(episode.model)
+    final = next((text for role, text in reversed(segments) if role == "model"), "")
     return {"turns": episode.turns, "truncated": episode.truncated, "env_reward": episode.reward,
-            "observation_tokens": observed, "tokens": len(episode.tokens), "segments": segments,
+            "observation_tokens": observed, "tokens": len(episode.tokens), "segments": segments, "final_turn": final,
             **{key: episode.info.get(key, 0) for key in COUNTS}}
 
 
