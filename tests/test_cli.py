@@ -159,4 +159,6 @@ def test_demo_flags_of_the_real_model_are_refused_without_it_and_unknown_models_
     assert "--lora and --smoke go with --model" in capsys.readouterr().err
     assert main(["demo", "--model", "gpt5", "--output-dir", str(tmp_path / "b")]) == 2
     assert "unknown packaged model 'gpt5'; known: smollm2" in capsys.readouterr().err
-    assert not (tmp_path / "a").exists()  # refused before anything was written
+    assert main(["demo", "--tools", "--objective", "grpo", "--output-dir", str(tmp_path / "c")]) == 2
+    assert "--tools runs its own tiny model with GSPO" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # refused before anything was written

@@ -345,3 +345,25 @@ def NoStep():  # noqa: N802  (an environment factory, named like the class it pr
             return row["prompt"]
 
     return Echo()
+
+
+# ----------------------------------------------------------------------------------------------- the tool demo
+def test_the_tool_demo_s_calculator_reward_and_demonstrations():
+    from gspo.demo_tools import calc, demonstration, final_answer
+    from gspo.tasks import build_char_tokenizer
+
+    assert [calc("1234+5678"), calc(" 90 - 8 "), calc("12*34")] == ["6912", "82", "408"]
+    with pytest.raises(ValueError, match="expected a\\+b"):
+        calc("1+2+3")
+    # the final turn answers; a number only the observation shows does not count
+    assert final_answer(["p"] * 3, ["x", "y", "z"], ["6912", "6912", "6912"],
+                        final_turn=["6912", "", "it is 6913"]) == [1.0, 0.0, 0.0]
+    assert final_answer(["p"], ["the sum: 6912"], [6912]) == [1.0]  # single-turn: the completion itself
+    tok = build_char_tokenizer()
+    ids, labels = demonstration(tok, {"prompt": "12+34=", "answer": "46"}, with_tool=True)
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.replace("<bos>", "") == "12+34=calc(12+34)<eos>\nresult: 46\n46<eos>"
+    trained = tok.decode([i for i, lab in zip(ids, labels) if lab != -100], skip_special_tokens=False)
+    assert trained == "calc(12+34)<eos>46<eos>"  # the prompt and the tool's answer never trained
+    ids, labels = demonstration(tok, {"prompt": "12+34=", "answer": "46"}, with_tool=False)
+    assert tok.decode([i for i, lab in zip(ids, labels) if lab != -100], skip_special_tokens=False) == "46<eos>"
