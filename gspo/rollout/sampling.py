@@ -458,6 +458,7 @@ class Sampler:
         seeds = row_seeds(self.seed, step, first_row, len(prompts) * G) if self.seeded else None
         try:
             if self.make_env is not None:  # one episode per sequence, G per row, each with its own environment
+                rows = rows if rows is not None else [{"prompt": p} for p in prompts]  # prompts alone: rows of them
                 return self.episodes(sampler, [row for row in rows for _ in range(G)], seeds)
             return generate(self.model, self.tokenizer, prompts, G, **self.options, with_logprobs=self.with_logprobs,
                             routing_recorder=self.recorder(sampler), row_seeds=seeds, backend=self.name,
