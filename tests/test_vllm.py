@@ -284,3 +284,37 @@ def test_a_rollout_worker_samples_with_its_own_engine(tmp_path):
             k: v for k, v in b.items() if not k.startswith(timing)}
     assert [r["async/staleness_max"] for r in ahead] == [0.0, 1.0, 1.0]
     assert ahead[0]["mismatch/kl"] < 1e-10 and all(r["mismatch/kl"] > 1e-6 for r in ahead[1:])  # stale mu
+
+
+class Twice:
+    """An environment of two model turns: after the first it says "=", after the second the episode ends."""
+
+    def reset(self, row):
+        self.turns = 0
+        return row["prompt"]
+
+    def step(self, model_turn):
+        from gspo.env import Turn
+
+        self.turns += 1
+        return Turn(observation="=") if self.turns == 1 else Turn(reward=float(model_turn[:1].isdigit()), done=True)
+
+
+def test_a_vllm_engine_samples_episodes_turn_by_turn(tmp_path):
+    # Each turn one engine call for the episodes still running, from their whole context: the engine's mu of the
+    # model's tokens is the trainer's log-prob over the whole episode (observations included as context).
+    cfg, model, tokenizer, generator, _, _ = started(tmp_path, environment="test_vllm:Twice", max_turns=2,
+                                                     max_episode_tokens=128, log_mismatch=True)
+    try:
+        rollout = generator.sample(PROMPTS, 1, 0)
+        assert [e["turns"] for e in rollout.episodes] == [2] * len(PROMPTS) * G
+        assert all(e["observation_tokens"] == 1 for e in rollout.episodes)
+        mask = rollout.completion_mask
+        real = rollout.attention_mask[:, -mask.shape[1]:].bool()
+        assert ((~mask) & real).sum() == len(PROMPTS) * G  # one observation token inside every episode
+        assert max_diff(model, rollout, cfg.temperature) < 1e-4
+        nudge(model, 1)
+        generator.sync(model)
+        assert max_diff(model, generator.sample(PROMPTS, 2, 0), cfg.temperature) < 1e-4  # the pushed weights
+    finally:
+        generator.close()

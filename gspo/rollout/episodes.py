@@ -9,7 +9,8 @@ token, observations included, so a forward reads the episode exactly as the mode
 
 Each turn is a continuation: the episodes still running are sampled together from their whole context so far
 (prompt, earlier turns, observations), one generator call per turn. With seeded sampling every row draws from
-its own generator across all its turns, so an episode's tokens do not depend on the other episodes of the batch.
+its own generator across all its turns (gspo's loop, HF generate; a vLLM engine seeds each turn's request with
+the row's seed), so an episode's tokens do not depend on the other episodes of the batch.
 """
 
 from __future__ import annotations

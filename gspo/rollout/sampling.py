@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -424,13 +425,15 @@ class Sampler:
         if missing:
             raise ValueError(f"generation_backend={self.name!r} cannot provide {', '.join(missing)}, which this run "
                              "needs (seeded_sampling or torchrun, routing_replay=rollout, the sampler's log-probs)")
-        if self.make_env is not None and (backend.start is not None or records):
-            blocker = "routing_replay=rollout" if records else f"generation_backend={self.name}"
-            raise ValueError(f"environment: multi-turn episodes are sampled by gspo's loop or hf, one call per turn; "
-                             f"not yet with {blocker}")
+        if self.make_env is not None and records:
+            raise ValueError("environment: multi-turn episodes with routing_replay=rollout are not supported yet (the "
+                             "sampler's expert record would span the turns' separate calls); use old_policy")
         self.with_logprobs, self.synced = with_logprobs, False
         B, G = cfg.per_device_batch_size, cfg.num_generations
-        self.sampler = (backend.start(model, tokenizer, sampling, rows=B * G, seed=cfg.seed) if backend.start
+        # an engine holds whole episodes: room for the prompt and max_episode_tokens after it
+        engine = sampling if self.make_env is None else dataclasses.replace(
+            sampling, max_completion_length=max(sampling.max_completion_length, episodes.max_episode_tokens))
+        self.sampler = (backend.start(model, tokenizer, engine, rows=B * G, seed=cfg.seed) if backend.start
                         else PolicySampler(model, tokenizer, sampling))
         if isinstance(self.sampler, PolicySampler):  # an engine sizes its own memory (vllm_gpu_memory_utilization)
             check_sampling_memory(self.sampler.model, B, G, sampling.max_completion_length)
