@@ -81,7 +81,7 @@ def cold_start(out: Path, seed: int, with_tool: bool, steps: int | None = None) 
     from gspo.data.evaluation import Evaluation, evaluate
     from gspo.models import load_model
     from gspo.rollout.batch import pad_id
-    from gspo.supervised import sft_nll
+    from gspo.supervised import labelled_nll
     from gspo.tasks import get_task
 
     torch.manual_seed(seed)
@@ -100,10 +100,7 @@ def cold_start(out: Path, seed: int, with_tool: bool, steps: int | None = None) 
         ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in batch])  # (b, L)
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])  # (b, L)
         mask = (torch.arange(width)[None] < torch.tensor([len(i) for i, _ in batch])[:, None]).long()  # (b, L)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()  # (b, L-1, V)
-        targets = labels[:, 1:]  # (b, L-1)
-        logp = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)  # (b, L-1)
-        loss = sft_nll(logp, targets != -100)
+        loss = labelled_nll(model, ids, mask, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

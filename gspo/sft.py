@@ -23,7 +23,7 @@ from gspo.models import seeded_model
 from gspo.rollout import pad_id
 from gspo.run import Progress, prepare_output_dir, run_lock, save_model
 from gspo.schedules import lr_schedule
-from gspo.supervised import collate, encode_pairs, sft_nll
+from gspo.supervised import collate, encode_pairs, labelled_nll
 from gspo.tracking import MetricsLogger
 
 
@@ -52,10 +52,7 @@ def _sft(cfg: SFTConfig) -> dict:
     for step in range(1, cfg.max_steps + 1):
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(cfg.batch_size)]
         ids, mask, labels = (t.to(device) for t in collate(batch, pad_id(tokenizer)))
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()  # (b, L-1, V): token t+1 at t
-        targets = labels[:, 1:]  # (b, L-1), -100 off the answer
-        logp = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)  # (b, L-1)
-        loss = sft_nll(logp, targets != -100)  # token mean over answer tokens (and the closing EOS)
+        loss = labelled_nll(model, ids, mask, labels)  # token mean over answer tokens (and the closing EOS)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

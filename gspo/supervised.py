@@ -64,6 +64,15 @@ def collate(pairs: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor,
     return ids, mask, labels
 
 
+def labelled_nll(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`sft_nll` of a right-padded batch: ids, mask (b, L) and labels (b, L), -100 where a token is not
+    trained (the prompt, padding; a demonstration episode's tool output)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()  # (b, L-1, V): token t+1 at t
+    targets = labels[:, 1:]  # (b, L-1), -100 off the trained tokens
+    logp = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)  # (b, L-1)
+    return sft_nll(logp, targets != -100)  # token mean over the trained tokens
+
+
 # ------------------------------------------------------------------------------- the RL run's term
 def sft_nll(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean negative log-likelihood of the reference tokens: -sum(logp * mask) / sum(mask).

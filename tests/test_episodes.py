@@ -103,9 +103,8 @@ def test_an_environment_that_raises_is_named_with_its_episode(tiny):
 def test_log_probs_and_gspo_s_ratio_count_the_model_s_tokens_only(tiny):
     model, tok = tiny
     gen = GENERATORS["gspo"]
-    seeded = SeededSampler([11, 12], 1.0, "cpu")
     rollout, _ = sample_episodes(gen, model, model, tok, [Echo("ab"), Echo("b")], [{"prompt": "1="}, {"prompt": "2="}],
-                                 EpisodeLimits(max_turns=3, max_turn_tokens=4), seeded=seeded, with_logprobs=True,
+                                 EpisodeLimits(max_turns=3, max_turn_tokens=4), seeds=[11, 12], with_logprobs=True,
                                  **OPTIONS)
     mask = rollout.completion_mask
     assert (~mask & rollout.attention_mask[:, -mask.shape[1]:].bool()).any()  # observations inside the sequence
@@ -150,7 +149,7 @@ def test_a_seeded_episode_is_its_turns_sampled_one_call_at_a_time(tiny):
     rows = [{"prompt": "12+3="}, {"prompt": "4="}]
     limits = EpisodeLimits(max_turns=3, max_turn_tokens=5)
     _, episodes = sample_episodes(gen, model, model, tok, envs, rows, limits,
-                                  seeded=SeededSampler(seeds, 1.0, "cpu"), **OPTIONS)
+                                  seeds=seeds, **OPTIONS)
     alone, stream, context = [], SeededSampler(seeds[1:], 1.0, "cpu"), tok("4=")["input_ids"]
     for turn in range(episodes[1].turns):
         with torch.inference_mode():
@@ -176,7 +175,7 @@ def test_hf_generate_samples_the_episodes_gspo_s_loop_does_and_packing_reads_the
     rows, limits = [{"prompt": "12+3="}, {"prompt": "4="}, {"prompt": "99="}], EpisodeLimits(max_turns=3,
                                                                                            max_turn_tokens=4)
     runs = {name: sample_episodes(GENERATORS[name], model, model, tok, [Echo("ab") for _ in rows], rows, limits,
-                                  seeded=SeededSampler([5, 6, 7], 1.0, "cpu"), **OPTIONS)[0] for name in ("gspo", "hf")}
+                                  seeds=[5, 6, 7], **OPTIONS)[0] for name in ("gspo", "hf")}
     assert torch.equal(runs["gspo"].input_ids, runs["hf"].input_ids)
     assert torch.equal(runs["gspo"].completion_mask, runs["hf"].completion_mask)
     rollout = runs["gspo"]

@@ -44,35 +44,32 @@ class Evaluation:
         return cls(section(cfg, EvalSettings), section(cfg, RewardSettings), sampling, cfg.seed, episodes)
 
 
-@torch.no_grad()
 def episode_runner(model, tokenizer, plan: Evaluation):
     """With an environment, a stand-in for `generate` that runs each completion as an episode (greedy or
     sampled as asked, the run's limits), its Rollout carrying the episodes; None without one."""
     from gspo.env import environment_factory
     from gspo.rollout import GENERATORS, pick_generator
     from gspo.rollout.episodes import EpisodeLimits, sample_episodes
-    from gspo.rollout.sampling import SeededSampler
 
     make_env = environment_factory(plan.episodes)
     if make_env is None:
         return None
-    limits = EpisodeLimits(max_turns=plan.episodes.max_turns, max_turn_tokens=plan.sampling.max_completion_length,
-                           max_total_tokens=plan.episodes.max_episode_tokens)
+    limits = EpisodeLimits.of(plan.episodes, plan.sampling.max_completion_length)
 
     def run(prompts, copies, *, rows, greedy=False, temperature=1.0, row_seeds=None, max_new_tokens,
-            max_prompt_length, truncate_prompts, backend):
+            max_prompt_length, truncate_prompts, backend):  # max_new_tokens: the limits' max_turn_tokens
         episode_rows = [row for row in rows for _ in range(copies)]
-        seeded = None if row_seeds is None else SeededSampler(row_seeds, temperature, next(model.parameters()).device)
         rollout, _ = sample_episodes(GENERATORS[pick_generator(model, backend)], model, model, tokenizer,
                                      [make_env() for _ in episode_rows], episode_rows, limits, greedy=greedy,
                                      max_prompt_length=max_prompt_length, truncate_prompts=truncate_prompts,
-                                     seeded=seeded, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+                                     seeds=row_seeds, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
                                      repetition_penalty=1.0)
         return rollout
 
     return run
 
 
+@torch.no_grad()
 def evaluate(model, tokenizer, rows: list[dict], plan: Evaluation, *, reward_fns: list | None = None,
              reward_weights: list[float] | None = None, sampled: bool = True) -> dict[str, float]:
     """Held-out scores of `rows`, each completion scored as training scores it: the total reward of `reward_fns`
@@ -98,10 +95,10 @@ def evaluate(model, tokenizer, rows: list[dict], plan: Evaluation, *, reward_fns
                   truncate_prompts=sampling.truncate_prompts, backend=policy_backend(sampling.generation_backend))
     starts = range(0, n, size)
 
-    episodes = episode_runner(model, tokenizer, plan)  # an environment: every completion an episode
+    run_episodes = episode_runner(model, tokenizer, plan)  # an environment: every completion an episode
 
     def run(prompts: list[str], copies: int, *, rows: list[dict], **options):
-        return (episodes(prompts, copies, rows=rows, **options) if episodes is not None
+        return (run_episodes(prompts, copies, rows=rows, **options) if run_episodes is not None
                 else generate(model, tokenizer, prompts, copies, **options))
 
     def score(runs: list, copies: int) -> torch.Tensor:  # total rewards (n * copies,) of the chunks' completions

@@ -30,6 +30,13 @@ class EpisodeLimits:
     max_turn_tokens: int = 48  # new tokens per model turn
     max_total_tokens: int = 256  # the model's and the environment's tokens after the prompt
 
+    @classmethod
+    def of(cls, settings, max_turn_tokens: int) -> EpisodeLimits:
+        """The limits an EpisodeSettings (gspo.config) sets, each turn at most `max_turn_tokens`
+        (max_completion_length)."""
+        return cls(max_turns=settings.max_turns, max_turn_tokens=max_turn_tokens,
+                   max_total_tokens=settings.max_episode_tokens)
+
     def __post_init__(self):
         for name in ("max_turns", "max_turn_tokens", "max_total_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -52,17 +59,21 @@ class Episode:
 
 
 def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list[dict], limits: EpisodeLimits, *,
-                    max_prompt_length: int = 512, truncate_prompts: str = "error", seeded=None,
+                    max_prompt_length: int = 512, truncate_prompts: str = "error", seeds: list[int] | None = None,
                     with_logprobs: bool = False, greedy: bool = False, **options) -> tuple[Rollout, list[Episode]]:
     """Run one episode per environment (N = len(envs); `rows[i]` starts `envs[i]`) into one padded Rollout.
 
     `generator`: a registered GeneratorBackend (gspo.rollout.sampling.GENERATORS) and `sampler` what it samples
-    with (the model, a copy); `options`: its sampling keywords (temperature, top_p, ...); `seeded`: a
-    SeededSampler of N rows or None; `greedy`: every turn greedy (evaluation). Returns the Rollout (completion
-    columns: every token after the prompt; completion_mask: the model's; sampler_logprobs: mu, 0 on
-    observations; episodes: `record`s) and the episodes (rewards, counts).
+    with (the model, a copy); `options`: its sampling keywords (temperature, top_p, ...); `seeds`: one per
+    episode (seeded sampling: each row's own generator across its turns, `SeededSampler`) or None; `greedy`:
+    every turn greedy (evaluation). Returns the Rollout (completion columns: every token after the prompt;
+    completion_mask: the model's; sampler_logprobs: mu, 0 on observations; episodes: `record`s) and the
+    episodes (rewards, counts).
     """
+    from gspo.rollout.sampling import SeededSampler
+
     device = next(model.parameters()).device
+    seeded = None if seeds is None else SeededSampler(seeds, options["temperature"], device)
     prompts = [env.reset(row) for env, row in zip(envs, rows)]
     ids, mask = encode_prompts(tokenizer, prompts, max_prompt_length, device, truncate_prompts)  # (N, P)
     episodes = [Episode(prompt_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask)]

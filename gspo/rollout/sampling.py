@@ -412,8 +412,7 @@ class Sampler:
 
         sampling, episodes = section(cfg, SamplingSettings), section(cfg, EpisodeSettings)
         self.make_env = environment_factory(episodes)  # None: single-turn
-        self.limits = EpisodeLimits(max_turns=episodes.max_turns, max_turn_tokens=sampling.max_completion_length,
-                                    max_total_tokens=episodes.max_episode_tokens)
+        self.limits = EpisodeLimits.of(episodes, sampling.max_completion_length)
         self.model, self.tokenizer, self.seeded, self.recorder = model, tokenizer, seeded, recorder
         self.options = sampling_options(sampling)
         self.group_size, self.seed = cfg.num_generations, cfg.seed
@@ -479,12 +478,10 @@ class Sampler:
 
         options = {k: v for k, v in self.options.items() if k not in ("max_new_tokens", "max_prompt_length",
                                                                       "truncate_prompts")}
-        seeded = None if seeds is None else SeededSampler(seeds, options["temperature"],
-                                                           next(self.model.parameters()).device)
         rollout, _ = sample_episodes(GENERATORS[self.name], sampler, self.model, self.tokenizer,
                                      [self.make_env() for _ in rows], rows, self.limits,
                                      max_prompt_length=self.options["max_prompt_length"],
-                                     truncate_prompts=self.options["truncate_prompts"], seeded=seeded,
+                                     truncate_prompts=self.options["truncate_prompts"], seeds=seeds,
                                      with_logprobs=self.with_logprobs, **options)
         return rollout
 

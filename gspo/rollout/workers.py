@@ -413,12 +413,11 @@ class RemoteSampler:
         """Send the policy's weights (version `self.version`) to every worker and check each on the probe;
         (seconds in the broadcast, the workers' answers), or None once a worker is lost."""
         trained_only = self.started  # after the first broadcast: what the optimizer changes (LoRA: the adapters)
+        # fsdp: the probe's forward is a collective, like the gather below: both run before anything here can
+        # fail on this rank only (the probe is the trainer's own work, not time in the broadcast)
+        own = probe_logprobs(policy, self.vocab_size)
         t0 = time.perf_counter()
         flat = flat_weights(policy, trained_only)  # fsdp: gathered once here, broadcast once below
-        t_gather = time.perf_counter() - t0
-        # fsdp: the probe's forward is a collective too, taken before anything here can fail on this rank only
-        own = probe_logprobs(policy, self.vocab_size)
-        t0 = time.perf_counter() - t_gather  # the trainer's own work (the probe) is not time in the broadcast
         shapes = {dtype: t.numel() for dtype, t in flat.items()}
         answers = []
         try:
