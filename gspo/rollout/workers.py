@@ -283,8 +283,11 @@ class RemoteSampler:
         # the trainer's thread count: the same kernels split the same way, so mu is bitwise the in-process one
         options = {"threads": torch.get_num_threads(), "seeded": seeded, "version": version, "records": records,
                    "device": str(self.device), "vocab_size": self.vocab_size, "settings": sampler_settings(cfg)}
-        host, port = split_address(address) if address else ("127.0.0.1", _free_port())
-        port += trainer_rank  # under torchrun each trainer rank has its own workers, rank r at port + r
+        if address:  # under torchrun each trainer rank has servers of its own: rank r waits at port + r
+            host, port = split_address(address)
+            port += trainer_rank
+        else:  # a port of this rank's own choosing (an offset would land on a port nobody checked was free)
+            host, port = "127.0.0.1", _free_port()
         world, t0 = workers + 1, time.perf_counter()
         # fsdp: the trainer holds a shard only, so each worker loads the model as the config names it
         load = (section(cfg, ModelSettings), section(cfg, LoraSettings)) if is_fsdp2(model) else None
