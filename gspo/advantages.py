@@ -143,17 +143,20 @@ def batch_normalised(rewards: torch.Tensor, group_size: int, eps: float, valid: 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over completion tokens (Schulman et al. 2016, eq. (16)).
+    """Generalised advantage estimation over the model's tokens (Schulman et al. 2016, eq. (16)).
 
-    rewards, values, mask: (N, T); completions right-padded (mask True on each row's first L_i
-    tokens). values[:, t] is the critic's estimate of the return from token t on; after a
-    completion's last token the value is 0 (the episode ends there). With
-    delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l delta_{t+l}; returns A + V.
-    Padding holds anything (even NaN) and never changes a real token's advantage; it gets 0.
+    rewards, values, mask: (N, T); mask True on the tokens the model sampled: each row's first L_i tokens
+    for single completions, or with holes where an episode's observations are (gspo/rollout/episodes.py).
+    values[:, t] is the critic's estimate of the return from token t on. The recursion runs over the masked
+    tokens only, in order: the next state after a model token is the next model token (an observation in
+    between is part of the transition, as the prompt is), and after a row's last one the value is 0 (the
+    episode ends there). With delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next; returns
+    A + V. Unmasked tokens hold anything (even NaN), never change a masked token's advantage, and get 0.
     Returns (advantages (N, T), returns (N, T)), float32 computed in float64.
 
     Example: rewards [0, 0, 0, 1], values [0.5, 0.4, 0.6, 0.7], gamma 0.9, lam 0.8:
-    A = [0.0883264, 0.31712, 0.246, 0.3].
+    A = [0.0883264, 0.31712, 0.246, 0.3]; with an observation token between the second and the third
+    (mask [1, 1, 0, 1, 1]) the model's four tokens get the same four advantages.
     """
     if not 0 <= gamma <= 1 or not 0 <= lam <= 1:
         raise ValueError(f"gae: gamma={gamma!r} and lam={lam!r} must be in [0, 1]")
@@ -163,14 +166,15 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     mask = mask.bool()
     r = torch.where(mask, rewards.double(), 0.0)  # (N, T)
     v = torch.where(mask, values.detach().double(), 0.0)  # (N, T)
-    T = r.shape[1]
     advantages = torch.zeros_like(r)  # (N, T)
-    running = torch.zeros_like(r[:, 0])  # (N,) A_{t+1}
-    for t in reversed(range(T)):
-        following = v[:, t + 1] if t + 1 < T else torch.zeros_like(running)  # (N,) 0 past a row's end
+    running = torch.zeros_like(r[:, 0])  # (N,) A of the next model token (0 past a row's last)
+    following = torch.zeros_like(running)  # (N,) V of the next model token (0 past a row's last)
+    for t in reversed(range(r.shape[1])):
         delta = r[:, t] + gamma * following - v[:, t]  # (N,)
-        running = torch.where(mask[:, t], delta + gamma * lam * running, 0.0)  # (N,)
-        advantages[:, t] = running
+        here = mask[:, t]  # (N,) an unmasked token passes both on unchanged
+        running = torch.where(here, delta + gamma * lam * running, running)  # (N,)
+        following = torch.where(here, v[:, t], following)  # (N,)
+        advantages[:, t] = torch.where(here, running, 0.0)
     dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     return advantages.to(dtype), torch.where(mask, advantages + v, 0.0).to(dtype)
 

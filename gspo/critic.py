@@ -126,9 +126,10 @@ def completion_values(critic: ValueModel, input_ids: Tensor, attention_mask: Ten
 
 
 def terminal_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
-    """(N, T) per-token rewards: each sequence's scalar reward (N,) on its last completion token, 0 elsewhere."""
+    """(N, T) per-token rewards: each sequence's scalar reward (N,) on its last masked token (an episode's last
+    model token), 0 elsewhere."""
     mask = mask.bool()
-    last = mask.long().sum(-1).clamp(min=1) - 1  # (N,) index of the last real token
+    last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)  # (N,) index of the last masked token
     out = torch.zeros(mask.shape, dtype=rewards.dtype if rewards.is_floating_point() else torch.float32)
     out = out.to(rewards.device)  # (N, T)
     out[torch.arange(mask.shape[0], device=rewards.device), last] = rewards.to(out.dtype)

@@ -174,6 +174,17 @@ def test_gae_with_gamma_lambda_one_and_zero_values_gives_the_terminal_reward_eve
     torch.testing.assert_close(returns, advantages)
 
 
+def test_gae_skips_an_episodes_observation_tokens():
+    # row 0 of gae_case with an observation token (reward 5, value NaN: both ignored) between its second and
+    # third model tokens: the recursion runs over the model's tokens, so they keep their four hand values
+    rewards = torch.tensor([[0.0, 0.0, 5.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.4, math.nan, 0.6, 0.7]])
+    mask = torch.tensor([[True, True, False, True, True]])
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(advantages, torch.tensor([[0.0883264, 0.31712, 0.0, 0.246, 0.3]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.5883264, 0.71712, 0.0, 0.846, 1.0]]))
+
+
 @settings(max_examples=40)
 @given(st.integers(0, 2**31 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.sampled_from([0.0, math.nan, 1e9]))
 def test_gae_padding_never_changes_a_real_token(seed, gamma, lam, pad_value):

@@ -23,6 +23,8 @@ def test_terminal_rewards_sit_on_each_last_token():
     mask = torch.tensor([[True, True, True], [True, False, False]])
     out = terminal_rewards(torch.tensor([2.0, -1.0]), mask)
     assert out.tolist() == [[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]
+    episodes = torch.tensor([[True, False, True, False], [True, True, False, False]])  # observations are False
+    assert terminal_rewards(torch.tensor([2.0, -1.0]), episodes).tolist() == [[0, 0, 2.0, 0], [0, -1.0, 0, 0]]
 
 
 def test_values_start_at_zero_and_read_only_the_prefix():

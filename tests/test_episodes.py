@@ -198,12 +198,55 @@ def test_the_record_of_an_episode_holds_its_transcript_and_final_turn(tiny):
     assert (record["turns"], record["observation_tokens"], record["tokens"]) == (2, 2, 7)
 
 
+def test_rollout_routing_replay_keeps_the_experts_each_token_was_first_read_with():
+    # R3 over episodes: each call's experts kept for the positions it read first (the decode steps of the model's
+    # tokens, the next prefill of an observation): those a full forward chooses (same weights, causal); replayed in
+    # one forward they give back mu, and after the routers moved they are still the ones used
+    from conftest import SMALL_MOE, perturb_routers
+    from gspo.moe import record_routing
+    from gspo.routing import minibatch_logprobs_and_routing
+
+    torch.manual_seed(0)
+    model, tok = load_model("tiny-moe", overrides=SMALL_MOE)
+    torch.manual_seed(1)
+    rows = [{"prompt": p} for p in ("1+2=", "12+3=", "7=")]
+    rollout, episodes = sample_episodes(GENERATORS["gspo"], model, model, tok, [Echo("=") for _ in rows], rows,
+                                        EpisodeLimits(max_turns=3, max_turn_tokens=4), with_logprobs=True,
+                                        recorder=lambda: record_routing(model), **OPTIONS)
+    assert any(e.turns > 1 for e in episodes)  # observations in between
+    record, real = rollout.routing.indices, rollout.attention_mask.bool()  # (R, N, P+T, k), (N, P+T)
+    assert record.shape[:3] == (2, 3, rollout.input_ids.shape[1]) and record.shape[3] == 2
+    last = real.shape[1] - 1 - real.flip(-1).int().argmax(-1)  # (N,) each episode's last token: never read
+    read = real.clone()
+    read[torch.arange(3), last] = False
+    assert (record[:, read] >= 0).all() and (record[:, ~read] == -1).all()
+    with record_routing(model) as free, torch.no_grad():
+        model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask)
+    assert torch.equal(free.record().indices[:, read], record[:, read])
+    with torch.no_grad():
+        old, _ = minibatch_logprobs_and_routing(model, rollout, [torch.arange(3)], {"temperature": 1.0}, replay=True)
+    cmask = rollout.completion_mask
+    torch.testing.assert_close(old[cmask], rollout.sampler_logprobs[cmask], rtol=0, atol=1e-5)
+    perturb_routers(model)  # the policy moved: its own choices differ, the replayed ones are the sampler's
+    with torch.no_grad():
+        _, replayed = minibatch_logprobs_and_routing(model, rollout, [torch.arange(3)], {}, replay=True, record=True)
+        _, moved = minibatch_logprobs_and_routing(model, rollout, [torch.arange(3)], {}, record=True)
+    assert torch.equal(replayed.indices[:, read], record[:, read])
+    assert not torch.equal(moved.indices[:, read], record[:, read])
+
+
 # ----------------------------------------------------------------------------------------------- tools
 def add(a: int, b: int) -> int:
+    """a + b"""
     return a + b
 
 
 def calc(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: arithmetic, e.g. 12*34
+    """
     if not set(expression) <= set("0123456789+-*() "):
         raise ValueError("only digits and + - * ( )")
     return str(eval(expression))  # noqa: S307  (the characters are checked above)
@@ -265,6 +308,107 @@ def test_a_tool_environment_answers_calls_and_ends_without_one():
         Toolbox([lambda x: x])
 
 
+def test_the_python_tool_runs_model_written_code_in_the_sandbox(tmp_path):
+    from conftest import tiny_cfg
+    from gspo.env import environment_factory, python_tool, tool_schema
+
+    python = python_tool("os", timeout_s=1.0)
+    assert python("print(12345 * 678)") == "8369910\n"
+    raised = python("print('before')\n1 / 0")
+    assert raised.startswith("before\nTraceback (most recent call last):\n  File \"solution.py\", line 2")
+    assert raised.endswith("ZeroDivisionError: division by zero")
+    assert python("while True: pass") == "(stopped: timeout)"
+    (tmp_path / "secret").write_text("the trainer's file")
+    read = python(f"print(open({str(tmp_path / 'secret')!r}).read())")  # a host file: outside its view
+    assert "the trainer's file" not in read and read.startswith("Traceback") and "Error" in read
+    assert tool_schema(python)["function"]["parameters"]["properties"]["code"]["type"] == "string"
+    # named by its name alone; the model's code failing is its result, not a tool error
+    cfg = tiny_cfg(tmp_path, environment="tools", tools=["python"], tool_timeout_s=2.0)
+    env = environment_factory(cfg, cfg.sandbox)()
+    env.reset({"prompt": "?"})
+    turn = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(2 ** 10)"}}</tool_call>')
+    assert (turn.observation, turn.info) == ("\n<tool_response>\n1024\n\n</tool_response>\n",
+                                             {"tool_calls": 1, "tool_errors": 0})
+    with pytest.raises(ValueError, match=r"tools: 'pythn' is not \"module:function\" .* or a built-in tool \(python\)"):
+        tiny_cfg(tmp_path, environment="tools", tools=["pythn"])
+
+
+# ----------------------------------------------------------------------------------------------- chat messages
+# a role-aware template in the tiny vocabulary: "user: 1=;\n", an assistant turn closed by ";\n", then "assistant: "
+ROLES = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};\n{% endfor %}"
+         "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_tool_messages_are_rendered_by_the_chat_template(tiny):
+    from gspo.data.rows import MESSAGES, render_prompts
+    from gspo.rollout.episodes import chat_observation
+
+    model, tok = tiny
+    tok = __import__("copy").deepcopy(tok)
+    tok.chat_template = ROLES
+    row = render_prompts([{"prompt": [{"role": "user", "content": "1="}]}], tok)[0]
+    assert row["prompt"] == "user: 1=;\nassistant: " and MESSAGES in row
+    env = ToolEnvironment([calc], style="text")
+    assert env.reset(row) == row["prompt"] and env.chat  # a chat row: the tool answers in messages
+    assert env.step("calc(2*3)").messages == [{"role": "tool", "name": "calc", "content": "6"}]
+    # the template's end of an assistant turn (";\n": its stop token is not part of it), the tool message, the
+    # next assistant turn opened
+    assert chat_observation(tok, [{"role": "tool", "content": "6"}]) == ";\ntool: 6;\nassistant: "
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    backend, _ = scripted([[ids("calc(2*3)") + [2]], [ids("6") + [2]]])
+    rollout, (episode,) = sample_episodes(backend, model, model, tok, [env], [row], EpisodeLimits(max_turns=3),
+                                          **OPTIONS)
+    assert episode.tokens == ids("calc(2*3)") + [2] + ids(";\ntool: 6;\nassistant: ") + ids("6") + [2]
+    assert rollout.completion_mask[0].tolist() == [True] * 10 + [False] * 22 + [True] * 2
+    assert rollout.episodes[0]["segments"] == [["model", "calc(2*3)"], ["env", ";\ntool: 6;\nassistant: "],
+                                               ["model", "6"]]
+    # the same environment with a text prompt answers in text
+    env = ToolEnvironment([calc], style="text")
+    env.reset({"prompt": "1="})
+    assert env.step("calc(2*3)").observation == "\nresult: 6\n"
+
+
+def test_chat_messages_that_cannot_be_rendered_are_named(tiny):
+    from gspo.rollout.episodes import chat_observation
+
+    _, tok = tiny
+    plain = __import__("copy").deepcopy(tok)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        chat_observation(plain, [{"role": "tool", "content": "6"}])
+    with pytest.raises(ValueError, match="must be a non-empty list of {role, content} string pairs"):
+        chat_observation(tok, [{"role": "tool", "content": 6}])
+    plain.chat_template = "{{ messages | length }}"  # re-renders everything once a message follows
+    with pytest.raises(ValueError, match="renders a conversation differently once messages follow"):
+        chat_observation(plain, [{"role": "tool", "content": "6"}])
+
+    class Both(Echo):
+        def step(self, model_turn):
+            return Turn(observation="x", messages=[{"role": "tool", "content": "6"}])
+
+    backend, _ = scripted([[[5, 2]]])
+    with pytest.raises(ValueError, match=r"Both: step raised ValueError: a Turn has an observation or messages"):
+        sample_episodes(backend, tiny[0], tiny[0], tok, [Both()], [{"prompt": "1="}], EpisodeLimits(), **OPTIONS)
+
+
+def test_tool_schemas_come_from_docstrings_or_type_hints():
+    from gspo.config import EpisodeSettings
+    from gspo.env import chat_template_kwargs, tool_schema
+
+    assert tool_schema(add) == {"type": "function", "function": {
+        "name": "add", "description": "a + b", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"]}}}
+    documented = tool_schema(calc)["function"]  # Google style: transformers' get_json_schema
+    assert documented["parameters"]["properties"]["expression"] == {"type": "string",
+                                                                     "description": "arithmetic, e.g. 12*34"}
+    settings = EpisodeSettings(environment="tools", tools=["test_episodes:add"])
+    assert chat_template_kwargs({"enable_thinking": False}, settings) == {"enable_thinking": False,
+                                                                          "tools": [tool_schema(add)]}
+    assert chat_template_kwargs({"tools": []}, settings) == {"tools": []}  # given: kept
+    assert chat_template_kwargs(None, EpisodeSettings()) is None
+
+
 # ----------------------------------------------------------------------------------------------- training
 class Countdown:
     """Three model turns: after each of the first two the environment says "=" and pays 0.25 if the turn
@@ -310,6 +454,49 @@ def test_a_run_trains_on_episodes_and_logs_them(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+class ChatCountdown(Countdown):
+    """Countdown answering in chat messages (the tiny tokenizer's template writes each on a line of its own)."""
+
+    def step(self, model_turn):
+        turn = super().step(model_turn)
+        return Turn(messages=[{"role": "tool", "content": "="}], reward=turn.reward) if not turn.done else turn
+
+
+@pytest.mark.slow
+def test_a_run_on_chat_prompts_renders_the_environment_s_messages(tmp_path):
+    import json
+
+    from conftest import read_metrics, tiny_cfg
+    from gspo.trainer import train
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{a}="}], "answer": str(2 * a)})
+                            + "\n" for a in range(10, 30)))
+    train(tiny_cfg(tmp_path, max_steps=1, eval_num_prompts=2, eval_k=1, dataset=str(data),
+                   **{**EPISODES, "environment": "test_episodes:ChatCountdown"}))
+    (metrics,) = [m for m in read_metrics(tmp_path / "run") if "episode/turns_mean" in m]
+    assert metrics["episode/observation_token_frac"] > 0
+    sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["turns"] > 1 and all(text == "\n=" for role, text in sample["transcript"] if role == "env")
+
+
+@pytest.mark.slow
+def test_ppo_s_critic_trains_on_episodes(tmp_path):
+    # gae over episodes: values and advantages on the model's tokens only (the recursion skips observations:
+    # tests/test_advantages.py), the critic fitted on them, the policy moved
+    from conftest import final_weights, initial_weights, read_metrics, tiny_cfg
+    from gspo.trainer import train
+
+    cfg = tiny_cfg(tmp_path, max_steps=2, eval_num_prompts=0, advantage_estimator="gae", objective="grpo",
+                   **EPISODES)
+    train(cfg)
+    metrics = read_metrics(tmp_path / "run")
+    assert all(torch.isfinite(torch.tensor(m["value/explained_var"])) and m["episode/turns_mean"] >= 1
+               for m in metrics)
+    before, after = initial_weights(cfg), final_weights(tmp_path / "run")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.slow
 def test_a_worker_samples_the_episodes_the_trainer_s_process_would(tmp_path):
     from conftest import read_metrics, tiny_cfg
@@ -343,8 +530,6 @@ def test_bad_environment_settings_are_named(tmp_path):
         Sampler(model, tok, tiny_cfg(tmp_path, environment="tools", tools=["nowhere_mod:calc"]), seeded=False)
     with pytest.raises(ValueError, match=r"Echo has no step\(\) method"):
         Sampler(model, tok, tiny_cfg(tmp_path, environment="test_episodes:NoStep"), seeded=False)
-    with pytest.raises(ValueError, match=r"gae\) are not supported yet"):
-        tiny_cfg(tmp_path, environment="test_episodes:Countdown", advantage_estimator="gae", objective="grpo")
     with pytest.raises(ValueError, match="set environment: tools"):
         tiny_cfg(tmp_path, tools=["test_episodes:calc"])
 

@@ -106,3 +106,48 @@ def test_smollm2_with_lora_samples_hfs_tokens_in_the_own_loop(smollm2):
                                 backend=backend)
     assert torch.equal(out["gspo"].input_ids, out["hf"].input_ids)
     torch.testing.assert_close(out["gspo"].sampler_logprobs, out["hf"].sampler_logprobs, rtol=0, atol=1e-5)
+
+
+def add(a: int, b: int) -> int:
+    """a + b"""
+    return a + b
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_episodes_hold_its_chat_template_s_tool_messages(smollm2):
+    # a hermes tool call answered by a "tool" message of SmolLM2's own template: the episode's tokens are the
+    # template's rendering of the whole conversation, token for token, and only the assistant's are trained
+    from gspo.data.rows import render_prompts
+    from gspo.env import ToolEnvironment
+    from gspo.models import load_model
+    from gspo.rollout import GENERATORS, GeneratorBackend
+    from gspo.rollout.episodes import EpisodeLimits, sample_episodes
+
+    model, tok = load_model(str(smollm2))
+    question = [{"role": "user", "content": "What is 2+3? Use the add tool."}]
+    row = render_prompts([{"prompt": question}], tok)[0]
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turns = [tok(text, add_special_tokens=False)["input_ids"] + [end] for text in (call, "5")]
+
+    def sample(sampler, prompt_ids, prompt_mask, **_):
+        answer = turns[(prompt_mask.sum() > len(tok(row["prompt"])["input_ids"])).item()]
+        return torch.tensor([answer]), None
+
+    rollout, (episode,) = sample_episodes(GeneratorBackend(sample, lambda model: None), model, model, tok,
+                                          [ToolEnvironment([add])], [row], EpisodeLimits(max_turns=3),
+                                          temperature=1.0)
+    conversation = question + [{"role": "assistant", "content": call}, {"role": "tool", "content": "5"},
+                               {"role": "assistant", "content": "5"}]
+    whole = tok.apply_chat_template(conversation, tokenize=False).removesuffix("\n")  # the model stops at <|im_end|>
+    assert rollout.input_ids[0].tolist() == tok(whole, add_special_tokens=False)["input_ids"]
+    assert tok.decode(rollout.input_ids[0, -rollout.completion_mask.shape[1]:][~rollout.completion_mask[0]]) == (
+        "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
+    assert episode.info == {"tool_calls": 1, "tool_errors": 0} and episode.turns == 2
+    # sampled by the real model in gspo's loop: whatever it writes, the layout holds
+    torch.manual_seed(0)
+    rollout, _ = sample_episodes(GENERATORS["gspo"], model, model, tok, [ToolEnvironment([add]) for _ in range(2)],
+                                 [row, row], EpisodeLimits(max_turns=2, max_turn_tokens=24), with_logprobs=True,
+                                 temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    assert rollout.completion_mask.any(-1).all() and all(e["turns"] >= 1 for e in rollout.episodes)

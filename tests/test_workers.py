@@ -288,6 +288,20 @@ def test_a_worker_returns_its_experts_for_rollout_routing_replay_and_resumes(tmp
     assert all(torch.equal(w[k], p[k]) for k in w)
 
 
+def test_rollout_routing_replay_over_episodes_with_a_worker_is_the_in_process_run(tmp_path):
+    # R3 over multi-turn episodes (tests/test_episodes.py: the record of each call): a worker's record of its
+    # episodes travels in the rollout like a single-turn one, so the seeded runs are equal, metric for metric
+    episodes = dict(environment="test_episodes:Countdown", max_turns=3, max_episode_tokens=32,
+                    max_completion_length=4)
+    train(tiny_cfg(tmp_path / "here", max_steps=2, **MOE_R3, **episodes))
+    train(tiny_cfg(tmp_path / "worker", max_steps=2, rollout_workers=1, **MOE_R3, **episodes))
+    here, worker = read_metrics(tmp_path / "here" / "run"), read_metrics(tmp_path / "worker" / "run")
+    assert [computed(r) for r in here] == [computed(r) for r in worker]
+    assert all(r["episode/turns_mean"] > 1 and "moe/expert_change_frac" in r for r in here)
+    w0, w1 = final_weights(tmp_path / "here" / "run"), final_weights(tmp_path / "worker" / "run")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
 def test_a_lora_run_s_worker_gets_the_adapters_only_after_the_first_broadcast(tmp_path):
     lora = dict(max_steps=2, seeded_sampling=True, eval_num_prompts=0, lora_r=4, lora_alpha=8.0,
                 reward_funcs=[text_hash], learning_rate=1e-2)

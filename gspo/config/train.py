@@ -147,7 +147,8 @@ class EpisodeSettings:
     """"module:Class" (or "file.py:Class"), called once per episode for an object with reset(row) and step(turn);
     "tools": the built-in tool environment over `tools`; null: single-turn completions."""
     tools: list | None = None
-    """Tool functions, "module:function" each (type-hinted arguments); for environment: tools."""
+    """Tool functions, "module:function" each (type-hinted arguments), or python (model-written code in the code
+    sandbox, as `sandbox` says); for environment: tools."""
     tool_call_style: str = "hermes"
     """How the model writes a call: hermes (<tool_call>{json}</tool_call>) or text (a line name(argument))."""
     tool_timeout_s: float = 5.0
@@ -166,9 +167,12 @@ def _check_episodes(s: EpisodeSettings) -> None:
 
     check_choice(s, "tool_call_style", STYLES)
     check_positive(s, "tool_timeout_s", "tool_max_output_chars", "max_turns", "max_episode_tokens")
-    bad = [t for t in s.tools or () if not isinstance(t, str) or ":" not in t]
+    from gspo.env import BUILTIN_TOOLS
+
+    bad = [t for t in s.tools or () if not isinstance(t, str) or (":" not in t and t not in BUILTIN_TOOLS)]
     if bad:
-        raise ValueError(f"config: tools: {bad[0]!r} is not \"module:function\" (or \"file.py:function\")")
+        raise ValueError(f"config: tools: {bad[0]!r} is not \"module:function\" (or \"file.py:function\") or a "
+                         f"built-in tool ({', '.join(BUILTIN_TOOLS)})")
     if s.tools and s.environment != "tools":
         raise ValueError(f"config: tools={s.tools!r} are called by the built-in tool environment; set environment: "
                          "tools (or leave tools out: a custom environment runs its own)")
@@ -506,9 +510,6 @@ def check_train(cfg: TrainConfig) -> None:
         raise ValueError(f"config: advantage_estimator=gae gives one advantage per token, but objective "
                          f"{cfg.objective!r} takes one per sequence; use objective grpo (PPO's token ratio), "
                          "gspo_token, cispo or sapo")
-    if gae and cfg.environment is not None:
-        raise ValueError("config: environment: a critic's per-token values over multi-turn episodes (gae) are not "
-                         "supported yet; use a group advantage_estimator")
     if cfg.kl_in_reward and cfg.kl_coef <= 0:
         raise ValueError("config: kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
     if cfg.rollout_workers > cfg.per_device_batch_size:

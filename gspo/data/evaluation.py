@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gspo.config import EpisodeSettings, EvalSettings, RewardSettings, SamplingSettings, section
+from gspo.config import DataSettings, EpisodeSettings, EvalSettings, RewardSettings, SamplingSettings, section
 from gspo.data.rewards import get_reward_fn, reward_options, score_completions
 from gspo.data.rows import chat_prompts, columns_of, episode_columns
 from gspo.rollout import generate, policy_backend, row_seeds
@@ -34,14 +34,18 @@ class Evaluation:
     sampling: SamplingSettings  # max_completion_length, prompt limits, seeded_sampling, generation_backend
     seed: int
     episodes: EpisodeSettings = field(default_factory=EpisodeSettings)  # an environment: multi-turn episodes
+    template_kwargs: dict | None = None  # what chat messages of an environment are rendered with
 
     @classmethod
     def of(cls, cfg) -> Evaluation:
         """The builder. An SFTConfig has no sampling section: its max_completion_length, the defaults otherwise."""
         sampling = (section(cfg, SamplingSettings) if isinstance(cfg, SamplingSettings)
                     else SamplingSettings(max_completion_length=cfg.max_completion_length))
+        from gspo.env import chat_template_kwargs
+
         episodes = section(cfg, EpisodeSettings) if isinstance(cfg, EpisodeSettings) else EpisodeSettings()
-        return cls(section(cfg, EvalSettings), section(cfg, RewardSettings), sampling, cfg.seed, episodes)
+        kwargs = chat_template_kwargs(section(cfg, DataSettings).chat_template_kwargs, episodes)
+        return cls(section(cfg, EvalSettings), section(cfg, RewardSettings), sampling, cfg.seed, episodes, kwargs)
 
 
 def episode_runner(model, tokenizer, plan: Evaluation):
@@ -51,7 +55,7 @@ def episode_runner(model, tokenizer, plan: Evaluation):
     from gspo.rollout import GENERATORS, pick_generator
     from gspo.rollout.episodes import EpisodeLimits, sample_episodes
 
-    make_env = environment_factory(plan.episodes)
+    make_env = environment_factory(plan.episodes, plan.rewards.sandbox)
     if make_env is None:
         return None
     limits = EpisodeLimits.of(plan.episodes, plan.sampling.max_completion_length)
@@ -63,7 +67,7 @@ def episode_runner(model, tokenizer, plan: Evaluation):
                                      [make_env() for _ in episode_rows], episode_rows, limits, greedy=greedy,
                                      max_prompt_length=max_prompt_length, truncate_prompts=truncate_prompts,
                                      seeds=row_seeds, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
-                                     repetition_penalty=1.0)
+                                     repetition_penalty=1.0, chat_template_kwargs=plan.template_kwargs)
         return rollout
 
     return run

@@ -10,6 +10,7 @@ Parquet with pyarrow, `save_to_disk` folders with `datasets`.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -314,9 +315,13 @@ def stderr_line(line: str) -> None:
 def config_splits(cfg, tokenizer, num_train: int, *, data=None, **kwargs) -> tuple[list[dict], list[dict]]:
     """`load_splits` for a TrainConfig or an SFTConfig (the builders' and commands' view): its data section (or
     `data`, one task's), eval_num_prompts, seed and, for a TrainConfig, its prompt length limit."""
-    from gspo.config import DataSettings, section
+    from gspo.config import DataSettings, EpisodeSettings, section
+    from gspo.env import chat_template_kwargs
 
-    return load_splits(section(cfg, DataSettings) if data is None else data, tokenizer, num_train,
+    data = section(cfg, DataSettings) if data is None else data
+    if isinstance(cfg, EpisodeSettings):  # the tool environment's tools, shown by a template that shows tools
+        data = dataclasses.replace(data, chat_template_kwargs=chat_template_kwargs(data.chat_template_kwargs, cfg))
+    return load_splits(data, tokenizer, num_train,
                        eval_num_prompts=cfg.eval_num_prompts, seed=cfg.seed,
                        max_prompt_length=getattr(cfg, "max_prompt_length", None),  # SFT: no limit here
                        truncate_prompts=getattr(cfg, "truncate_prompts", "error"), **kwargs)

@@ -23,7 +23,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from gspo.env.tools import STYLES, Toolbox, ToolCall, ToolResult, parse_tool_calls
+from gspo.env.tools import (
+    BUILTIN_TOOLS,
+    STYLES,
+    Toolbox,
+    ToolCall,
+    ToolResult,
+    load_tools,
+    parse_tool_calls,
+    python_tool,
+    tool_schema,
+)
 
 
 @dataclass
@@ -31,6 +41,8 @@ class Turn:
     """An environment's answer to one model turn."""
 
     observation: str | None = None  # text appended after the model's turn (read, never trained); None: nothing
+    messages: list[dict] | None = None  # or chat messages ({"role": "tool", "content": ...}) rendered after the
+    # model's turn with the tokenizer's chat template, the next assistant turn opened (`chat_observation`)
     reward: float | None = None  # this step's reward; an episode's reward is the sum of its steps' (None: none)
     done: bool = False  # the episode is over (so is it when there is no observation)
     info: dict = field(default_factory=dict)  # counts summed over the episode, e.g. tool_calls, tool_errors
@@ -45,38 +57,54 @@ class Environment(Protocol):
         """Answer the model's turn (its text, special tokens left out)."""
 
 
-# how a tool's result is shown to the model, per call style: hermes as Qwen's template shows a tool message
+# how a tool's result is shown to the model in a text prompt, per call style (a chat prompt gets tool messages)
 OBSERVATIONS = {"hermes": "\n<tool_response>\n{text}\n</tool_response>\n", "text": "\nresult: {text}\n"}
 
 
 class ToolEnvironment:
     """Tool calling as an environment: each model turn's calls are run and their results are the observation;
-    a turn without a call ends the episode (its reward comes from the reward functions, on the transcript)."""
+    a turn without a call ends the episode (its reward comes from the reward functions, on the transcript).
+
+    A row whose prompt was chat messages (rendered by the chat template, gspo.data.rows.render_prompts) is
+    answered in the chat: one {"role": "tool"} message per call, rendered by the same template. A text
+    prompt is answered with `OBSERVATIONS[style]` text."""
 
     def __init__(self, tools: list, *, style: str = "hermes", timeout_s: float = 5.0, max_output_chars: int = 1000):
         self.toolbox = Toolbox(tools, style=style, timeout_s=timeout_s, max_output_chars=max_output_chars)
+        self.chat = False
 
     def reset(self, row: dict) -> str:
+        from gspo.data.rows import MESSAGES
+
+        self.chat = MESSAGES in row
         return row["prompt"]
 
     def step(self, model_turn: str) -> Turn:
         results = self.toolbox.run(model_turn)
         if not results:
             return Turn(done=True)
-        shown = "".join(OBSERVATIONS[self.toolbox.style].format(text=r.text) for r in results)
-        return Turn(observation=shown, info={"tool_calls": len(results),
-                                             "tool_errors": sum(r.error is not None for r in results)})
+        info = {"tool_calls": len(results), "tool_errors": sum(r.error is not None for r in results)}
+        if self.chat:
+            return Turn(messages=[{"role": "tool", "name": r.name or "", "content": r.text} for r in results],
+                        info=info)
+        return Turn(observation="".join(OBSERVATIONS[self.toolbox.style].format(text=r.text) for r in results),
+                    info=info)
 
 
-def environment_factory(settings):
+def environment_factory(settings, sandbox: str = "os"):
     """A no-argument callable making one fresh environment per episode, from an EpisodeSettings (gspo.config);
-    None for single-turn runs. Specs are imported here, so a bad one is an error before any sampling."""
+    None for single-turn runs. Specs are imported here, so a bad one is an error before any sampling;
+    `sandbox` (the run's RewardSettings.sandbox) is where the built-in `python` tool runs code, checked here."""
     from gspo.data.reward_import import import_reward_fn
 
     if settings.environment is None:
         return None
     if settings.environment == "tools":
-        tools = [import_reward_fn(spec, kind="tool") for spec in settings.tools]
+        if "python" in settings.tools:
+            from gspo.data.sandbox import check_sandbox
+
+            check_sandbox(sandbox)  # SandboxUnavailable names why and the fixes
+        tools = load_tools(settings.tools, sandbox, settings.tool_timeout_s)
         Toolbox(tools, style=settings.tool_call_style)  # checked now: named functions
         return lambda: ToolEnvironment(tools, style=settings.tool_call_style, timeout_s=settings.tool_timeout_s,
                                        max_output_chars=settings.tool_max_output_chars)
@@ -89,5 +117,15 @@ def environment_factory(settings):
     return make
 
 
-__all__ = ["OBSERVATIONS", "STYLES", "Environment", "ToolCall", "ToolEnvironment", "ToolResult", "Toolbox", "Turn",
-           "environment_factory", "parse_tool_calls"]
+def chat_template_kwargs(template_kwargs: dict | None, settings) -> dict | None:
+    """The keywords chat prompts and tool messages are rendered with: chat_template_kwargs (a DataSettings'),
+    and for the built-in tool environment (an EpisodeSettings `settings`) the tools' JSON schemas as `tools`,
+    which a template with tool support writes into the prompt (Qwen's system block), unless given there."""
+    if settings.environment != "tools" or "tools" in (template_kwargs or {}):
+        return template_kwargs
+    return {**(template_kwargs or {}), "tools": [tool_schema(fn) for fn in load_tools(settings.tools)]}
+
+
+__all__ = ["BUILTIN_TOOLS", "OBSERVATIONS", "STYLES", "Environment", "ToolCall", "ToolEnvironment", "ToolResult",
+           "Toolbox", "Turn", "chat_template_kwargs", "environment_factory", "load_tools", "parse_tool_calls",
+           "python_tool", "tool_schema"]

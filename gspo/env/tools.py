@@ -8,6 +8,10 @@ Two formats of a call (`style`):
           nothing but the call, calc(12*34) (the text inside the outer parentheses is the function's one
           argument; a JSON object there gives several by name)
 
+Built-in tools, named in `tools:` by their name alone (`BUILTIN_TOOLS`): `python` runs model-written code in
+gspo's code sandbox (gspo/data/sandbox.py: another process behind bubblewrap, or the weak mode, as the run's
+`sandbox` setting says) and returns what it printed; its traceback or the limit that stopped it otherwise.
+
 A malformed call (bad JSON, an unknown tool, wrong arguments), a tool that raises, one that does not return
 within `timeout_s` and a result longer than `max_output_chars` are observations the model reads, counted in
 the call's `error` (a result cut short is not an error: `truncated`); nothing of it ends the run.
@@ -109,7 +113,7 @@ class Toolbox:
             kwargs = _arguments(fn, call.arguments)
         except (TypeError, ValueError) as err:
             return ToolResult(call.name, f"error: {err}", "bad arguments")
-        value, error = _call_with_timeout(fn, kwargs, self.timeout_s)
+        value, error = _call_with_timeout(fn, kwargs, self.timeout_s + getattr(fn, "grace_s", 0.0))
         if error == "timed out":
             return ToolResult(call.name, f"error: {call.name} did not return within {self.timeout_s:g} s", error)
         if error is not None:
@@ -118,6 +122,74 @@ class Toolbox:
         if len(text) > self.max_output_chars:
             return ToolResult(call.name, text[: self.max_output_chars] + " ... (cut)", truncated=True)
         return ToolResult(call.name, text)
+
+
+def python_tool(sandbox: str = "os", timeout_s: float = 5.0, memory_mb: int = 512):
+    """The built-in tool `python`: a function python(code) that runs `code` as a program in the code sandbox
+    (`sandbox`: "os" or "weak", gspo.data.sandbox.run_sandboxed; the program gets `timeout_s` and `memory_mb`)
+    and returns its stdout; a program that raised adds its traceback, one stopped by a limit says which. The
+    code failing is the model's to read, not a tool error; a sandbox that cannot start is (it raises)."""
+    from gspo.data.sandbox import run_sandboxed
+
+    def python(code: str) -> str:
+        """Run a Python program and return what it prints.
+
+        Args:
+            code: the program; print() what you want to see
+        """
+        result = run_sandboxed(code, timeout_s=timeout_s, memory_mb=memory_mb, sandbox=sandbox)
+        if result.error is not None:
+            raise RuntimeError(result.error)
+        if result.killed is not None:
+            return f"{result.stdout}(stopped: {result.killed})"
+        if not result.passed:  # it raised: its traceback from the program's own frames on
+            lines = result.stderr.splitlines()
+            first = next((i for i, line in enumerate(lines) if 'File "solution.py"' in line), len(lines))
+            shown = [line for line in lines[first:] if not line.startswith("sandbox:")]
+            return result.stdout + "\n".join(["Traceback (most recent call last):", *shown])
+        return result.stdout
+
+    python.grace_s = 5.0  # the sandbox enforces timeout_s itself; its start and teardown get this much more
+    return python
+
+
+BUILTIN_TOOLS = {"python": python_tool}
+"""Tools named by their name alone in `tools:`; each a maker called with the run's (sandbox, tool_timeout_s)."""
+
+
+def load_tools(specs: list, sandbox: str = "os", timeout_s: float = 5.0) -> list:
+    """The tool functions `specs` name: a built-in name (BUILTIN_TOOLS) or "module:function" each."""
+    from gspo.data.reward_import import import_reward_fn
+
+    return [BUILTIN_TOOLS[spec](sandbox, timeout_s) if spec in BUILTIN_TOOLS else import_reward_fn(spec, kind="tool")
+            for spec in specs]
+
+
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+
+
+def tool_schema(fn) -> dict:
+    """The JSON schema a chat template shows the model for tool `fn` ({"type": "function", "function": {name,
+    description, parameters}}): transformers' `get_json_schema` where the docstring describes every argument
+    (Google style, "Args:"), else one from the type hints alone, described by the docstring's first line."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception:  # noqa: BLE001  (DocstringParsingException, TypeError: an undocumented or odd signature)
+        pass
+    params = inspect.signature(fn).parameters
+    try:
+        hints = typing.get_type_hints(fn)
+    except (NameError, TypeError):
+        hints = {}
+    properties = {name: {"type": _JSON_TYPES[hints[name]]} if hints.get(name) in _JSON_TYPES else {}
+                  for name in params}
+    required = [name for name, p in params.items() if p.default is inspect.Parameter.empty]
+    doc = (inspect.getdoc(fn) or "").strip().splitlines()
+    return {"type": "function", "function": {"name": fn.__name__, "description": doc[0] if doc else "",
+                                             "parameters": {"type": "object", "properties": properties,
+                                                            "required": required}}}
 
 
 def _arguments(fn, arguments: dict) -> dict:
@@ -166,4 +238,5 @@ def _call_with_timeout(fn, kwargs: dict, timeout_s: float) -> tuple[object, str 
     return box.get("value"), box.get("error")
 
 
-__all__ = ["STYLES", "ToolCall", "ToolResult", "Toolbox", "parse_tool_calls"]
+__all__ = ["BUILTIN_TOOLS", "STYLES", "ToolCall", "ToolResult", "Toolbox", "load_tools", "parse_tool_calls",
+           "python_tool", "tool_schema"]

@@ -15,6 +15,7 @@ the row's seed), so an episode's tokens do not depend on the other episodes of t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -56,19 +57,25 @@ class Episode:
     info: dict = field(default_factory=dict)  # the environment's counts, summed (tool_calls, tool_errors, ...)
     truncated: bool = False  # ended by a limit, not by the environment
     done: bool = False
+    routing: list = field(default_factory=list)  # the sampler's experts, (R, l, k) per call: positions in order
+    routed: int = 0  # positions (prompt + tokens) whose experts `routing` holds
 
 
 def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list[dict], limits: EpisodeLimits, *,
                     max_prompt_length: int = 512, truncate_prompts: str = "error", seeds: list[int] | None = None,
-                    with_logprobs: bool = False, greedy: bool = False, **options) -> tuple[Rollout, list[Episode]]:
+                    with_logprobs: bool = False, greedy: bool = False, chat_template_kwargs: dict | None = None,
+                    recorder=None, **options) -> tuple[Rollout, list[Episode]]:
     """Run one episode per environment (N = len(envs); `rows[i]` starts `envs[i]`) into one padded Rollout.
 
     `generator`: a registered GeneratorBackend (gspo.rollout.sampling.GENERATORS) and `sampler` what it samples
     with (the model, a copy); `options`: its sampling keywords (temperature, top_p, ...); `seeds`: one per
     episode (seeded sampling: each row's own generator across its turns, `SeededSampler`) or None; `greedy`:
-    every turn greedy (evaluation). Returns the Rollout (completion columns: every token after the prompt;
-    completion_mask: the model's; sampler_logprobs: mu, 0 on observations; episodes: `record`s) and the
-    episodes (rewards, counts).
+    every turn greedy (evaluation); `chat_template_kwargs`: the template's keywords where an environment answers
+    with chat messages (`chat_observation`); `recorder`: a no-argument callable making a fresh
+    `gspo.moe.record_routing` block on the sampler, for rollout routing replay (R3): each position keeps the
+    experts of the call that first read it (`_keep_experts`), in `Rollout.routing`.
+    Returns the Rollout (completion columns: every token after the prompt; completion_mask: the model's;
+    sampler_logprobs: mu, 0 on observations; episodes: `record`s) and the episodes (rewards, counts).
     """
     from gspo.rollout.sampling import SeededSampler
 
@@ -77,6 +84,7 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
     prompts = [env.reset(row) for env, row in zip(envs, rows)]
     ids, mask = encode_prompts(tokenizer, prompts, max_prompt_length, device, truncate_prompts)  # (N, P)
     episodes = [Episode(prompt_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask)]
+    layers = None  # the routers' layers, once a call recorded their experts
     eos, pad = eos_ids(tokenizer, model), pad_id(tokenizer, model)
     for _ in range(limits.max_turns):
         active = [i for i, e in enumerate(episodes) if not e.done]
@@ -89,17 +97,22 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
         budget = max(limits.max_total_tokens - len(episodes[i].tokens) for i in active)
         was_training = model.training
         model.eval()
-        with torch.inference_mode():  # what leaves it are Python lists
+        recording = recorder() if recorder is not None else nullcontext()
+        with torch.inference_mode(), recording as experts:  # what leaves it: Python lists, the experts copied
             turn_ids, turn_lp = generator.sample(
                 sampler, context_ids, context_mask, eos=eos, pad=pad,
                 max_new_tokens=min(limits.max_turn_tokens, budget), seeded=None if seeded is None else
                 seeded.rows(active), with_logprobs=with_logprobs, greedy=greedy, group_size=1, **options)  # (n, t) x2
         model.train(was_training)
         keep = completion_mask_from_ids(turn_ids, eos)  # (n, t) up to and including the first stop token
+        call_record = experts.record() if experts is not None else None  # (R, n, L + t - 1, k) left-padded rows
+        layers = None if call_record is None else call_record.layers
         for k, i in enumerate(active):
             episode = episodes[i]
             room = limits.max_total_tokens - len(episode.tokens)
             new = turn_ids[k][keep[k]].tolist()[:room]
+            if call_record is not None:
+                _keep_experts(episode, call_record.indices[:, k], width - len(contexts[k]), len(contexts[k]) + len(new))
             episode.tokens += new
             episode.model += [True] * len(new)
             episode.logprobs += turn_lp[k][keep[k]].tolist()[:room] if turn_lp is not None else [0.0] * len(new)
@@ -107,30 +120,47 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
             if len(episode.tokens) >= limits.max_total_tokens:
                 episode.truncated = episode.done = True
                 continue
+            stopped = bool(new) and new[-1] in eos  # the turn ended on a stop token (else a limit cut it)
             try:
                 _answer(envs[i], episode, tokenizer.decode(new, skip_special_tokens=True), tokenizer, limits,
-                        last=episode.turns == limits.max_turns)
+                        last=episode.turns == limits.max_turns,
+                        chat=(chat_template_kwargs or {}, tokenizer.decode(new[-1:]) if stopped else None))
             except Exception as err:  # an environment's bug: named, with the episode and its turn
                 raise ValueError(f"environment {type(envs[i]).__name__}: step raised {type(err).__name__}: "
                                  f"{str(err)[:200]} (episode {i}, turn {episode.turns})") from err
-    return _rollout(episodes, prompts, ids, mask, tokenizer, pad, with_logprobs), episodes
+    return _rollout(episodes, prompts, ids, mask, tokenizer, pad, with_logprobs, layers), episodes
 
 
-def _answer(env, episode: Episode, text: str, tokenizer, limits: EpisodeLimits, last: bool) -> None:
+def _keep_experts(episode: Episode, call: torch.Tensor, offset: int, end: int) -> None:
+    """Keep the experts of one call's row `call` (R, L + t - 1, k; the row's context left-padded by `offset`) for
+    the positions this call read first: from those earlier calls read up to position `end` - 1 of prompt and
+    tokens (the turn's last token is read by the next call, or by none). So a model token's experts are those
+    of the decode step that read it, an observation's those of the next call's prefill: each forward that
+    gave mu of a token is replayed as the sampler ran it."""
+    episode.routing.append(call[:, offset + episode.routed : offset + end - 1].clone())  # (R, l, k)
+    episode.routed = max(episode.routed, end - 1)
+
+
+def _answer(env, episode: Episode, text: str, tokenizer, limits: EpisodeLimits, last: bool,
+            chat: tuple[dict, str | None]) -> None:
     """The environment's answer to the model's turn `text`, appended to `episode` (cut at the token limit; after
-    the `last` turn allowed its reward still counts, its observation is left out: no turn would answer it)."""
+    the `last` turn allowed its reward still counts, its observation is left out: no turn would answer it).
+    `chat`: (chat_template_kwargs, the text of the stop token that ended the turn or None), for messages."""
     turn = env.step(text)
+    if turn.messages is not None and turn.observation is not None:
+        raise ValueError("a Turn has an observation or messages, not both")
     if turn.reward is not None:
         episode.reward = (episode.reward or 0.0) + float(turn.reward)
     for key, value in turn.info.items():
         episode.info[key] = episode.info.get(key, 0) + value
-    if turn.done or not turn.observation:
+    if turn.done or not (turn.observation or turn.messages):
         episode.done = True
         return
     if last:
         episode.truncated = episode.done = True
         return
-    seen = tokenizer(turn.observation, add_special_tokens=False)["input_ids"]
+    shown = turn.observation if turn.messages is None else chat_observation(tokenizer, turn.messages, *chat)
+    seen = tokenizer(shown, add_special_tokens=False)["input_ids"]
     room = limits.max_total_tokens - len(episode.tokens)
     if len(seen) >= room:  # no room left for the model to answer it
         seen, episode.truncated, episode.done = seen[:room], True, True
@@ -139,8 +169,42 @@ def _answer(env, episode: Episode, text: str, tokenizer, limits: EpisodeLimits, 
     episode.logprobs += [0.0] * len(seen)
 
 
+_TURN = "GSPO-MODEL-TURN-2f9c"  # stands for the model's turn when the template renders the text around it
+
+
+def chat_observation(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
+                     stop: str | None = None) -> str:
+    """The text that follows a model's turn when `messages` (tool or user messages) answer it in a chat: what the
+    tokenizer's chat template writes after an assistant message's content (its end-of-turn marker), then the
+    messages, then the next assistant turn's opening (add_generation_prompt). `stop`: the text of the stop
+    token the model ended its turn with, already in the episode: left out where the template's end-of-turn
+    marker starts with it (ChatML's <|im_end|>); None (a turn cut by a limit): the whole marker is added.
+
+    Found by rendering a stand-in conversation (a user message, an assistant message) with and without the
+    messages: the template's own rendering, whatever its format (Qwen's tool messages as <tool_response> in a
+    user turn, SmolLM2's "tool" role). A template that renders the earlier turns differently once the
+    messages follow (it must extend them) is refused by name."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the environment answered with chat messages, but the tokenizer has no chat template")
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get(
+            "content"), str) for m in messages):
+        raise ValueError(f"chat messages must be a non-empty list of {{role, content}} string pairs; got "
+                         f"{messages!r:.120}")
+    kwargs = dict(template_kwargs or {}, tokenize=False)
+    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN}]
+    before = tokenizer.apply_chat_template(base, **kwargs)
+    after = tokenizer.apply_chat_template(base + list(messages), add_generation_prompt=True, **kwargs)
+    if _TURN not in before or not after.startswith(before):
+        raise ValueError("the chat template renders a conversation differently once messages follow the model's "
+                         "turn, so they cannot be appended to the episode; answer with Turn(observation=text)")
+    marker = before[before.rindex(_TURN) + len(_TURN):]  # (the template's end of an assistant turn)
+    if stop and marker.startswith(stop):
+        marker = marker[len(stop):]
+    return marker + after[len(before):]
+
+
 def _rollout(episodes: list[Episode], prompts: list[str], ids, mask, tokenizer, pad: int,
-             with_logprobs: bool) -> Rollout:
+             with_logprobs: bool, layers: tuple[int, ...] | None) -> Rollout:
     T = max(1, max(len(e.tokens) for e in episodes))
 
     def padded(values: list, fill, dtype) -> torch.Tensor:  # (N, T): each episode's, right-padded with `fill`
@@ -149,6 +213,7 @@ def _rollout(episodes: list[Episode], prompts: list[str], ids, mask, tokenizer, 
     completion = padded([e.tokens for e in episodes], pad, torch.long)  # (N, T)
     real = padded([[1] * len(e.tokens) for e in episodes], 0, torch.long)  # (N, T)
     return Rollout(
+        routing=None if layers is None else _routing(episodes, ids.shape[1], T, layers),
         input_ids=torch.cat([ids, completion], dim=1),  # (N, P+T)
         attention_mask=torch.cat([mask, real], dim=1),  # (N, P+T) observations included
         completion_mask=padded([e.model for e in episodes], False, torch.bool),  # (N, T) the model's tokens
@@ -157,6 +222,23 @@ def _rollout(episodes: list[Episode], prompts: list[str], ids, mask, tokenizer, 
         sampler_logprobs=padded([e.logprobs for e in episodes], 0.0, torch.float32) if with_logprobs else None,
         episodes=[record(e, tokenizer) for e in episodes],
     )
+
+
+def _routing(episodes: list[Episode], P: int, T: int, layers: tuple[int, ...]):
+    """The episodes' kept experts as one RoutingRecord (R, N, P+T, k) on the Rollout's layout (prompts
+    left-padded to P, tokens right-padded to T); -1 (route freely) where no call read a position: padding,
+    each episode's last token, observations after its last turn."""
+    from gspo.moe import RoutingRecord
+
+    first = episodes[0].routing[0]  # (R, l, k)
+    out = torch.full((first.shape[0], len(episodes), P + T, first.shape[-1]), -1, dtype=first.dtype,
+                     device=first.device)  # (R, N, P+T, k)
+    for n, e in enumerate(episodes):
+        kept = torch.cat(e.routing, dim=1)  # (R, routed, k) positions 0 .. routed-1 of prompt and tokens
+        prompt = len(e.prompt_ids)
+        out[:, n, P - prompt : P] = kept[:, :prompt]
+        out[:, n, P : P + kept.shape[1] - prompt] = kept[:, prompt:]
+    return RoutingRecord(out, layers)
 
 
 COUNTS = ("tool_calls", "tool_errors")  # the environments' counts every record holds (0 where one gave none)
@@ -178,4 +260,4 @@ def record(episode: Episode, tokenizer) -> dict:
             **{key: episode.info.get(key, 0) for key in COUNTS}}
 
 
-__all__ = ["COUNTS", "Episode", "EpisodeLimits", "record", "sample_episodes"]
+__all__ = ["COUNTS", "Episode", "EpisodeLimits", "chat_observation", "record", "sample_episodes"]

@@ -405,13 +405,15 @@ class Sampler:
 
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, recorder=lambda model: None, records: bool = False):
         """The plug's builder: it reads the run's TrainConfig; the sampler keeps its SamplingSettings (and
-        EpisodeSettings: with an environment every sequence is a multi-turn episode) only."""
+        EpisodeSettings: with an environment every sequence is a multi-turn episode, its chat messages rendered
+        with chat_template_kwargs, its python tool in `sandbox`) only."""
         from gspo.config import EpisodeSettings, SamplingSettings, section
-        from gspo.env import environment_factory
+        from gspo.env import chat_template_kwargs, environment_factory
         from gspo.rollout.episodes import EpisodeLimits
 
         sampling, episodes = section(cfg, SamplingSettings), section(cfg, EpisodeSettings)
-        self.make_env = environment_factory(episodes)  # None: single-turn
+        self.make_env = environment_factory(episodes, cfg.sandbox)  # None: single-turn
+        self.template_kwargs = chat_template_kwargs(cfg.chat_template_kwargs, episodes)
         self.limits = EpisodeLimits.of(episodes, sampling.max_completion_length)
         self.model, self.tokenizer, self.seeded, self.recorder = model, tokenizer, seeded, recorder
         self.options = sampling_options(sampling)
@@ -424,10 +426,7 @@ class Sampler:
         if missing:
             raise ValueError(f"generation_backend={self.name!r} cannot provide {', '.join(missing)}, which this run "
                              "needs (seeded_sampling or torchrun, routing_replay=rollout, the sampler's log-probs)")
-        if self.make_env is not None and records:
-            raise ValueError("environment: multi-turn episodes with routing_replay=rollout are not supported yet (the "
-                             "sampler's expert record would span the turns' separate calls); use old_policy")
-        self.with_logprobs, self.synced = with_logprobs, False
+        self.with_logprobs, self.synced, self.records = with_logprobs, False, records
         B, G = cfg.per_device_batch_size, cfg.num_generations
         # an engine holds whole episodes: room for the prompt and max_episode_tokens after it
         engine = sampling if self.make_env is None else dataclasses.replace(
@@ -482,7 +481,8 @@ class Sampler:
                                      [self.make_env() for _ in rows], rows, self.limits,
                                      max_prompt_length=self.options["max_prompt_length"],
                                      truncate_prompts=self.options["truncate_prompts"], seeds=seeds,
-                                     with_logprobs=self.with_logprobs, **options)
+                                     with_logprobs=self.with_logprobs, chat_template_kwargs=self.template_kwargs,
+                                     recorder=(lambda: self.recorder(sampler)) if self.records else None, **options)
         return rollout
 
     def sync(self, policy) -> dict:

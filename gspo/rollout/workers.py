@@ -49,7 +49,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 # the fields outside SamplingSettings that gspo.rollout.Sampler reads (its batch size, seed, and whether mu is kept)
 SAMPLER_READS = ("num_generations", "seed", "per_device_batch_size", "use_sampler_logprobs", "rollout_correction",
-                 "log_mismatch")
+                 "log_mismatch", "chat_template_kwargs", "sandbox")
 
 
 class RolloutWorkerLost(ValueError):
