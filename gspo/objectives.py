@@ -1,4 +1,4 @@
-"""Policy objectives for group-based RL: GRPO, GSPO, GSPO-token, CISPO and SAPO, registered by name.
+"""Policy objectives for group-based RL: GRPO, GSPO, GSPO-token, CISPO, SAPO, PG, GMPO and KL-Cov, by name.
 
 Everything here is a pure function of tensors. Shapes:
     logprobs, old_logprobs, ref_logprobs, mask: (N, T) over completion tokens
@@ -69,6 +69,7 @@ class Objective:
     ratio_unit: str = "tokens"  # what its `ratio/*` and `clip/*` stats average over: "tokens" or "sequences"
     corrects: bool = False  # applies a rollout correction's factor (LossInputs.weigh / weigh_seq) to its terms
     token_advantages: bool = True  # accepts (N, T) per-token advantages (GAE's) as well as (N,)
+    log_clip: bool = False  # clip_low/clip_high bound the log-ratio to [-clip_low, clip_high] (gmpo)
 
 
 OBJECTIVES: dict[str, Objective] = {}
@@ -77,7 +78,7 @@ OBJECTIVES: dict[str, Objective] = {}
 
 def register_objective(name: str, *, default_clip: tuple[float | None, float | None], default_aggregation: str,
                        length_neutral: bool = False, ratio_unit: str = "tokens", corrects: bool = False,
-                       token_advantages: bool = True):
+                       token_advantages: bool = True, log_clip: bool = False):
     """Decorator: register `loss(x: LossInputs, **options) -> (policy loss, stats)` as objective `name`.
 
     default_clip: (clip_low, clip_high) when the config leaves them unset; (None, None) for an objective
@@ -90,6 +91,7 @@ def register_objective(name: str, *, default_clip: tuple[float | None, float | N
     `x.weigh_seq(...)`), so a rollout correction (rollout_correction) can be used with it.
     token_advantages: the loss takes (N, T) advantages too (`x.adv_t`), so advantage_estimator=gae
     (a critic's per-token advantages) can be used with it; False for one advantage per sequence.
+    log_clip: clip_low/clip_high bound the log-ratio, [-clip_low, clip_high] (any values >= 0 mean something).
     """
     if name in OBJECTIVES:
         raise ValueError(f"objective {name!r} is already registered")
@@ -104,7 +106,7 @@ def register_objective(name: str, *, default_clip: tuple[float | None, float | N
     def add(loss):
         options = tuple(p.name for p in inspect.signature(loss).parameters.values() if p.kind is p.KEYWORD_ONLY)
         OBJECTIVES[name] = Objective(loss, tuple(default_clip), default_aggregation, length_neutral, options,
-                                     ratio_unit, corrects, token_advantages)
+                                     ratio_unit, corrects, token_advantages, log_clip)
         return loss
 
     return add
@@ -173,6 +175,8 @@ def policy_loss(
     kl_estimator: str = "k3",
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
+    kl_cov_ratio: float = 2e-4,
+    kl_cov_coef: float = 1.0,
     correction_weight: torch.Tensor | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -193,6 +197,7 @@ def policy_loss(
         kl_coef: weight of the KL penalty to the reference policy.
         kl_estimator: "k1", "k2" or "k3" (k3 is DeepSeekMath's eq. (4)).
         sapo_tau_pos, sapo_tau_neg: SAPO gate temperatures for A > 0 and A < 0.
+        kl_cov_ratio, kl_cov_coef: KL-Cov's share of tokens given the KL term, and its weight.
         correction_weight: (N, T) factor of a rollout correction on each token's term
             (`gspo.correction.behaviour_weights`), treated as a constant; None: no correction.
         validate: check the options (`check_loss_options`) and the tensors' values (0/1 mask, a token in
@@ -234,7 +239,8 @@ def policy_loss(
         mask, correction_weight.detach().to(logprobs.dtype), torch.zeros_like(logprobs))  # (N, T)
     inputs = LossInputs(logp, log_ratio, adv, adv_t, mask, maskf, lengths, low, high, aggregation, norm_length,
                         weight)
-    options = {"sapo_tau_pos": sapo_tau_pos, "sapo_tau_neg": sapo_tau_neg}
+    options = {"sapo_tau_pos": sapo_tau_pos, "sapo_tau_neg": sapo_tau_neg, "kl_cov_ratio": kl_cov_ratio,
+               "kl_cov_coef": kl_cov_coef}
     policy, stats = spec.loss(inputs, **{k: v for k, v in options.items() if k in spec.options})
 
     loss = policy
@@ -357,6 +363,66 @@ def sapo(x: LossInputs, *, sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05
     return policy, stats
 
 
+@register_objective("pg", default_clip=(None, None),  # no clip: Qwen's on-policy baseline (arXiv 2512.01374)
+                    default_aggregation="seq_mean_token_mean",  # GRPO's, so that a comparison isolates the clip
+                    corrects=True)
+def pg(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy gradient with the unclipped token ratio pi_theta / pi_old: REINFORCE's gradient at pi_theta = pi_old
+    (one update per rollout), importance-weighted after it. Its importance sampling correction for the sampler
+    (pi_old / mu) is `rollout_correction` (tis, mis): with it, the on-policy "PG + IS" of arXiv 2512.01374."""
+    ratio = x.log_ratio.exp()  # (N, T)
+    per_tok = -ratio * x.adv_t  # (N, T): gradient -A * ratio * grad log pi_theta
+    policy = _aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length)
+    return policy, _ratio_stats(ratio.detach(), x.mask)
+
+
+@register_objective("gmpo", default_clip=(0.4, 0.4),  # GMPO: a wider range, in log space: log ratio in [-0.4, 0.4]
+                    default_aggregation="seq_mean_token_mean", length_neutral=True,  # a mean over sequences
+                    ratio_unit="sequences", corrects=True, token_advantages=False, log_clip=True)
+def gmpo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO (arXiv 2507.20673): the geometric mean of the token ratios, each clipped pessimistically in log space
+    to [-clip_low, clip_high] (the side the advantage pushes toward is held, the other left free), times the
+    sequence's advantage."""
+    if x.adv.dim() == 2:
+        raise ValueError("advantages: objective 'gmpo' takes one advantage per sequence (N,)")
+    sign = torch.sign(x.adv)[:, None]  # (N, 1)
+    bounded = x.log_ratio.clamp(-x.low, x.high)  # (N, T)
+    # the pessimistic side: min(sign * r, sign * clip(r)) * sign, per token in log space
+    log_ratio = sign * torch.minimum(sign * x.log_ratio, sign * bounded)  # (N, T), 0 on padding
+    ratio = (log_ratio.sum(-1) / x.lengths).exp()  # (N,) prod_t r_t^(1/|y|)
+    per_seq = -x.adv * ratio  # (N,)
+    policy = x.weigh_seq(per_seq).mean()
+    stats = _ratio_stats(ratio.detach(), None)
+    stats["clip/low_frac"] = _masked_frac((x.log_ratio < -x.low) & (x.adv_t < 0), x.mask)
+    stats["clip/high_frac"] = _masked_frac((x.log_ratio > x.high) & (x.adv_t > 0), x.mask)
+    return policy, stats
+
+
+@register_objective("kl_cov", default_clip=(None, None),  # KL-Cov: no clip; a KL on the chosen tokens instead
+                    default_aggregation="token_mean", corrects=True)
+def kl_cov(x: LossInputs, *, kl_cov_ratio: float = 2e-4, kl_cov_coef: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL-Cov (arXiv 2505.22617), an entropy-collapse control: the unclipped policy gradient, plus kl_cov_coef *
+    |log pi_theta - log pi_old| on the tokens of the largest covariance between log-prob and advantage (the top
+    kl_cov_ratio of this minibatch's tokens, at least one), which drive the entropy down the most."""
+    if not 0 < kl_cov_ratio <= 1 or kl_cov_coef < 0:
+        raise ValueError(f"kl_cov_ratio must be in (0, 1] and kl_cov_coef >= 0; got {kl_cov_ratio}, {kl_cov_coef}")
+    ratio = x.log_ratio.exp()  # (N, T)
+    count = x.maskf.sum()
+    logp = x.logp.detach()
+    centred_logp = logp - (logp * x.maskf).sum() / count  # (N, T)
+    centred_adv = x.adv_t - (x.adv_t * x.maskf).sum() / count  # (N, T)
+    cov = torch.where(x.mask, centred_logp * centred_adv, -torch.inf)  # (N, T), padding never chosen
+    k = max(int(kl_cov_ratio * float(count)), 1)
+    chosen = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+    chosen[cov.flatten().topk(k).indices] = True
+    chosen = chosen.view_as(cov) & x.mask  # (N, T)
+    per_tok = -ratio * x.adv_t + kl_cov_coef * chosen * x.log_ratio.abs()  # (N, T)
+    policy = _aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length)
+    stats = _ratio_stats(ratio.detach(), x.mask)
+    stats["kl_cov/token_frac"] = _masked_frac(chosen, x.mask)
+    return policy, stats
+
+
 # ------------------------------------------------------------------------------- helpers and checks
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta. Shapes (N, T).
@@ -399,9 +465,11 @@ def check_clip(objective: str, clip_low: float | None, clip_high: float | None) 
 
     The ratio is clipped to [1 - clip_low, 1 + clip_high]. A ratio is never below 0, so clip_low
     >= 1 leaves no lower bound: meaningless for grpo/gspo/gspo_token, allowed up to 1 for cispo (its
-    default 1.0 means "no lower bound"). sapo has no hard clip (a soft gate): no clip values.
+    default 1.0 means "no lower bound"). sapo, pg and kl_cov have no hard clip: no clip values. gmpo's
+    bound the log-ratio (`log_clip`): any finite value >= 0.
     """
-    default_low, default_high = _objective(objective).default_clip
+    spec = _objective(objective)
+    default_low, default_high = spec.default_clip
     if default_low is None and default_high is None:
         if clip_low is not None or clip_high is not None:
             raise ValueError(f"clip_low/clip_high: {objective} has no hard clip; leave them unset")
@@ -409,7 +477,7 @@ def check_clip(objective: str, clip_low: float | None, clip_high: float | None) 
     for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
         if value is not None and (not math.isfinite(value) or value < 0):
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-    if clip_low is not None:
+    if clip_low is not None and not spec.log_clip:  # in log space every bound >= 0 is a bound
         top = default_low if default_low is not None and default_low >= 1 else None  # "no lower bound" allowed
         if (top is None and clip_low >= 1) or (top is not None and clip_low > top):
             raise ValueError(f"clip_low={clip_low!r} puts the lower clip 1 - clip_low at or below 0, which no ratio "

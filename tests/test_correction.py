@@ -76,7 +76,7 @@ def test_none_gives_no_factor():
 
 
 @pytest.mark.parametrize("mode", CORRECTIONS[1:])
-@pytest.mark.parametrize("objective", ["gspo", "grpo", "gspo_token", "cispo", "sapo"])
+@pytest.mark.parametrize("objective", ["gspo", "grpo", "gspo_token", "cispo", "sapo", "pg", "gmpo", "kl_cov"])
 def test_unit_factor_leaves_loss_and_gradient_bitwise_unchanged(objective, mode):
     g = torch.Generator().manual_seed(1)
     old = torch.randn(4, 5, generator=g) - 1

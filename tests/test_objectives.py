@@ -260,6 +260,66 @@ def test_sapo_hand():
     assert torch.allclose(logp.grad, t([[g0], [g1]]))
 
 
+def test_pg_hand():
+    # the unclipped token ratio: seq 0 (A = +1) r = [e^0.5, 1]; seq 1 (A = -2) r = [e^-1, pad]
+    # terms -r A: [-e^0.5, -1] and [2 e^-1]; seq_mean_token_mean: ((-e^0.5 - 1) / 2 + 2 e^-1) / 2
+    # gradient -A r / |y| / N: [-e^0.5 / 4, -1 / 4], [2 e^-1 / 2]
+    logp = leaf([[0.5, 0.0], [-1.0, 7.0]])
+    mask = t([[1, 1], [1, 0]])
+    loss, stats = policy_loss(logp, torch.zeros(2, 2, dtype=D), t([1.0, -2.0]), mask, objective="pg")
+    assert loss.item() == pytest.approx(((-math.exp(0.5) - 1) / 2 + 2 * math.exp(-1)) / 2)
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[-math.exp(0.5) / 4, -0.25], [math.exp(-1), 0.0]]))
+    assert stats["ratio/max"].item() == pytest.approx(math.exp(0.5))
+    # with rollout_correction's weight (pi_old / mu, truncated) each term is scaled: "PG + IS"
+    weighted, _ = policy_loss(logp.detach(), torch.zeros(2, 2, dtype=D), t([1.0, -2.0]), mask, objective="pg",
+                              correction_weight=t([[2.0, 1.0], [0.5, 1.0]]))
+    assert weighted.item() == pytest.approx(((-2 * math.exp(0.5) - 1) / 2 + math.exp(-1)) / 2)
+
+
+def test_gmpo_hand():
+    # clip 0.4 in log space. seq 0 (A = +1): log r = [0.5, -0.1] -> the push-up side held at 0.4, the other free:
+    #   [0.4, -0.1], ratio e^0.15, term -e^0.15; gradient only through token 1: -e^0.15 / 2
+    # seq 1 (A = -1): log r = [-0.5, 0.1] -> the push-down side held at -0.4: [-0.4, 0.1], ratio e^-0.15,
+    #   term +e^-0.15; gradient through token 1 only: +e^-0.15 / 2. Mean over the two sequences.
+    logp = leaf([[0.5, -0.1], [-0.5, 0.1]])
+    loss, stats = policy_loss(logp, torch.zeros(2, 2, dtype=D), t([1.0, -1.0]), torch.ones(2, 2, dtype=D),
+                              objective="gmpo")
+    assert loss.item() == pytest.approx((-math.exp(0.15) + math.exp(-0.15)) / 2)
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[0.0, -math.exp(0.15) / 4], [0.0, math.exp(-0.15) / 4]]))
+    assert stats["clip/high_frac"].item() == 0.25 and stats["clip/low_frac"].item() == 0.25
+    assert stats["ratio/min"].item() == pytest.approx(math.exp(-0.15))
+    # the other side is left free: A = +1 with log r = -0.5 is not held at -0.4 (pessimistic, as PPO's min)
+    free, _ = policy_loss(t([[-0.5]]), t([[0.0]]), t([1.0]), t([[1]]), objective="gmpo")
+    assert free.item() == pytest.approx(-math.exp(-0.5))
+    with pytest.raises(ValueError, match="one advantage per sequence"):
+        policy_loss(t([[0.0]]), t([[0.0]]), t([[1.0]]), t([[1]]), objective="gmpo")
+    policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1]]), objective="gmpo", clip_low=1.5)  # log space: a bound
+
+
+def test_kl_cov_hand():
+    # logp [[-1, -3], [-2, -5]] (mean -2.75), A = [+1, -1] (mean 0): cov = (logp + 2.75) * A
+    #   = [[1.75, -0.25], [-0.75, 2.25]]. One token of four (ratio 2e-4 -> at least 1): (1, 1), cov 2.25.
+    # log r = [[0.1, 0], [0, -0.2]]; terms -r A = [[-e^0.1, -1], [1, e^-0.2]], + 1.0 * |-0.2| on (1, 1);
+    # token mean over 4. Gradient: -A r, plus coef * sign(log r) on the chosen token, / 4.
+    logp = leaf([[-1.0, -3.0], [-2.0, -5.0]])
+    old = t([[-1.1, -3.0], [-2.0, -4.8]])
+    loss, stats = policy_loss(logp, old, t([1.0, -1.0]), torch.ones(2, 2, dtype=D), objective="kl_cov")
+    assert loss.item() == pytest.approx((-math.exp(0.1) - 1 + 1 + math.exp(-0.2) + 0.2) / 4)
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[-math.exp(0.1), -1.0], [1.0, math.exp(-0.2) - 1.0]]) / 4)
+    assert stats["kl_cov/token_frac"].item() == 0.25
+    # half the tokens: (1, 1) and (0, 0), cov 1.75 (its |log r| = 0.1)
+    two, stats = policy_loss(logp.detach(), old, t([1.0, -1.0]), torch.ones(2, 2, dtype=D), objective="kl_cov",
+                             kl_cov_ratio=0.5, kl_cov_coef=2.0)
+    assert two.item() == pytest.approx((-math.exp(0.1) - 1 + 1 + math.exp(-0.2) + 2 * (0.2 + 0.1)) / 4)
+    assert stats["kl_cov/token_frac"].item() == 0.5
+    with pytest.raises(ValueError, match="kl_cov_ratio must be in"):
+        policy_loss(logp.detach(), old, t([1.0, -1.0]), torch.ones(2, 2, dtype=D), objective="kl_cov",
+                    kl_cov_ratio=0.0)
+
+
 # ---------------------------------------------------------------- KL
 def test_kl_estimators_hand():
     # log_r = ref - logp = -1.5 - (-1) = -0.5
@@ -294,7 +354,8 @@ def _loss_and_grad(logp, old, adv, mask, ref, objective, aggregation):
     return loss.detach(), x.grad, stats
 
 
-COMBOS = [(o, a) for o in OBJECTIVES for a in AGGREGATIONS if not (o.startswith("gspo") and a != "seq_mean_token_mean")]
+COMBOS = [(o, a) for o in OBJECTIVES for a in AGGREGATIONS
+          if not (OBJECTIVES[o].length_neutral and a != "seq_mean_token_mean")]
 
 
 @settings(max_examples=25, deadline=None)
@@ -309,7 +370,7 @@ def test_padding_never_changes_loss_or_gradient(seed, extra, pad_value, per_toke
     ref = old - 0.1
     pad = lambda x, v: torch.cat([x, torch.full((x.shape[0], extra), v, dtype=x.dtype)], dim=1)  # noqa: E731
     for objective, aggregation in COMBOS:
-        a = adv if not (objective == "gspo" and per_token_adv) else adv[:, 0]
+        a = adv if not (not OBJECTIVES[objective].token_advantages and per_token_adv) else adv[:, 0]
         base = _loss_and_grad(logp, old, a, mask, ref, objective, aggregation)
         a_pad = pad(a, pad_value) if a.dim() == 2 else a
         padded = _loss_and_grad(pad(logp, pad_value), pad(old, pad_value),
@@ -418,9 +479,11 @@ def test_the_length_rule_is_read_from_the_registry():
 
 
 def test_built_in_registrations():
-    assert list(OBJECTIVES) == ["gspo", "grpo", "gspo_token", "cispo", "sapo"]
+    assert list(OBJECTIVES) == ["gspo", "grpo", "gspo_token", "cispo", "sapo", "pg", "gmpo", "kl_cov"]
     assert dict(DEFAULT_CLIP) == {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.2), "gspo_token": (3e-4, 4e-4),
-                                  "cispo": (1.0, 0.28), "sapo": (None, None)}
-    assert [o for o, spec in OBJECTIVES.items() if spec.length_neutral] == ["gspo", "gspo_token"]
+                                  "cispo": (1.0, 0.28), "sapo": (None, None), "pg": (None, None),
+                                  "gmpo": (0.4, 0.4), "kl_cov": (None, None)}
+    assert [o for o, spec in OBJECTIVES.items() if spec.length_neutral] == ["gspo", "gspo_token", "gmpo"]
+    assert OBJECTIVES["kl_cov"].options == ("kl_cov_ratio", "kl_cov_coef")
     assert DEFAULT_AGGREGATION["cispo"] == "token_mean"
     assert OBJECTIVES["sapo"].options == ("sapo_tau_pos", "sapo_tau_neg")

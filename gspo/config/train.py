@@ -232,7 +232,8 @@ class ObjectiveSettings:
     """The policy loss: objective, clipping, aggregation, KL, which pi_old."""
 
     objective: str = "gspo"
-    """Policy objective: gspo (sequence ratio), grpo (token ratio), gspo_token, cispo, sapo or a registered one."""
+    """Policy objective: gspo (sequence ratio), grpo (token ratio), gspo_token, cispo, sapo, pg (no clip), gmpo,
+    kl_cov or a registered one."""
     clip_low: float | None = None
     """Lower clip range: ratio >= 1 - clip_low; default per objective (gspo 3e-4, grpo 0.2)."""
     clip_high: float | None = None
@@ -507,9 +508,10 @@ def check_train(cfg: TrainConfig) -> None:
         raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder)")
     gae = cfg.advantage_estimator == "gae"
     if gae and not OBJECTIVES[cfg.objective].token_advantages:
+        takes = ", ".join(o for o, spec in OBJECTIVES.items() if spec.token_advantages)
         raise ValueError(f"config: advantage_estimator=gae gives one advantage per token, but objective "
-                         f"{cfg.objective!r} takes one per sequence; use objective grpo (PPO's token ratio), "
-                         "gspo_token, cispo or sapo")
+                         f"{cfg.objective!r} takes one per sequence; use objective grpo (PPO's token ratio) or "
+                         f"another that takes them: {takes}")
     if cfg.kl_in_reward and cfg.kl_coef <= 0:
         raise ValueError("config: kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
     if cfg.rollout_workers > cfg.per_device_batch_size:
