@@ -181,17 +181,22 @@ class StopSignals:
 
 
 class NonFiniteGuard:
-    """Counts optimizer steps skipped for a non-finite loss or gradient; aborts after `limit` in a row."""
+    """Counts optimizer steps skipped for a non-finite loss or gradient; aborts after `limit` in a row.
 
-    def __init__(self, limit: int, what: str = "optimizer steps", lr_name: str = "learning_rate"):
+    `scaler`: the loss scale of fp16 training (gspo.precision.loss_scaler; None: none), which the guarded
+    steps go through (`gspo.step.step_or_skip`) and whose state the guard's checkpoint state holds."""
+
+    def __init__(self, limit: int, what: str = "optimizer steps", lr_name: str = "learning_rate", scaler=None):
         self.limit, self.skipped, self.in_a_row = limit, 0, 0
         self.what, self.lr_name = what, lr_name  # named in the abort message (the policy's, or the critic's)
+        self.scaler = scaler
 
     def ok(self) -> None:
         self.in_a_row = 0
 
     def state_dict(self) -> dict:
-        return {"skipped": self.skipped, "in_a_row": self.in_a_row}
+        scale = {} if self.scaler is None or not self.scaler.is_enabled() else {"loss_scale": self.scaler.state_dict()}
+        return {"skipped": self.skipped, "in_a_row": self.in_a_row, **scale}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict):
@@ -200,6 +205,11 @@ class NonFiniteGuard:
             if type(state.get(key)) is not int or state[key] < 0:
                 raise ValueError(f"guard {key}={state.get(key)!r} must be an int >= 0")
         self.skipped, self.in_a_row = state["skipped"], state["in_a_row"]
+        if "loss_scale" in state and self.scaler is not None and self.scaler.is_enabled():
+            scale = state["loss_scale"]
+            if not isinstance(scale, dict) or not isinstance(scale.get("scale"), (int, float)) or scale["scale"] <= 0:
+                raise ValueError(f"guard loss_scale={scale!r} must be a GradScaler state with a scale > 0")
+            self.scaler.load_state_dict(scale)
 
     def skip(self, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
         self.skipped += 1

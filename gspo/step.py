@@ -147,7 +147,8 @@ class Learner:
                                        ref_logprobs=mb.ref_logprobs, correction_weight=weight, **self.loss_kwargs)
             stats.update(correction_stats)
             self.optimizer.zero_grad(set_to_none=True)
-            self.topology.backward(loss, part)  # this rank's share of the minibatch's loss
+            scaled = loss if self.guard.scaler is None else self.guard.scaler.scale(loss)  # fp16: loss x scale
+            self.topology.backward(scaled, part)  # this rank's share of the minibatch's loss
         with self.autocast():  # the SFT term's forward (its backward's ops take their dtypes from that forward)
             term, aux_stats = self.aux.backward(i, model, self.topology.replicated_scale())
         self.topology.average_gradients(model)
@@ -157,6 +158,9 @@ class Learner:
         counts = {"sequences": real * mb.num_sequences, "tokens": real * float(mask.sum())}
         shared = self.topology.reduce(local, {k: counts[self.units.get(k, "tokens")] for k in local})
         loss, mean_entropy = shared.pop("loss") + term, shared.pop("entropy")
+        if self.guard.scaler is not None:
+            self.guard.scaler.unscale_(self.optimizer)  # fp16: the true gradients, before their norm and clip
+            aux_stats["precision/loss_scale"] = float(self.guard.scaler.get_scale())
         stats = {**shared, **aux_stats, "grad/norm": grad_norm(model, self.max_grad_norm)}
         step_or_skip(self.optimizer, self.scheduler, self.guard, step, loss, stats["grad/norm"])
         stats["entropy"] = mean_entropy
@@ -266,14 +270,21 @@ def reduce_stats(step_stats: list[dict]) -> dict[str, float]:
 
 def step_or_skip(optimizer, scheduler, guard, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
     """The optimizer and schedule step when loss and gradient norm are finite; otherwise the non-finite
-    guard skips it (gradients dropped): weights never take a NaN/inf step, nor does the schedule advance."""
+    guard skips it (gradients dropped): weights never take a NaN/inf step, nor does the schedule advance.
+    Under fp16 the step goes through the guard's loss scaler (gradients already unscaled), which then
+    updates its scale (halved after an overflow)."""
     if torch.isfinite(loss) and torch.isfinite(norm):
-        optimizer.step()
+        if guard.scaler is not None:
+            guard.scaler.step(optimizer)  # the optimizer's step (gradients unscaled, found finite)
+        else:
+            optimizer.step()
         scheduler.step()
         guard.ok()
     else:
         optimizer.zero_grad(set_to_none=True)
         guard.skip(step, loss, norm)
+    if guard.scaler is not None:
+        guard.scaler.update()
 
 
 def grad_norm(model, max_norm: float) -> torch.Tensor:

@@ -71,7 +71,7 @@ from gspo.lora import attach_adapters, is_peft, merged_model
 from gspo.model_card import write_model_card
 from gspo.models import resolve_device, seeded_model
 from gspo.parallel import Topology
-from gspo.precision import enable_gradient_checkpointing, forward_precision
+from gspo.precision import enable_gradient_checkpointing, forward_precision, loss_scaler
 from gspo.reference import reference_policy
 from gspo.rollout import eos_ids
 from gspo.rollout.feed import PENDING_FILE, RolloutFeed, all_ranks_pending, rank_pending
@@ -142,7 +142,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
     say(f"loading model {cfg.model} ...")
     device, model, tokenizer = seeded_model(section(cfg, ModelSettings), model, tokenizer)  # None: as configured
     enable_gradient_checkpointing(model, cfg.gradient_checkpointing)
-    autocast = forward_precision(cfg.bf16, device)  # bf16: every policy forward under autocast, weights fp32
+    autocast = forward_precision(cfg.bf16, device, cfg.fp16)  # every policy forward under autocast, weights fp32
     routing = build_routing(model, cfg.routing_replay, cfg.log_routing_drift, cfg.padding_free)
 
     def make_optimizer(module, lr: float):  # the policy's and a critic's: AdamW on the run's schedule
@@ -169,7 +169,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
                          max_steps=cfg.max_steps, num_minibatches=cfg.num_minibatches,
                          max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts)
     optimizer, scheduler = make_optimizer(model, cfg.learning_rate)
-    guard = NonFiniteGuard(cfg.max_consecutive_skips)
+    guard = NonFiniteGuard(cfg.max_consecutive_skips, scaler=loss_scaler(True, device) if cfg.fp16 else None)
     objective, plan = section(cfg, ObjectiveSettings), section(cfg, BatchSettings)
     learner = Learner(model, optimizer, scheduler, guard, logp_kwargs=logp_kwargs, max_grad_norm=cfg.max_grad_norm,
                       loss_kwargs=loss_options(objective, norm_length=cfg.max_completion_length,

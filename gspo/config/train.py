@@ -367,6 +367,9 @@ class PrecisionSettings:
 
     bf16: bool = False
     """bf16 autocast for every policy forward; weights and optimizer state stay float32 (dtype=float32)."""
+    fp16: bool = False
+    """fp16 autocast for every policy forward, the backward on a dynamically scaled loss; weights and optimizer
+    state stay float32 (dtype=float32). Not with a critic (gae) or an SFT term yet."""
     gradient_checkpointing: bool = False
     """Recompute layer activations in the backward pass: less training memory, ~one more forward."""
     padding_free: bool = True
@@ -530,6 +533,14 @@ def check_train(cfg: TrainConfig) -> None:
     if cfg.rollout_correction != "none" and not OBJECTIVES[cfg.objective].corrects:
         raise ValueError(f"config: objective {cfg.objective!r} does not apply a rollout correction "
                          "(registered without corrects=True); use rollout_correction=none")
+    if cfg.bf16 and cfg.fp16:
+        raise ValueError("config: bf16 and fp16 are two autocast precisions; choose one")
+    if cfg.fp16 and cfg.dtype != "float32":
+        raise ValueError(f"config: fp16 mixed precision keeps float32 master weights, but dtype={cfg.dtype!r}; "
+                         "set dtype=float32 (or fp16=false to train in the dtype itself)")
+    if cfg.fp16 and (gae or cfg.sft_coef > 0):
+        raise ValueError("config: fp16 scales the policy loss's backward only; a critic (advantage_estimator=gae) "
+                         "or an SFT term (sft_coef) would backpropagate unscaled: not supported yet, use bf16")
     if cfg.bf16 and cfg.dtype != "float32":
         raise ValueError(f"config: bf16 mixed precision keeps float32 master weights, but dtype={cfg.dtype!r}; "
                          "set dtype=float32 (or bf16=false to train in the dtype itself)")
