@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo demo-real smoke-real test test-fast test-vllm lab-regimes docs lint clean
+.PHONY: setup demo demo-real smoke-real test test-fast test-vllm lab-regimes lab-part3-policy lab-part3-moe docs lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,13 @@ test-vllm: $(VLLM_VENV)/.installed
 lab-regimes: setup $(VLLM_VENV)/.installed
 	$(VENV)/bin/gspo lab --config configs/lab_regimes.yaml
 	$(VLLM_VENV)/bin/gspo lab --config configs/lab_regimes.yaml
+
+# The lab's part 3 (docs/lab/part3.md, issue 36), in two named parts, each resumable
+lab-part3-policy: setup
+	$(VENV)/bin/gspo lab --config configs/lab_part3_policy.yaml
+
+lab-part3-moe: setup
+	$(VENV)/bin/gspo lab --config configs/lab_part3_moe.yaml
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

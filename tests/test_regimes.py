@@ -52,6 +52,8 @@ def test_levels_methods_and_what_is_left_out(tmp_path):
     assert not_applicable(r3, {"arch": {"num_hidden_layers": 6}}, "moe").startswith("no sampler mismatch")
     assert not_applicable(r3, REGIMES["mismatch"]["bf16"], "moe") is None
     assert not_applicable(r3, {"sampler_lag": 1}, "moe") is None
+    assert not_applicable(r3, {"rollout_workers": 1, "max_staleness": 2}, "moe") is None  # workers sample ahead
+    assert not_applicable(METHODS["grpo_tis"], {"rollout_workers": 1, "max_staleness": 0}, "moe") is not None
     if not HAS_VLLM:
         assert not_applicable(METHODS["grpo"], REGIMES["mismatch"]["vllm"], "moe").startswith("vllm is not installed")
     dense = expand_grid(regimes_lab(tmp_path, regime_model="dense"))
@@ -115,6 +117,20 @@ def test_the_shipped_regimes_lab_builds_every_run_and_names_what_it_leaves_out(t
     assert sum(r.startswith("R3") for r in reasons) == (1 if HAS_VLLM else 0)
     assert len(reasons) == 38 + 3 + (1 if HAS_VLLM else 6)
     assert all(x["reason"] for x in left_out) and {s.seed for s in specs} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("part, runs", [("policy", 63), ("moe", 72)])
+def test_the_shipped_part3_labs_build_every_run(tmp_path, part, runs):
+    # policy: baseline 3, mb1 5, mb8 8, stale2 5 (21 x 3); moe: baseline 2, bf16 4, fp16 4, lag4 4, autocast-bf16
+    # and -fp16 2 each, lr3e-4 and lr1e-3 3 each (24 x 3): the axis_methods picks, each applicable there
+    from gspo.lab.runs import load_lab_config
+
+    cfg = load_lab_config(False, Path(__file__).resolve().parents[1] / "configs" / f"lab_part3_{part}.yaml",
+                          [f"output_dir={tmp_path / 'lab'}"])
+    specs = expand_grid(cfg)
+    for spec in specs:
+        train_config(cfg, spec)  # every run's TrainConfig is valid
+    assert len(specs) == runs and {s.seed for s in specs} == {0, 1, 2}
 
 
 def test_axis_methods_pick_each_axis_methods_and_the_baseline_runs_their_union(tmp_path):

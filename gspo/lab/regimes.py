@@ -32,9 +32,10 @@ def train_settings(settings: dict) -> dict:
 
 
 def has_mismatch(settings: dict) -> bool:
-    """The level's sampler is not pi_old: another precision, stale weights or an inference engine."""
+    """The level's sampler is not pi_old: another precision, stale weights (a fixed lag, or rollout workers
+    sampling ahead of training) or an inference engine."""
     return (settings.get("sampler_dtype") not in (None, "float32") or bool(settings.get("sampler_lag"))
-            or settings.get("generation_backend") == "vllm")
+            or bool(settings.get("max_staleness")) or settings.get("generation_backend") == "vllm")
 
 
 def not_applicable(method: dict, settings: dict, model: str) -> str | None:
