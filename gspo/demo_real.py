@@ -70,22 +70,28 @@ def real_config(model: str, output_dir: str, *, seed: int = 0, objective: str = 
 
 
 def run_real_demo(name: str = "smollm2", output_dir: str = "runs/demo-real", *, seed: int = 0,
-                  objective: str = "gspo", lora: bool = False, smoke: bool = False) -> dict:
-    """Convert (once), train, evaluate before and after; prints and returns a summary."""
+                  objective: str = "gspo", lora: bool = False, smoke: bool = False,
+                  rollout_correction: str = "none") -> dict:
+    """Convert (once), train, evaluate before and after; prints and returns a summary. `rollout_correction`:
+    a correction of pi_old/mu (the demo's sampler is the policy under the same bf16 autocast: mu is its decode
+    loop's log-probs, pi_old one full forward's)."""
     from gspo.gguf import converted, packaged_gguf
     from gspo.report import plot_run
     from gspo.trainer import train
 
     started = time.perf_counter()
     model = converted(packaged_gguf(name))
-    cfg = real_config(str(model), output_dir, seed=seed, objective=objective, lora=lora, smoke=smoke)
-    how = f"LoRA r={cfg.lora_r}" if lora else "full fine-tuning"
+    cfg = real_config(str(model), output_dir, seed=seed, objective=objective, lora=lora, smoke=smoke,
+                      rollout_correction=rollout_correction)
+    how = (f"LoRA r={cfg.lora_r}" if lora else "full fine-tuning") + (
+        f", rollout_correction {rollout_correction}" if rollout_correction != "none" else "")
     print(f"{objective.upper()} on {name} ({how}), {cfg.max_steps} steps of {cfg.per_device_batch_size} prompts x "
           f"{cfg.num_generations}; held-out: {cfg.eval_num_prompts} prompts at most")
     result = train(cfg)
     plot_run(cfg.output_dir)
     before, after = result["evals"][0], result["evals"][max(result["evals"])]
     summary = {"model": name, "objective": objective, "lora": lora, "seed": seed, "steps": cfg.max_steps,
+               "rollout_correction": rollout_correction,
                "before": before, "after": after, "seconds": round(time.perf_counter() - started, 1),
                "train_seconds": round(result["seconds"], 1),
                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}

@@ -156,7 +156,9 @@ def test_demo_flags_of_the_real_model_are_refused_without_it_and_unknown_models_
     from gspo.cli import main
 
     assert main(["demo", "--lora", "--output-dir", str(tmp_path / "a")]) == 2
-    assert "--lora and --smoke go with --model" in capsys.readouterr().err
+    assert "--lora, --smoke and --rollout-correction go with --model" in capsys.readouterr().err
+    assert main(["demo", "--rollout-correction", "token_tis", "--output-dir", str(tmp_path / "a")]) == 2
+    assert "--rollout-correction go with --model" in capsys.readouterr().err
     assert main(["demo", "--model", "gpt5", "--output-dir", str(tmp_path / "b")]) == 2
     assert "unknown packaged model 'gpt5'; known: smollm2" in capsys.readouterr().err
     assert main(["demo", "--tools", "--objective", "grpo", "--output-dir", str(tmp_path / "c")]) == 2

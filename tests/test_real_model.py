@@ -48,6 +48,7 @@ def test_the_demos_held_out_problems_are_100_and_never_trained_on(tmp_path):
     assert (cfg.lora_r, cfg.dtype, cfg.bf16, cfg.learning_rate, cfg.seed, cfg.objective) == (
         16, "bfloat16", False, 2e-4, 2, "grpo")
     assert (tmp_path / "data" / "test.jsonl").read_text().count("\n") == 131
+    assert real_config("some/model", str(tmp_path), rollout_correction="token_tis").rollout_correction == "token_tis"
 
 
 @pytest.fixture(scope="module")
