@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "runs" / "bench" / "real_demo"))
     p.add_argument("--note", default="", help="the conditions (threads, runs side by side, load), kept in the result")
     p.add_argument("--name", default="real_demo", help="the result's name: benchmarks/results/<name>.json")
+    p.add_argument("--existing", action="store_true", help="only the runs already finished (run nothing)")
     args = p.parse_args()
     runs = []
     for mode in args.modes:
@@ -41,6 +42,8 @@ def main() -> None:
             for seed in args.seeds:
                 folder = Path(args.out) / f"{objective}-{mode}-seed{seed}"
                 if not (folder / "summary.json").exists():
+                    if args.existing:
+                        continue
                     name, _, correction = objective.partition("+")
                     cmd = [sys.executable, "-m", "gspo", "demo", "--model", "smollm2", "--objective", name,
                            "--seed", str(seed), "--output-dir", str(folder)]
@@ -57,17 +60,21 @@ def main() -> None:
         print(f"| {r['method']} | {r['mode']} | {r['seed']} | {b['eval/accuracy']:.0%} -> {a['eval/accuracy']:.0%} "
               f"| {b['eval/mean_at_k']:.1%} -> {a['eval/mean_at_k']:.1%} | {r['seconds']:.0f} s "
               f"| {r['peak_rss_gib']:.1f} GiB |")
-    print("\n| objective | mode | seed | clipped | ratio std | grad norm mean (max) | entropy first -> last |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| objective | mode | seed | clipped | ratio std | grad norm mean (max) | entropy first -> last "
+          "| mismatch/kl (ess) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         q = r["precursors"]
         print(f"| {r['method']} | {r['mode']} | {r['seed']} | {q['clipped']:.1%} | {q['ratio_std']:.3f} "
               f"| {q['grad_norm_mean']:.2f} ({q['grad_norm_max']:.2f}) | {q['entropy_first']:.3f} -> "
-              f"{q['entropy_last']:.3f} |")
+              f"{q['entropy_last']:.3f} | " + ("–" if q["mismatch_kl"] is None else
+                                              f"{q['mismatch_kl']:.1e} ({q['mismatch_ess']:.3f})") + " |")
     means = {}
     for mode in args.modes:
         for objective in args.objectives:
             mine = [r for r in runs if r["mode"] == mode and r["method"] == objective]
+            if not mine:
+                continue
             gains = [r["after"]["eval/accuracy"] - r["before"]["eval/accuracy"] for r in mine]
             sampled = [r["after"]["eval/mean_at_k"] - r["before"]["eval/mean_at_k"] for r in mine]
             means[f"{objective}-{mode}"] = {"greedy_gain_mean": statistics.fmean(gains), "greedy_gains": gains,
@@ -79,12 +86,15 @@ def main() -> None:
 
 def precursors(metrics: Path) -> dict:
     """Means over a run's RL steps of what precedes instability: clipped fraction, ratio std, gradient norm
-    (and its max), and the policy entropy at its first and last step."""
+    (and its max), the policy entropy at its first and last step, and the sampler mismatch where logged."""
     rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "grad/norm" in r]
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rows)  # noqa: E731
+    logged = all("mismatch/kl" in r for r in rows)
     return {"clipped": mean("clip/low_frac") + mean("clip/high_frac"), "ratio_std": mean("ratio/std"),
             "grad_norm_mean": mean("grad/norm"), "grad_norm_max": max(r["grad/norm"] for r in rows),
-            "entropy_first": rows[0]["entropy"], "entropy_last": rows[-1]["entropy"]}
+            "entropy_first": rows[0]["entropy"], "entropy_last": rows[-1]["entropy"],
+            "mismatch_kl": mean("mismatch/kl") if logged else None,
+            "mismatch_ess": mean("mismatch/ess") if logged else None}
 
 
 if __name__ == "__main__":

@@ -195,6 +195,8 @@ def test_fp16_errors_name_the_problem(tmp_path):
         tiny_cfg(tmp_path, bf16=True, fp16=True)
     with pytest.raises(ValueError, match="fp16 mixed precision keeps float32 master weights"):
         tiny_cfg(tmp_path, fp16=True, dtype="float16")
+    with pytest.raises(ValueError, match="fp16 with distributed=fsdp is not supported yet"):
+        tiny_cfg(tmp_path, fp16=True, distributed="fsdp")
     with pytest.raises(ValueError, match="would backpropagate unscaled"):
         tiny_cfg(tmp_path, fp16=True, advantage_estimator="gae", objective="grpo")
     with pytest.raises(ValueError, match="fp16: torch cannot autocast on device type 'meta'"):

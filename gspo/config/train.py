@@ -369,7 +369,7 @@ class PrecisionSettings:
     """bf16 autocast for every policy forward; weights and optimizer state stay float32 (dtype=float32)."""
     fp16: bool = False
     """fp16 autocast for every policy forward, the backward on a dynamically scaled loss; weights and optimizer
-    state stay float32 (dtype=float32). Not with a critic (gae) or an SFT term yet."""
+    state stay float32 (dtype=float32). Not with a critic (gae), an SFT term or fsdp yet."""
     gradient_checkpointing: bool = False
     """Recompute layer activations in the backward pass: less training memory, ~one more forward."""
     padding_free: bool = True
@@ -538,6 +538,9 @@ def check_train(cfg: TrainConfig) -> None:
     if cfg.fp16 and cfg.dtype != "float32":
         raise ValueError(f"config: fp16 mixed precision keeps float32 master weights, but dtype={cfg.dtype!r}; "
                          "set dtype=float32 (or fp16=false to train in the dtype itself)")
+    if cfg.fp16 and cfg.distributed == "fsdp":
+        raise ValueError("config: fp16 with distributed=fsdp is not supported yet (its loss scale is untested on "
+                         "sharded gradients); use bf16, or distributed=ddp")
     if cfg.fp16 and (gae or cfg.sft_coef > 0):
         raise ValueError("config: fp16 scales the policy loss's backward only; a critic (advantage_estimator=gae) "
                          "or an SFT term (sft_coef) would backpropagate unscaled: not supported yet, use bf16")
