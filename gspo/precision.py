@@ -41,12 +41,11 @@ def forward_precision(bf16: bool, device: torch.device, fp16: bool = False):
     return partial(torch.autocast, kind, dtype=torch.bfloat16 if bf16 else torch.float16)
 
 
-def loss_scaler(fp16: bool, device) -> torch.amp.GradScaler:
+def loss_scaler(fp16: bool, device) -> torch.amp.GradScaler | None:
     """fp16's dynamic loss scale: torch's GradScaler on `device` (the loss times the scale before the backward,
     the gradients divided by it before their norm; an overflow skips the step and halves the scale, 2000
-    finite steps in a row double it). Without fp16 a disabled one: scale() returns the loss, step() is the
-    optimizer's, so a run without fp16 takes the same steps bit for bit."""
-    return torch.amp.GradScaler(torch.device(device).type, enabled=fp16)
+    finite steps in a row double it). None without fp16: the steps are the optimizer's own."""
+    return torch.amp.GradScaler(torch.device(device).type) if fp16 else None
 
 
 def enable_gradient_checkpointing(model, enabled: bool) -> None:

@@ -195,7 +195,7 @@ class NonFiniteGuard:
         self.in_a_row = 0
 
     def state_dict(self) -> dict:
-        scale = {} if self.scaler is None or not self.scaler.is_enabled() else {"loss_scale": self.scaler.state_dict()}
+        scale = {} if self.scaler is None else {"loss_scale": self.scaler.state_dict()}
         return {"skipped": self.skipped, "in_a_row": self.in_a_row, **scale}
 
     def load_state_dict(self, state: dict) -> None:
@@ -205,7 +205,7 @@ class NonFiniteGuard:
             if type(state.get(key)) is not int or state[key] < 0:
                 raise ValueError(f"guard {key}={state.get(key)!r} must be an int >= 0")
         self.skipped, self.in_a_row = state["skipped"], state["in_a_row"]
-        if "loss_scale" in state and self.scaler is not None and self.scaler.is_enabled():
+        if "loss_scale" in state and self.scaler is not None:
             scale = state["loss_scale"]
             if not isinstance(scale, dict) or not isinstance(scale.get("scale"), (int, float)) or scale["scale"] <= 0:
                 raise ValueError(f"guard loss_scale={scale!r} must be a GradScaler state with a scale > 0")

@@ -169,7 +169,7 @@ def _train(cfg: TrainConfig, topology: Topology, model, tokenizer, data: dict | 
                          max_steps=cfg.max_steps, num_minibatches=cfg.num_minibatches,
                          max_prompt_length=cfg.max_prompt_length, truncate_prompts=cfg.truncate_prompts)
     optimizer, scheduler = make_optimizer(model, cfg.learning_rate)
-    guard = NonFiniteGuard(cfg.max_consecutive_skips, scaler=loss_scaler(True, device) if cfg.fp16 else None)
+    guard = NonFiniteGuard(cfg.max_consecutive_skips, scaler=loss_scaler(cfg.fp16, device))
     objective, plan = section(cfg, ObjectiveSettings), section(cfg, BatchSettings)
     learner = Learner(model, optimizer, scheduler, guard, logp_kwargs=logp_kwargs, max_grad_norm=cfg.max_grad_norm,
                       loss_kwargs=loss_options(objective, norm_length=cfg.max_completion_length,

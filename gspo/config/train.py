@@ -535,18 +535,16 @@ def check_train(cfg: TrainConfig) -> None:
                          "(registered without corrects=True); use rollout_correction=none")
     if cfg.bf16 and cfg.fp16:
         raise ValueError("config: bf16 and fp16 are two autocast precisions; choose one")
-    if cfg.fp16 and cfg.dtype != "float32":
-        raise ValueError(f"config: fp16 mixed precision keeps float32 master weights, but dtype={cfg.dtype!r}; "
-                         "set dtype=float32 (or fp16=false to train in the dtype itself)")
+    for precision in ("bf16", "fp16"):
+        if getattr(cfg, precision) and cfg.dtype != "float32":
+            raise ValueError(f"config: {precision} mixed precision keeps float32 master weights, but dtype="
+                             f"{cfg.dtype!r}; set dtype=float32 (or {precision}=false to train in the dtype itself)")
     if cfg.fp16 and cfg.distributed == "fsdp":
         raise ValueError("config: fp16 with distributed=fsdp is not supported yet (its loss scale is untested on "
                          "sharded gradients); use bf16, or distributed=ddp")
     if cfg.fp16 and (gae or cfg.sft_coef > 0):
         raise ValueError("config: fp16 scales the policy loss's backward only; a critic (advantage_estimator=gae) "
                          "or an SFT term (sft_coef) would backpropagate unscaled: not supported yet, use bf16")
-    if cfg.bf16 and cfg.dtype != "float32":
-        raise ValueError(f"config: bf16 mixed precision keeps float32 master weights, but dtype={cfg.dtype!r}; "
-                         "set dtype=float32 (or bf16=false to train in the dtype itself)")
     if cfg.distributed == "fsdp" and (cfg.lora_r or cfg.peft is not None):
         raise ValueError("config: LoRA with distributed=fsdp is not supported; use distributed=ddp (adapters "
                          "are small: replicas cost little)")

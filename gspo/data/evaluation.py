@@ -39,10 +39,10 @@ class Evaluation:
     @classmethod
     def of(cls, cfg) -> Evaluation:
         """The builder. An SFTConfig has no sampling section: its max_completion_length, the defaults otherwise."""
-        sampling = (section(cfg, SamplingSettings) if isinstance(cfg, SamplingSettings)
-                    else SamplingSettings(max_completion_length=cfg.max_completion_length))
         from gspo.env import chat_template_kwargs
 
+        sampling = (section(cfg, SamplingSettings) if isinstance(cfg, SamplingSettings)
+                    else SamplingSettings(max_completion_length=cfg.max_completion_length))
         episodes = section(cfg, EpisodeSettings) if isinstance(cfg, EpisodeSettings) else EpisodeSettings()
         kwargs = chat_template_kwargs(section(cfg, DataSettings).chat_template_kwargs, episodes)
         return cls(section(cfg, EvalSettings), section(cfg, RewardSettings), sampling, cfg.seed, episodes, kwargs)
