@@ -96,7 +96,8 @@ def test_an_environment_that_raises_is_named_with_its_episode(tiny):
             raise KeyError("score")
 
     backend, _ = scripted([[[5, 2]]])
-    with pytest.raises(ValueError, match=r"environment Broken: step raised KeyError: 'score' \(episode 0, turn 1\)"):
+    with pytest.raises(ValueError, match=r"environment 'test_episodes:Broken': step raised KeyError: 'score' "
+                                         r"\(episode 0, turn 1\)"):
         sample_episodes(backend, model, model, tok, [Broken()], [{"prompt": "1="}], EpisodeLimits(), **OPTIONS)
 
 
@@ -298,12 +299,12 @@ def test_a_tool_environment_answers_calls_and_ends_without_one():
     env = ToolEnvironment([calc], style="text")
     assert env.reset({"prompt": "12345*678="}) == "12345*678="
     turn = env.step("calc(12345*678)")
-    assert (turn.observation, turn.done, turn.info) == ("\nresult: 8369910\n", False, {"tool_calls": 1,
-                                                                                         "tool_errors": 0})
+    assert (turn.observation, turn.done, turn.info) == (["\nresult: ", "8369910", "\n"], False,
+                                                        {"tool_calls": 1, "tool_errors": 0})  # [markup, data, ...]
     assert env.step("calc(import os)").info == {"tool_calls": 1, "tool_errors": 1}
     assert env.step("8369910").done
     hermes = ToolEnvironment([add]).step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
-    assert hermes.observation == "\n<tool_response>\n5\n</tool_response>\n"
+    assert hermes.observation == ["\n<tool_response>\n", "5", "\n</tool_response>\n"]
     with pytest.raises(ValueError, match="a named Python function"):
         Toolbox([lambda x: x])
 
@@ -327,7 +328,7 @@ def test_the_python_tool_runs_model_written_code_in_the_sandbox(tmp_path):
     env = environment_factory(cfg, cfg.sandbox)()
     env.reset({"prompt": "?"})
     turn = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(2 ** 10)"}}</tool_call>')
-    assert (turn.observation, turn.info) == ("\n<tool_response>\n1024\n\n</tool_response>\n",
+    assert (turn.observation, turn.info) == (["\n<tool_response>\n", "1024\n", "\n</tool_response>\n"],
                                              {"tool_calls": 1, "tool_errors": 0})
     with pytest.raises(ValueError, match=r"tools: 'pythn' is not \"module:function\" .* or a built-in tool \(python\)"):
         tiny_cfg(tmp_path, environment="tools", tools=["pythn"])
@@ -365,7 +366,7 @@ def test_tool_messages_are_rendered_by_the_chat_template(tiny):
     # the same environment with a text prompt answers in text
     env = ToolEnvironment([calc], style="text")
     env.reset({"prompt": "1="})
-    assert env.step("calc(2*3)").observation == "\nresult: 6\n"
+    assert env.step("calc(2*3)").observation == ["\nresult: ", "6", "\n"]
 
 
 def test_chat_messages_that_cannot_be_rendered_are_named(tiny):
@@ -387,7 +388,7 @@ def test_chat_messages_that_cannot_be_rendered_are_named(tiny):
             return Turn(observation="x", messages=[{"role": "tool", "content": "6"}])
 
     backend, _ = scripted([[[5, 2]]])
-    with pytest.raises(ValueError, match=r"Both: step raised ValueError: a Turn has an observation or messages"):
+    with pytest.raises(ValueError, match=r"Both': step raised ValueError: a Turn has an observation or messages"):
         sample_episodes(backend, tiny[0], tiny[0], tok, [Both()], [{"prompt": "1="}], EpisodeLimits(), **OPTIONS)
 
 

@@ -40,9 +40,12 @@ from gspo.env.tools import (
 class Turn:
     """An environment's answer to one model turn."""
 
-    observation: str | None = None  # text appended after the model's turn (read, never trained); None: nothing
+    observation: str | list[str] | None = None  # text appended after the model's turn (read, never trained);
+    # None: nothing. It is data: a control token's text in it (<|im_end|>) is spelled out in ordinary tokens. A
+    # list alternates markup the environment writes, tokenized as written, and data: [markup, data, markup, ...]
     messages: list[dict] | None = None  # or chat messages ({"role": "tool", "content": ...}) rendered after the
-    # model's turn with the tokenizer's chat template, the next assistant turn opened (`chat_observation`)
+    # model's turn with the tokenizer's chat template, the next assistant turn opened (`chat_observation`); their
+    # texts are data, the template's markers around them its tokens
     reward: float | None = None  # this step's reward; an episode's reward is the sum of its steps' (None: none)
     done: bool = False  # the episode is over (so is it when there is no observation)
     info: dict = field(default_factory=dict)  # counts summed over the episode, e.g. tool_calls, tool_errors
@@ -67,7 +70,7 @@ class ToolEnvironment:
 
     A row whose prompt was chat messages (rendered by the chat template, gspo.data.rows.render_prompts) is
     answered in the chat: one {"role": "tool"} message per call, rendered by the same template. A text
-    prompt is answered with `OBSERVATIONS[style]` text."""
+    prompt is answered with `OBSERVATIONS[style]` text: its markers markup, the results data (Turn.observation)."""
 
     def __init__(self, tools: list, *, style: str = "hermes", timeout_s: float = 5.0, max_output_chars: int = 1000):
         self.toolbox = Toolbox(tools, style=style, timeout_s=timeout_s, max_output_chars=max_output_chars)
@@ -87,8 +90,11 @@ class ToolEnvironment:
         if self.chat:
             return Turn(messages=[{"role": "tool", "name": r.name or "", "content": r.text} for r in results],
                         info=info)
-        return Turn(observation="".join(OBSERVATIONS[self.toolbox.style].format(text=r.text) for r in results),
-                    info=info)
+        head, tail = OBSERVATIONS[self.toolbox.style].split("{text}")
+        parts = [head]  # [markup, data, markup, ...]: the format's markers stay tokens, the tools' text is data
+        for r in results:
+            parts += [r.text, tail + head]
+        return Turn(observation=parts[:-1] + [tail], info=info)
 
 
 def environment_factory(settings, sandbox: str = "os"):
@@ -109,7 +115,12 @@ def environment_factory(settings, sandbox: str = "os"):
         return lambda: ToolEnvironment(tools, style=settings.tool_call_style, timeout_s=settings.tool_timeout_s,
                                        max_output_chars=settings.tool_max_output_chars)
     make = import_reward_fn(settings.environment, kind="environment")
-    env = make()
+    try:
+        env = make()
+    except Exception as err:  # not a class or factory of no arguments (os:system), or one that fails
+        raise ValueError(f"environment {settings.environment!r}: calling it with no arguments raised "
+                         f"{type(err).__name__}: {str(err)[:200]} (an environment is a class, or a function, that "
+                         "makes one with no arguments)") from err
     missing = [name for name in ("reset", "step") if not callable(getattr(env, name, None))]
     if missing:
         raise ValueError(f"environment {settings.environment!r}: {type(env).__name__} has no {missing[0]}() method "

@@ -12,9 +12,10 @@ Built-in tools, named in `tools:` by their name alone (`BUILTIN_TOOLS`): `python
 gspo's code sandbox (gspo/data/sandbox.py: another process behind bubblewrap, or the weak mode, as the run's
 `sandbox` setting says) and returns what it printed; its traceback or the limit that stopped it otherwise.
 
-A malformed call (bad JSON, an unknown tool, wrong arguments), a tool that raises, one that does not return
-within `timeout_s` and a result longer than `max_output_chars` are observations the model reads, counted in
-the call's `error` (a result cut short is not an error: `truncated`); nothing of it ends the run.
+A malformed call (bad JSON, JSON past the parser's limits, an unknown tool, wrong arguments), a tool that raises
+(SystemExit included) or returns what str() cannot show, one that does not return within `timeout_s` and a
+result longer than `max_output_chars` are observations the model reads, counted in the call's `error` (a result
+cut short is not an error: `truncated`); nothing of it ends the run.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def parse_tool_calls(text: str, style: str = "hermes") -> list[ToolCall]:
         except json.JSONDecodeError as err:
             calls.append(ToolCall(None, error=f"the call is not JSON ({err.msg} at character {err.pos})"))
             continue
+        except (ValueError, RecursionError) as err:  # JSON past the parser's limits: nested too deep, too many digits
+            calls.append(ToolCall(None, error=f"the call cannot be read ({_describe(err)})"))
+            continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append(ToolCall(None, error='a call is a JSON object {"name": ..., "arguments": {...}}'))
         elif not isinstance(call.get("arguments", {}), dict):
@@ -79,6 +83,8 @@ def _text_call(name: str, body: str) -> ToolCall:
             arguments = json.loads(body)
         except json.JSONDecodeError as err:
             return ToolCall(name, error=f"the arguments are not JSON ({err.msg})")
+        except (ValueError, RecursionError) as err:  # past the parser's limits, as in parse_tool_calls
+            return ToolCall(name, error=f"the arguments cannot be read ({_describe(err)})")
         if not isinstance(arguments, dict):
             return ToolCall(name, error="arguments must be a JSON object")
         return ToolCall(name, arguments)
@@ -111,14 +117,13 @@ class Toolbox:
                               "unknown tool")
         try:
             kwargs = _arguments(fn, call.arguments)
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, RecursionError) as err:  # RecursionError: repr of deeply nested arguments
             return ToolResult(call.name, f"error: {err}", "bad arguments")
-        value, error = _call_with_timeout(fn, kwargs, self.timeout_s + getattr(fn, "grace_s", 0.0))
+        text, error = _call_with_timeout(fn, kwargs, self.timeout_s + getattr(fn, "grace_s", 0.0))
         if error == "timed out":
             return ToolResult(call.name, f"error: {call.name} did not return within {self.timeout_s:g} s", error)
         if error is not None:
-            return ToolResult(call.name, f"error: {call.name} raised {error}", "raised")
-        text = str(value)
+            return ToolResult(call.name, f"error: {call.name} {error}", "raised")
         if len(text) > self.max_output_chars:
             return ToolResult(call.name, text[: self.max_output_chars] + " ... (cut)", truncated=True)
         return ToolResult(call.name, text)
@@ -219,23 +224,39 @@ def _arguments(fn, arguments: dict) -> dict:
     return out
 
 
-def _call_with_timeout(fn, kwargs: dict, timeout_s: float) -> tuple[object, str | None]:
-    """(value, None), (None, "ExcType: message") or (None, "timed out"). The call runs in a daemon thread: a
-    tool that hangs is left behind (Python cannot stop a thread), the episode goes on."""
+def _call_with_timeout(fn, kwargs: dict, timeout_s: float) -> tuple[str | None, str | None]:
+    """(the result as text, None), (None, what went wrong: "raised ExcType: message", "returned T, whose str()
+    raised ...") or (None, "timed out"). The call and the str() of its result run in a daemon thread: a tool (or
+    a __str__) that hangs is left behind (Python cannot stop a thread), the episode goes on."""
     box: dict = {}
 
     def target():
+        # BaseException: a tool's SystemExit or KeyboardInterrupt is its failure too, shown to the model, which
+        # decides what to do next (uncaught, it would end this thread silently: a call that "returned None")
         try:
-            box["value"] = fn(**kwargs)
-        except Exception as exc:  # noqa: BLE001  shown to the model, which decides what to do next
-            box["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            value = fn(**kwargs)
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = f"raised {_describe(exc)}"
+            return
+        try:
+            box["text"] = str(value)
+        except BaseException as exc:  # noqa: BLE001  (an int over 4300 digits, a __str__ that raises)
+            box["error"] = f"returned {type(value).__name__}, whose str() raised {_describe(exc)}"
 
     worker = threading.Thread(target=target, name=f"gspo-tool-{fn.__name__}", daemon=True)
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
         return None, "timed out"
-    return box.get("value"), box.get("error")
+    return box.get("text"), box.get("error")
+
+
+def _describe(exc: BaseException) -> str:
+    """"ExcType: message" (the message cut to 200 characters; left out where its own str() raises)."""
+    try:
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    except BaseException:  # noqa: BLE001
+        return type(exc).__name__
 
 
 __all__ = ["BUILTIN_TOOLS", "STYLES", "ToolCall", "ToolResult", "Toolbox", "load_tools", "parse_tool_calls",

@@ -15,6 +15,7 @@ the row's seed), so an episode's tokens do not depend on the other episodes of t
 
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -81,11 +82,12 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
 
     device = next(model.parameters()).device
     seeded = None if seeds is None else SeededSampler(seeds, options["temperature"], device)
-    prompts = [env.reset(row) for env, row in zip(envs, rows)]
+    prompts = [_reset(env, row, i) for i, (env, row) in enumerate(zip(envs, rows))]
     ids, mask = encode_prompts(tokenizer, prompts, max_prompt_length, device, truncate_prompts)  # (N, P)
     episodes = [Episode(prompt_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask)]
     layers = None  # the routers' layers, once a call recorded their experts
     eos, pad = eos_ids(tokenizer, model), pad_id(tokenizer, model)
+    controls = control_tokens(tokenizer)
     for _ in range(limits.max_turns):
         active = [i for i, e in enumerate(episodes) if not e.done]
         if not active:
@@ -122,13 +124,33 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
                 continue
             stopped = bool(new) and new[-1] in eos  # the turn ended on a stop token (else a limit cut it)
             try:
-                _answer(envs[i], episode, tokenizer.decode(new, skip_special_tokens=True), tokenizer, limits,
-                        last=episode.turns == limits.max_turns,
+                _answer(envs[i], episode, tokenizer.decode(new, skip_special_tokens=True), tokenizer, controls,
+                        limits, last=episode.turns == limits.max_turns,
                         chat=(chat_template_kwargs or {}, tokenizer.decode(new[-1:]) if stopped else None))
             except Exception as err:  # an environment's bug: named, with the episode and its turn
-                raise ValueError(f"environment {type(envs[i]).__name__}: step raised {type(err).__name__}: "
+                raise ValueError(f"environment {_name(envs[i])!r}: step raised {type(err).__name__}: "
                                  f"{str(err)[:200]} (episode {i}, turn {episode.turns})") from err
     return _rollout(episodes, prompts, ids, mask, tokenizer, pad, with_logprobs, layers), episodes
+
+
+def _name(env) -> str:
+    """An environment as its spec names it: "module:Class"."""
+    return f"{type(env).__module__}:{type(env).__name__}"
+
+
+def _reset(env, row: dict, i: int) -> str:
+    """The prompt `env` starts episode `i` with, from data `row`; an environment's bug is one line naming it and
+    the row (as step's are)."""
+    where = f"(episode {i}, row {row!r:.80})"
+    try:
+        prompt = env.reset(row)
+    except Exception as err:
+        raise ValueError(f"environment {_name(env)!r}: reset raised {type(err).__name__}: {str(err)[:200]} "
+                         f"{where}") from err
+    if not isinstance(prompt, str):
+        raise ValueError(f"environment {_name(env)!r}: reset returned {type(prompt).__name__}, not the prompt's "
+                         f"text {where}")
+    return prompt
 
 
 def _keep_experts(episode: Episode, call: torch.Tensor, offset: int, end: int) -> None:
@@ -141,11 +163,12 @@ def _keep_experts(episode: Episode, call: torch.Tensor, offset: int, end: int) -
     episode.routed = max(episode.routed, end - 1)
 
 
-def _answer(env, episode: Episode, text: str, tokenizer, limits: EpisodeLimits, last: bool,
-            chat: tuple[dict, str | None]) -> None:
+def _answer(env, episode: Episode, text: str, tokenizer, controls: re.Pattern | None, limits: EpisodeLimits,
+            last: bool, chat: tuple[dict, str | None]) -> None:
     """The environment's answer to the model's turn `text`, appended to `episode` (cut at the token limit; after
     the `last` turn allowed its reward still counts, its observation is left out: no turn would answer it).
-    `chat`: (chat_template_kwargs, the text of the stop token that ended the turn or None), for messages."""
+    Its text is data (`controls`: `control_tokens`); `chat`: (chat_template_kwargs, the text of the stop token
+    that ended the turn or None), for messages."""
     turn = env.step(text)
     if turn.messages is not None and turn.observation is not None:
         raise ValueError("a Turn has an observation or messages, not both")
@@ -159,8 +182,9 @@ def _answer(env, episode: Episode, text: str, tokenizer, limits: EpisodeLimits, 
     if last:
         episode.truncated = episode.done = True
         return
-    shown = turn.observation if turn.messages is None else chat_observation(tokenizer, turn.messages, *chat)
-    seen = tokenizer(shown, add_special_tokens=False)["input_ids"]
+    shown = (_observation(turn.observation, controls) if turn.messages is None
+             else chat_observation(tokenizer, turn.messages, *chat, controls=controls))
+    seen = encode_data(tokenizer, shown, controls)
     room = limits.max_total_tokens - len(episode.tokens)
     if len(seen) >= room:  # no room left for the model to answer it
         seen, episode.truncated, episode.done = seen[:room], True, True
@@ -172,13 +196,26 @@ def _answer(env, episode: Episode, text: str, tokenizer, limits: EpisodeLimits, 
 _TURN = "GSPO-MODEL-TURN-2f9c"  # stands for the model's turn when the template renders the text around it
 
 
+def _observation(observation, controls: re.Pattern | None) -> str:
+    """A Turn's observation as text for `encode_data`: text is data; a list alternates the environment's own
+    markup, kept as written, and data: [markup, data, markup, ...]."""
+    if isinstance(observation, str):
+        return _mark(observation, controls)
+    if not isinstance(observation, list) or not all(isinstance(part, str) for part in observation):
+        raise ValueError(f"a Turn's observation is text, or a list of texts [markup, data, markup, ...]; got "
+                         f"{observation!r:.120}")
+    return "".join(_mark(part, controls) if k % 2 else part for k, part in enumerate(observation))
+
+
 def chat_observation(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
-                     stop: str | None = None) -> str:
+                     stop: str | None = None, *, controls: re.Pattern | None = None) -> str:
     """The text that follows a model's turn when `messages` (tool or user messages) answer it in a chat: what the
     tokenizer's chat template writes after an assistant message's content (its end-of-turn marker), then the
     messages, then the next assistant turn's opening (add_generation_prompt). `stop`: the text of the stop
     token the model ended its turn with, already in the episode: left out where the template's end-of-turn
     marker starts with it (ChatML's <|im_end|>); None (a turn cut by a limit): the whole marker is added.
+    `controls` (`control_tokens`): the messages' texts are data, their control tokens' text marked for
+    `encode_data`; the template's own markers are not.
 
     Found by rendering a stand-in conversation (a user message, an assistant message) with and without the
     messages: the template's own rendering, whatever its format (Qwen's tool messages as <tool_response> in a
@@ -190,6 +227,8 @@ def chat_observation(tokenizer, messages: list[dict], template_kwargs: dict | No
             "content"), str) for m in messages):
         raise ValueError(f"chat messages must be a non-empty list of {{role, content}} string pairs; got "
                          f"{messages!r:.120}")
+    messages = [{key: value if key == "role" or not isinstance(value, str) else _mark(value, controls)
+                 for key, value in m.items()} for m in messages]
     kwargs = dict(template_kwargs or {}, tokenize=False)
     base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN}]
     before = tokenizer.apply_chat_template(base, **kwargs)
@@ -201,6 +240,48 @@ def chat_observation(tokenizer, messages: list[dict], template_kwargs: dict | No
     if stop and marker.startswith(stop):
         marker = marker[len(stop):]
     return marker + after[len(before):]
+
+
+# Text from a tool, an environment or a model is data, never a chat's control tokens (DESIGN.md, "Trust"). Its
+# control tokens' text is wrapped in these marks (noncharacters: never in text worth keeping, dropped from data)
+# through the chat template's rendering, and spelled out in ordinary tokens by `encode_data`; text without any
+# tokenizes as it always did. (transformers' apply_chat_template(sanitize_control_tokens=True) does the same.)
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
+_MARKED = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}|[{_OPEN}{_CLOSE}]")  # a marked text, or a lone mark
+
+
+def control_tokens(tokenizer) -> re.Pattern | None:
+    """A pattern matching the text of the tokens that structure a chat: the tokenizer's special tokens and the
+    added tokens its chat template writes (Qwen's <tool_response>, which is not marked special); whitespace and
+    single characters aside (templates write those as text). None where there are none."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = " ".join(template.values()) if isinstance(template, dict) else template  # named templates
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    texts = {t.content for t in added if t.special or t.content in template}
+    texts |= set(getattr(tokenizer, "all_special_tokens", ()))
+    texts = sorted((t for t in texts if len(t) > 1 and not t.isspace()), key=len, reverse=True)  # longest first
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def _mark(text: str, controls: re.Pattern | None) -> str:
+    """Data `text` with its control tokens' text marked for `encode_data` (and any marks of its own dropped)."""
+    if _OPEN in text or _CLOSE in text:
+        text = text.replace(_OPEN, "").replace(_CLOSE, "")
+    return text if controls is None else controls.sub(lambda m: _OPEN + m.group() + _CLOSE, text)
+
+
+def encode_data(tokenizer, text: str, controls: re.Pattern | None) -> list[int]:
+    """Token ids of `text` where a marked text (`_mark`: a control token's, from data) is spelled out in ordinary
+    tokens (its first character, then the rest as data) and the rest is read as the tokenizer reads it (the
+    template's own markers stay its tokens); text without marks is tokenized in one call, as it always was."""
+    ids = []
+    for k, piece in enumerate(_MARKED.split(text)):  # [text, marked, text, ...]; a lone mark: None, a break
+        if k % 2 == 0 and piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+        elif k % 2 and piece:
+            ids += tokenizer(piece[:1], add_special_tokens=False)["input_ids"]
+            ids += encode_data(tokenizer, _mark(piece[1:], controls), controls)
+    return ids
 
 
 def _rollout(episodes: list[Episode], prompts: list[str], ids, mask, tokenizer, pad: int,
@@ -260,4 +341,5 @@ def record(episode: Episode, tokenizer) -> dict:
             **{key: episode.info.get(key, 0) for key in COUNTS}}
 
 
-__all__ = ["COUNTS", "Episode", "EpisodeLimits", "chat_observation", "record", "sample_episodes"]
+__all__ = ["COUNTS", "Episode", "EpisodeLimits", "chat_observation", "control_tokens", "encode_data", "record",
+           "sample_episodes"]
