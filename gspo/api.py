@@ -61,7 +61,7 @@ class Trainer:
                  callbacks: Iterable[Callback] = (), **settings: Any) -> None:
         if config is not None and not isinstance(config, TrainConfig):
             raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
-        values = {**(to_dict(config) if config is not None else {}), **settings}
+        values = {**(to_dict(config, keep_secrets=True) if config is not None else {}), **settings}
         self.model, self.tokenizer, self.data, self.callbacks = None, tokenizer, {}, list(callbacks)
         Callbacks(self.callbacks)  # each checked now
         if isinstance(model, (str, os.PathLike)):

@@ -87,7 +87,8 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
 
     device = resolve_device(cfg.device)
     with tempfile.TemporaryDirectory(prefix="gspo-bench-") as tmp:
-        run_cfg = make_config(TrainConfig, {**to_dict(cfg), **_QUIET, "max_steps": steps, "output_dir": tmp})
+        run_cfg = make_config(TrainConfig, {**to_dict(cfg, keep_secrets=True), **_QUIET, "max_steps": steps,
+                                            "output_dir": tmp})
         _, model, _ = seeded_model(run_cfg)  # the policy as trained: its shape and dtype
         dtype, shape = next(model.parameters()).dtype, _shape(model)
         del model

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "loads the run's model, joins the trainer waiting at rollout_address, samples until it ends")
     p.add_argument("--connect", required=True, metavar="HOST:PORT", help="the trainer's rollout_address")
     p.add_argument("--rank", type=int, required=True, help="this worker's number, 1 .. rollout_workers")
+    p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
+                   help="how long to wait for the trainer to answer (default 120 s); the run's secret comes from "
+                        "GSPO_ROLLOUT_SECRET or the config's rollout_secret_file / rollout_secret")
     p = sub.add_parser("eval", parents=[_COMMON],
                        help="held-out accuracy of a saved model on a built-in task or dataset")
     p.add_argument("--model", required=True, help="saved model directory or preset")
@@ -161,9 +164,10 @@ def _run(args, argv=None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
     elif args.command == "rollout-server":
-        from gspo.rollout.workers import serve_rollouts
+        from gspo.rollout.serve import serve_rollouts
 
-        serve_rollouts(load_config(TrainConfig, args.config, args.overrides), args.connect, args.rank)
+        serve_rollouts(load_config(TrainConfig, args.config, args.overrides), args.connect, args.rank,
+                       start_timeout_s=args.start_timeout)
     elif args.command == "sft":
         from gspo.sft import sft
 

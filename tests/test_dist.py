@@ -391,13 +391,17 @@ def test_torchrun_ranks_with_rollout_workers_train_as_without(tmp_path, mode):
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
     names = ["workers"]
     if mode == "ddp":  # and rollout servers started on their own, one per trainer rank, rank r's at port + r
-        port = two_free_ports()
+        port, secret = two_free_ports(), tmp_path / "secret"  # the run's secret, in a file only its owner reads
+        secret.write_text("a secret of this test's run\n")
+        secret.chmod(0o600)
         servers = [subprocess.Popen(gspo_argv("rollout-server", "--config", "run.yaml", "--connect",
-                                              f"127.0.0.1:{port + r}", "--rank", 1, "rollout_workers=1"),
+                                              f"127.0.0.1:{port + r}", "--rank", 1, "rollout_workers=1",
+                                              "rollout_secret_file=secret"),
                                     cwd=tmp_path, env=gspo_env(tmp_path), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True) for r in range(2)]
         try:
-            proc = run(tmp_path, 2, "output_dir=servers", "rollout_workers=1", f"rollout_address=127.0.0.1:{port}")
+            proc = run(tmp_path, 2, "output_dir=servers", "rollout_workers=1", f"rollout_address=127.0.0.1:{port}",
+                       "rollout_secret_file=secret")
             outs = [server.communicate(timeout=60)[0] for server in servers]
         finally:
             for server in servers:

@@ -7,8 +7,11 @@ import copy
 import importlib.util
 import multiprocessing
 import os
+import pickle
 import signal
+import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -20,11 +23,18 @@ from conftest import SMALL, SMALL_MOE, final_weights, gspo_argv, gspo_env, read_
 from gspo.config import TrainConfig, load_config
 from gspo.models import load_model
 from gspo.rollout import Sampler
-from gspo.rollout.workers import RemoteSampler, RolloutWorkerLost, _free_port
+from gspo.rollout.workers import RemoteSampler, RolloutWorkerLost
 from gspo.run import TrainingAborted
 from gspo.trainer import train
 
 PROMPTS = ["12+34=", "5+6=", "70+8="]
+SECRET = "a secret of this test's run"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 pytestmark = pytest.mark.slow  # each test spawns a worker (a fresh interpreter importing torch)
 
@@ -51,6 +61,52 @@ def test_a_worker_samples_what_the_process_samples_and_follows_the_weights(tmp_p
     finally:
         remote.close()
     assert not any(p.is_alive() for p in remote.processes)
+
+
+class Evil:
+    """A pickle that, once loaded, writes the file `path`: code run by whoever unpickles it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_local_process_racing_the_worker_runs_no_code_and_the_trainer_listens_on_loopback_only(tmp_path):
+    # before: with rollout_workers: 1 the trainer's TCPStore listened on 0.0.0.0 (every interface), and a process
+    # that joined the group before the real worker (still importing torch) had its pickled ("ready", obj)
+    # unpickled by the trainer. Here a local process connects to every socket the trainer opens, as it opens.
+    from test_wire import dropped, listening
+
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    cfg, ran, seen, done = tiny_cfg(tmp_path, seeded_sampling=True), tmp_path / "ran", [], threading.Event()
+
+    known = set(listening())
+
+    def attacker():
+        while not done.is_set():
+            for host, port in set(listening()) - known:
+                seen.append(host)
+                known.add((host, port))
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(pickle.dumps(("ready", Evil(ran))))
+                    assert dropped(s)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=attacker, daemon=True)
+    thread.start()
+    remote = RemoteSampler(model, tok, cfg, seeded=True, workers=1, timeout_s=60)
+    try:
+        done.set()
+        thread.join(10)
+        assert seen == ["127.0.0.1"] and remote.refused == 1  # one listener, on loopback; the attacker dropped
+        assert not [port for _, port in listening()]  # closed once the worker joined: nobody else can
+        local, far = Sampler(model, tok, cfg, seeded=True).sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)
+        assert torch.equal(local.input_ids, far.input_ids) and local.completions == far.completions
+    finally:
+        remote.close()
+    assert not ran.exists()
 
 
 def test_two_workers_share_a_step_as_one_sampler_would(tmp_path):
@@ -223,18 +279,20 @@ def test_a_worker_samples_with_the_run_s_sampler_a_bf16_copy_here(tmp_path):
     assert all(r["mismatch/kl"] > 1e-8 for r in worker)  # bf16 mu against the fp32 trainer
 
 
-def test_a_rollout_server_started_on_its_own_joins_the_trainer_by_address(tmp_path):
+def test_a_rollout_server_started_on_its_own_joins_the_trainer_by_address(tmp_path, monkeypatch):
     # `gspo rollout-server` (a separate process, as on another machine) loads the model from the run's config,
     # joins the trainer waiting at rollout_address and samples one step ahead: the run a spawned worker makes.
     settings = dict(model="tiny-dense", model_overrides=SMALL, task="add3", max_steps=3, per_device_batch_size=2,
                     num_generations=4, max_completion_length=12, learning_rate=1e-2, eval_num_prompts=0,
                     progress=False, device="cpu", seeded_sampling=True, rollout_workers=1, max_staleness=1,
                     log_mismatch=True)
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**settings, "rollout_address": address, "output_dir": str(tmp_path / "far")}))
+    monkeypatch.setenv("GSPO_ROLLOUT_SECRET", SECRET)  # the trainer's; the server's below
     server = subprocess.Popen(gspo_argv("rollout-server", "--config", config, "--connect", address, "--rank", 1),
-                              env=gspo_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=gspo_env(GSPO_ROLLOUT_SECRET=SECRET), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
     try:
         train(load_config(TrainConfig, str(config), []))
         out, _ = server.communicate(timeout=60)

@@ -52,6 +52,7 @@ from gspo.config.train import (
     SFTTermSettings,
     TaskSettings,
     TrainConfig,
+    rollout_secret,
 )
 
 __all__ = ["CHECKS", "TRAIN_SECTIONS", "AdvantageSettings", "BatchSettings", "CheckpointSettings",
@@ -61,4 +62,4 @@ __all__ = ["CHECKS", "TRAIN_SECTIONS", "AdvantageSettings", "BatchSettings", "Ch
            "PrecisionSettings", "ProgressSettings", "RewardSettings", "RoutingSettings", "SFTConfig",
            "SFTTermSettings", "SamplingSettings", "TaskSettings", "TrainConfig", "check_choice", "check_positive",
            "checks", "coerce_fields", "config_help", "field_docs", "load_config", "make_config", "prefixed",
-           "renamed", "section", "sections", "to_dict", "validate"]
+           "renamed", "rollout_secret", "section", "sections", "to_dict", "validate"]

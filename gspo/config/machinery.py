@@ -107,6 +107,12 @@ def config_help(cls) -> str:
     return "\n".join(lines)
 
 
+SECRET_FIELDS = ("rollout_secret",)
+"""Fields that hold a secret: never saved or logged (`to_dict`), refused as command-line overrides (`ps` shows
+a process's arguments to every user of the machine)."""
+HIDDEN = "<hidden>"
+
+
 def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None, defaults: dict | None = None):
     """Build `cls` from `defaults`, then an optional YAML file, then `key=value` overrides (which win)."""
     values: dict = dict(defaults or {})
@@ -116,6 +122,10 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
         if "=" not in item:
             raise ValueError(f"override {item!r}: expected key=value")
         key, raw = item.split("=", 1)
+        if key.strip() in SECRET_FIELDS:
+            raise ValueError(f"override {key.strip()}=...: a secret on the command line is visible to every user of "
+                             "this machine (ps); put it in the config file, a file (rollout_secret_file) or the "
+                             "environment (GSPO_ROLLOUT_SECRET)")
         values[key.strip()] = _yaml_value(raw, f"override {item!r}") if raw.strip() else None
     return make_config(cls, values)
 
@@ -200,15 +210,18 @@ def make_config(cls, values: dict):
     return cfg
 
 
-def to_dict(cfg) -> dict:
+def to_dict(cfg, keep_secrets: bool = False) -> dict:
     """Field -> value, its lists and mappings copied (the rest: plain values, or a reward function or instance given
-    from Python, kept as it is: `dataclasses.asdict` would deep-copy a stateful reward, its model and all)."""
+    from Python, kept as it is: `dataclasses.asdict` would deep-copy a stateful reward, its model and all). A
+    secret (SECRET_FIELDS) that is set reads "<hidden>", so what is saved or logged never holds it; `keep_secrets`
+    for a dict that only builds another config in this process."""
     def copied(value):
         if isinstance(value, dict):
             return {k: copied(v) for k, v in value.items()}
         return type(value)(map(copied, value)) if isinstance(value, (list, tuple)) else value
 
-    return {f.name: copied(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    return {f.name: HIDDEN if f.name in SECRET_FIELDS and getattr(cfg, f.name) is not None and not keep_secrets
+            else copied(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
 def check_choice(cfg, name: str, choices) -> None:

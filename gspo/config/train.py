@@ -89,8 +89,46 @@ class SamplingSettings:
     max_staleness: int = 0
     """Workers sample this many steps ahead: a rollout trains weights at most k updates newer; 0: no overlap."""
     rollout_address: str | None = None
-    """host:port where the trainer waits for rollout_workers started with `gspo rollout-server`; null: it starts
-    its own. Under torchrun, trainer rank r waits at port + r for workers of its own."""
+    """host:port where the trainer listens for rollout_workers started with `gspo rollout-server` (it binds that host
+    only); null: it starts its own, on loopback. Under torchrun, trainer rank r listens at port + r."""
+    rollout_secret: str | None = None
+    """The secret the trainer and its rollout servers prove to each other (rollout_address); never saved or logged,
+    refused as a command-line override (ps shows those). Else rollout_secret_file, else GSPO_ROLLOUT_SECRET."""
+    rollout_secret_file: str | None = None
+    """A file holding the run's secret (its first line), readable by its owner only (chmod 600)."""
+
+
+SECRET_ENV = "GSPO_ROLLOUT_SECRET"
+MIN_SECRET_CHARS = 16
+
+
+def rollout_secret(s: SamplingSettings) -> bytes | None:
+    """The run's secret for rollout servers: rollout_secret, else the file rollout_secret_file, else the environment
+    variable GSPO_ROLLOUT_SECRET; None where none is set. A ValueError naming the source if it is unreadable, too
+    short, or a file that others may read."""
+    import os
+    import stat
+
+    if s.rollout_secret is not None:
+        text, where = s.rollout_secret, "rollout_secret"
+    elif s.rollout_secret_file is not None:
+        where = f"rollout_secret_file={s.rollout_secret_file}"
+        try:
+            mode = os.stat(s.rollout_secret_file).st_mode
+            with open(s.rollout_secret_file, encoding="utf-8") as f:
+                text = f.readline()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"config: {where}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError(f"config: {where}: others may read it (mode {stat.S_IMODE(mode):o}); chmod 600 it")
+    elif os.environ.get(SECRET_ENV):
+        text, where = os.environ[SECRET_ENV], SECRET_ENV
+    else:
+        return None
+    if len(text.strip()) < MIN_SECRET_CHARS:
+        raise ValueError(f"config: {where}: the run's secret must be at least {MIN_SECRET_CHARS} characters (e.g. the "
+                         "output of: python -c 'import secrets; print(secrets.token_hex(32))')")
+    return text.strip().encode()
 
 
 def reshaping(s: SamplingSettings) -> list[str]:
@@ -125,12 +163,15 @@ def _check_sampling(s: SamplingSettings) -> None:
                          "processes; set rollout_workers: 1 (sampler_lag simulates staleness in one process)")
     check_positive(s, "rollout_timeout_s")
     if s.rollout_address is not None:
-        from gspo.rollout.workers import split_address
+        from gspo.rollout.serve import split_address
 
         prefixed(split_address, s.rollout_address)
         if not s.rollout_workers:
             raise ValueError(f"config: rollout_address={s.rollout_address!r} waits for rollout servers; set "
                              "rollout_workers to how many will join")
+        if rollout_secret(s) is None:
+            raise ValueError(f"config: rollout_address={s.rollout_address!r}: rollout servers must prove the run's "
+                             f"secret; set {SECRET_ENV} (or rollout_secret_file) for the trainer and every server")
     if s.rollout_workers and s.sampler_lag:
         raise ValueError(f"config: sampler_lag={s.sampler_lag} simulates in one process the staleness that rollout "
                          "workers have for real; set max_staleness instead")
