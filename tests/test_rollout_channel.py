@@ -7,6 +7,7 @@ checkpoint it writes for a lost worker. (tests/test_workers.py: spawned workers,
 import copy
 import os
 import pickle
+import re
 import socket
 import struct
 import threading
@@ -297,3 +298,39 @@ def test_a_port_already_taken_is_named_first(tmp_path):
             RemoteSampler(model, tok, cfg, seeded=True, workers=1, timeout_s=5, address=cfg.rollout_address)
     finally:
         held.close()
+
+
+def server_thread(cfg, port):
+    """`serve_rollouts(cfg)` (`gspo rollout-server`) in a thread joining the trainer at `port`; what it raised."""
+    raised = []
+
+    def run():
+        try:
+            serve_rollouts(cfg, f"127.0.0.1:{port}", 1, start_timeout_s=30)
+        except ValueError as err:
+            raised.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+@pytest.mark.parametrize("server_settings,trainer_error,server_error", [
+    ({"max_completion_length": 7}, r"starting the rollout workers: rollout worker 1 failed:\nthe trainer's sampling "
+     r"settings differ from this rollout server's config \(max_completion_length: trainer 12, here 7\): start the "
+     r"server with the trainer's config", r"^rollout-server: .*max_completion_length: trainer 12, here 7"),
+    ({"model_overrides": {**SMALL, "intermediate_size": 96}}, r"checking the broadcast weights: rollout worker 1 failed:"
+     r"\nrollout worker 1 refused a message: the broadcast weights do not fit this model: \{'float32': \d+\} values "
+     r"per dtype sent, this model has \{'float32': \d+\}", r"^rollout-server: the broadcast weights do not fit"),
+])
+def test_a_server_whose_config_differs_from_the_trainer_s_says_so_on_both_sides(tmp_path, server_settings,
+                                                                               trainer_error, server_error):
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    port = free_port()
+    common = dict(seeded_sampling=True, rollout_workers=1, rollout_address=f"127.0.0.1:{port}", rollout_secret=SECRET)
+    thread, raised = server_thread(tiny_cfg(tmp_path, **common, **server_settings), port)
+    cfg = tiny_cfg(tmp_path, **common)
+    with pytest.raises(RolloutWorkerLost, match=trainer_error):
+        RemoteSampler(model, tok, cfg, seeded=True, workers=1, timeout_s=20, address=cfg.rollout_address)
+    thread.join(20)
+    assert len(raised) == 1 and re.search(server_error, str(raised[0])), raised

@@ -170,12 +170,13 @@ def _serve(sock, rank: int, model, tokenizer, device: str | None, load: tuple | 
         model = model.to(device or options["device"]).eval()  # one GPU: shared by the trainer and its workers
         # routing_replay=rollout: the experts this worker's sampler chose travel in the rollout (Rollout.routing)
         recorder = record_routing if options["records"] else lambda sampler: None
-        sampler = Sampler(model, tokenizer, SimpleNamespace(**(own_settings or options["settings"])),
-                          seeded=options["seeded"], recorder=recorder, records=options["records"])
+        settings = own_settings or options["settings"]
+        sampler = Sampler(model, tokenizer, SimpleNamespace(**settings), seeded=options["seeded"], recorder=recorder,
+                          records=options["records"])
         if "rng" in setup.tensors:  # resumed: where the checkpointed run's worker stood
             torch.set_rng_state(setup.tensors["rng"])
         elif not options["seeded"]:  # its own stream, reproducible for a given seed
-            torch.manual_seed(options["settings"]["seed"] + 1000 * rank)
+            torch.manual_seed(settings["seed"] + 1000 * rank)
     except Exception:  # noqa: BLE001  (no engine, a model it cannot run): the trainer reports it and stops
         send(sock, "error", {"text": traceback.format_exc(limit=4)})
         return
@@ -254,8 +255,8 @@ def serve_rollouts(cfg, address: str, rank: int, start_timeout_s: float = START_
     try:
         _worker_main(rank, host, port, secret, None, None, device=cfg.device, load=load,
                      start_timeout_s=start_timeout_s, own_settings=sampler_settings(cfg))
-    except WireError as err:
-        raise ValueError(f"rollout-server: {err}") from None
+    except ValueError as err:  # the wire's, a config that differs from the trainer's, a model it cannot load
+        raise ValueError(f"rollout-server: {err}") from err
     except OSError as err:  # the connection broke: the trainer ended without a stop, or its machine vanished
         raise ValueError(f"rollout-server: lost the trainer at {address} ({err})") from None
 

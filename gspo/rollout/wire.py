@@ -156,7 +156,7 @@ def accept_peers(listener: socket.socket, secret: bytes, ranks: range, timeout_s
     `refused(line)` is called; `alive()` may raise to stop waiting (a spawned worker died). TimeoutError when
     `timeout_s` passes first. Handshakes run in threads of their own: a silent peer delays nobody."""
     results: queue.Queue = queue.Queue()
-    done = threading.Event()
+    done, slots = threading.Event(), threading.BoundedSemaphore(MAX_HANDSHAKES)
 
     def handshake(conn, peer):
         try:
@@ -170,7 +170,6 @@ def accept_peers(listener: socket.socket, secret: bytes, ranks: range, timeout_s
         if done.is_set():  # arrived after the waiting ended
             conn.close()
 
-    slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
     joined: dict[int, socket.socket] = {}
     listener.settimeout(0.05)
     deadline = time.monotonic() + timeout_s

@@ -145,6 +145,8 @@ class RemoteSampler:
             sent = self._broadcast(model)  # every worker starts from the policy's weights, checked on the probe
             self._check()
         except BaseException:
+            for process in self.processes:  # a worker still joining would wait for its start timeout
+                process.kill()
             self.close()
             raise
         self.started = True
