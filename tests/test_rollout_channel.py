@@ -319,9 +319,10 @@ def server_thread(cfg, port):
     ({"max_completion_length": 7}, r"starting the rollout workers: rollout worker 1 failed:\nthe trainer's sampling "
      r"settings differ from this rollout server's config \(max_completion_length: trainer 12, here 7\): start the "
      r"server with the trainer's config", r"^rollout-server: .*max_completion_length: trainer 12, here 7"),
-    ({"model_overrides": {**SMALL, "intermediate_size": 96}}, r"checking the broadcast weights: rollout worker 1 failed:"
-     r"\nrollout worker 1 refused a message: the broadcast weights do not fit this model: \{'float32': \d+\} values "
-     r"per dtype sent, this model has \{'float32': \d+\}", r"^rollout-server: the broadcast weights do not fit"),
+    ({"model_overrides": {**SMALL, "intermediate_size": 96}}, r"checking the broadcast weights: rollout worker 1 "
+     r"failed:\nrollout worker 1 refused a message: the broadcast weights do not fit this model: "
+     r"\{'float32': \d+\} values per dtype sent, this model has \{'float32': \d+\}",
+     r"^rollout-server: the broadcast weights do not fit"),
 ])
 def test_a_server_whose_config_differs_from_the_trainer_s_says_so_on_both_sides(tmp_path, server_settings,
                                                                                trainer_error, server_error):
