@@ -6,6 +6,8 @@
 Presets use the character tokenizer of `gspo.tasks`, are saved with `save_pretrained`, and
 reload with plain `AutoModelForCausalLM` / `AutoTokenizer`: nothing of ours is needed to read them.
 `seeded_model(settings)` is where every run starts: RNGs seeded, device chosen (`resolve_device`), model loaded.
+Before a model is built, gspo/model_checks.py refuses sizes below 1, weights the memory cannot hold and damaged
+weights files, each in one line.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from gspo.gguf import converted, is_gguf
 from gspo.given import is_marker, not_rebuildable
+from gspo.model_checks import check_config_json, check_memory, check_safetensors, check_sizes, mismatched_shapes
 from gspo.parallel import launched
 from gspo.tasks import build_char_tokenizer
 
@@ -86,6 +89,7 @@ def _build_config(config_cls, base: dict, overrides: dict):
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"overrides: unknown {config_cls.__name__} field(s) {unknown}")
+    check_sizes({**base, **overrides}, "model_overrides")  # before the config's own checks (a traceback)
     # Passed to the constructor (not set afterwards) so derived fields such as
     # Qwen3's layer_types follow a changed num_hidden_layers.
     return config_cls(**{**base, **overrides})
@@ -224,6 +228,7 @@ def _build_preset(name: str, seed: int, overrides: dict, attention_kwargs: dict)
 
     tokenizer = build_char_tokenizer()
     config = PRESETS[name](tokenizer, **overrides)
+    check_memory(config, 4, f"model {name!r}", "lower them in model_overrides")  # built in float32, below
     # Built on CPU in fp32 under a forked RNG: the same seed gives the same weights on any
     # device, and loading a model does not shift the caller's random stream.
     with torch.random.fork_rng(devices=[]):
@@ -241,7 +246,7 @@ def _looks_local(name: str) -> bool:
 
 
 def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool, attention_kwargs: dict):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = os.path.expanduser(name_or_path)
     if not os.path.exists(path) and _looks_local(name_or_path):
@@ -255,16 +260,36 @@ def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool, at
         return load_adapter(path, lambda base: _load_pretrained(base, torch_dtype, trust_remote_code, attention_kwargs))
     if os.path.exists(path) and adapter_only:
         raise ValueError(f"name_or_path {name_or_path!r}: no config.json there, not a saved model")
+    if os.path.isdir(path):  # a local checkpoint: sizes below 1, weights files cut short or not safetensors
+        check_config_json(path)
+        check_safetensors(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = _with_attention(lambda: AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **attention_kwargs), attention_kwargs)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        check_memory(config, _element_size(torch_dtype, config), f"model {os.path.join(path, 'config.json')}",
+                     "check its sizes")  # before anything is allocated
+        model, info = _with_attention(lambda: AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True,
+            ignore_mismatched_sizes=True, **attention_kwargs), attention_kwargs)  # mismatches: refused below
     except OSError as err:  # hub lookups offline, missing files: say what we were loading
         raise ValueError(
             f"name_or_path {name_or_path!r}: could not load model/tokenizer "
             f"(presets are {list(PRESETS)}): {err}"
         ) from err
+    if info.get("mismatched_keys"):  # a tensor whose shape the config does not give it
+        raise mismatched_shapes(path, info["mismatched_keys"])
     return model, tokenizer
+
+
+def _element_size(torch_dtype, config) -> float:
+    """Bytes per weight as loaded: the dtype asked for; "auto", the checkpoint's own (1 where unknown or
+    quantized, so that the estimate stays low)."""
+    if isinstance(torch_dtype, torch.dtype):
+        return torch_dtype.itemsize
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    own = DTYPES.get(own, own) if isinstance(own, str) else own
+    quantized = getattr(config, "quantization_config", None) is not None
+    return own.itemsize if isinstance(own, torch.dtype) and not quantized else 1
 
 
 def _fix_special_tokens(model, tokenizer) -> None:

@@ -22,7 +22,7 @@ import torch
 from gspo.checkpoint import clean_stale, remove_tree, umask_modes
 from gspo.config import OutputSettings
 from gspo.data.rows import stderr_line
-from gspo.tracking import METRICS_FILE, SAMPLES_FILE
+from gspo.tracking import METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR
 
 
 def save_model(model, tokenizer, path: Path, state_dict: dict | None = None) -> None:
@@ -33,8 +33,11 @@ def save_model(model, tokenizer, path: Path, state_dict: dict | None = None) -> 
 
 
 LOCK_FILE = ".gspo.lock"
+RUN_MARKER = ".gspo-run"  # written as a run starts: the folder holds a gspo run (prepare_output_dir)
 MERGED_DIR = "merged"  # a LoRA run's base with the adapters merged in (lora_save_merged)
 CRITIC_DIR = "critic"  # a PPO run's trained critic, beside its model (gspo.critic.save_value_model)
+OWN_NAMES = (METRICS_FILE, SAMPLES_FILE, "model", MERGED_DIR, CRITIC_DIR, TENSORBOARD_DIR, "wandb", "plots")
+"""What a run writes into its output_dir, besides checkpoint-<step>/ (plots/: `gspo train` draws them at the end)."""
 
 
 @contextmanager
@@ -102,7 +105,8 @@ def _holder(fd: int) -> str:
 
 
 def prepare_output_dir(output: OutputSettings, resuming: bool = False, *, resumable: bool = True) -> Path:
-    """The run's folder; an earlier run's files there are an error unless overwriting or resuming.
+    """The run's folder, marked as a gspo run's (RUN_MARKER); an earlier run's files there are an error unless
+    overwriting or resuming, and so is a folder holding files but no gspo run (`check_not_foreign`).
 
     Call it holding `run_lock`: it removes half-written checkpoints, which only a dead run leaves.
     `resumable`: the error suggests --resume (gspo train; not sft).
@@ -111,6 +115,8 @@ def prepare_output_dir(output: OutputSettings, resuming: bool = False, *, resuma
     clean_stale(out) if out.is_dir() else None  # half-written checkpoints of a killed run
     old = [out / METRICS_FILE, out / SAMPLES_FILE, out / CRITIC_DIR, *sorted(out.glob("checkpoint-*"))]
     old = [p for p in old if os.path.lexists(p)]  # a link to a checkpoint (even a dangling one) too
+    if not old and not os.path.lexists(out / RUN_MARKER):  # a run from before the marker has these files
+        check_not_foreign(out, output.overwrite_output_dir)
     if old and not resuming:
         if not output.overwrite_output_dir:
             resume = "continue it with --resume latest, " if resumable else ""
@@ -118,7 +124,27 @@ def prepare_output_dir(output: OutputSettings, resuming: bool = False, *, resuma
                              "output_dir, or set overwrite_output_dir=true to delete it")
         for path in old:
             remove_tree(path)  # a link goes, its target stays
+    out.mkdir(parents=True, exist_ok=True)
+    if not os.path.lexists(out / RUN_MARKER):
+        (out / RUN_MARKER).write_text(f"gspo run since {time.strftime('%Y-%m-%d %H:%M:%S')}; overwrite_output_dir "
+                                      "replaces only what gspo writes here\n")
     return out
+
+
+def check_not_foreign(out: Path, overwrite: bool) -> None:
+    """Refuse a folder that is not empty and holds no gspo run: always where gspo would write over an entry
+    (OWN_NAMES: a user's model/ is not an earlier run's to replace), else unless `overwrite` (gspo's files then
+    go beside the others, which stay untouched)."""
+    entries = sorted(p for p in out.iterdir() if p.name != LOCK_FILE) if out.is_dir() else []
+    named = [p.name + "/" * p.is_dir() for p in entries]
+    clash = [name for p, name in zip(entries, named) if p.name in OWN_NAMES]
+    if clash:
+        raise ValueError(f"output_dir {out} holds no gspo run, but gspo would write over its {', '.join(clash)}; "
+                         "move them, or choose another output_dir")
+    if entries and not overwrite:
+        shown = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+        raise ValueError(f"output_dir {out} is not empty and holds no gspo run ({shown}); choose a new or empty "
+                         "output_dir, or set overwrite_output_dir=true to write gspo's files beside these")
 
 
 class TrainingAborted(RuntimeError):

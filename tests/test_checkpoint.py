@@ -34,8 +34,9 @@ from gspo.checkpoint import (
     set_aside_damaged,
     verify_checkpoint,
 )
-from gspo.run import prepare_output_dir
+from gspo.run import LOCK_FILE, RUN_MARKER, prepare_output_dir
 from gspo.tasks import build_char_tokenizer
+from gspo.tracking import METRICS_FILE
 
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
             intermediate_size=64, tie_word_embeddings=True)
@@ -539,10 +540,73 @@ def test_a_linked_checkpoint_is_removed_as_a_link_never_its_target(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint-2", "checkpoint-3"]
     (run_dir / "checkpoint-5").symlink_to(archive / "checkpoint-2", target_is_directory=True)
     prepare_output_dir(tiny_cfg(tmp_path, overwrite_output_dir=True))
-    assert sorted(p.name for p in run_dir.iterdir()) == []
+    assert sorted(p.name for p in run_dir.iterdir()) == [RUN_MARKER]  # the marker of a gspo run, written at its start
     assert [p.name for p in list_checkpoints(archive)] == ["checkpoint-1", "checkpoint-2"]
     assert {p.name: p.read_bytes() for p in (archive / "checkpoint-1").iterdir()} == files
 
+
+
+def snapshot(folder) -> dict:
+    """Every file under `folder` (its path there -> its bytes)."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_folder_that_is_no_gspo_run_is_refused_where_gspo_would_write_over_its_files(tmp_path):
+    # Before: a user's model/README.md, model/config.json and plots/ were written over without a word.
+    run_dir = tmp_path / "run"
+    (run_dir / "model").mkdir(parents=True)
+    (run_dir / "model" / "README.md").write_text("my notes\n")
+    (run_dir / "model" / "config.json").write_text('{"mine": 1}')
+    (run_dir / "plots").mkdir()
+    (run_dir / "plots" / "mine.png").write_bytes(b"png")
+    files = snapshot(run_dir)
+    for overwrite in (False, True):  # overwrite_output_dir replaces a gspo run's files, never a user's
+        with pytest.raises(ValueError) as refused:
+            prepare_output_dir(tiny_cfg(tmp_path, overwrite_output_dir=overwrite))
+        assert str(refused.value) == (f"output_dir {run_dir} holds no gspo run, but gspo would write over its model/, "
+                                      "plots/; move them, or choose another output_dir")
+        assert snapshot(run_dir) == files
+
+
+def test_a_folder_of_other_files_takes_gspo_s_files_beside_them_only_with_overwrite(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "data").mkdir(parents=True)
+    (run_dir / "data" / "train.jsonl").write_text("{}\n")
+    (run_dir / "notes.txt").write_text("mine")
+    files = snapshot(run_dir)
+    with pytest.raises(ValueError) as refused:
+        prepare_output_dir(tiny_cfg(tmp_path))
+    assert str(refused.value) == (f"output_dir {run_dir} is not empty and holds no gspo run (data/, notes.txt); "
+                                  "choose a new or empty output_dir, or set overwrite_output_dir=true to write gspo's "
+                                  "files beside these")
+    assert snapshot(run_dir) == files
+    prepare_output_dir(tiny_cfg(tmp_path, overwrite_output_dir=True))
+    assert snapshot(run_dir).keys() == {*files, RUN_MARKER} and snapshot(run_dir).items() >= files.items()
+    # From now on it is a gspo run: its own files go on an overwrite, the user's stay.
+    (run_dir / METRICS_FILE).write_text('{"step": 1}\n')
+    small_run(run_dir, [1])
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl\)"):
+        prepare_output_dir(tiny_cfg(tmp_path))
+    prepare_output_dir(tiny_cfg(tmp_path, overwrite_output_dir=True))
+    assert snapshot(run_dir).keys() == {*files, RUN_MARKER} and snapshot(run_dir).items() >= files.items()
+
+
+def test_a_gspo_run_from_before_the_marker_is_still_a_run_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    small_run(run_dir, [1, 2])  # an older run: checkpoints and metrics, no marker
+    (run_dir / METRICS_FILE).write_text('{"step": 1}\n{"step": 2}\n')
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl\); continue it with --resume latest"):
+        prepare_output_dir(tiny_cfg(tmp_path))
+    assert not (run_dir / RUN_MARKER).exists()
+    assert prepare_output_dir(tiny_cfg(tmp_path, resume_from_checkpoint="latest"), resuming=True) == run_dir
+    assert (run_dir / RUN_MARKER).is_file() and resolve_resume("latest", run_dir) == run_dir / "checkpoint-2"
+    assert (run_dir / METRICS_FILE).read_text() == '{"step": 1}\n{"step": 2}\n'
+    # An empty folder, or one a run left only its lock in, is no one's: a run starts there.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / LOCK_FILE).write_text("pid 1 on elsewhere since long ago\n")
+    prepare_output_dir(tiny_cfg(tmp_path, output_dir=str(tmp_path / "empty")))
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == [RUN_MARKER, LOCK_FILE]
 
 def test_check_data_names_every_changed_file_and_what_changed():
     saved = {"data.jsonl": {"rows": 20, "sha256": "aa"}, "held.jsonl": {"rows": 4, "sha256": "bb"}}

@@ -95,3 +95,28 @@ def test_loss_options_are_checked_once_and_the_minibatch_loss_skips_the_checks()
     loss, _ = policy_loss(logp, bad, adv, mask, ref_logprobs=ref, **options)  # unchecked: the guard's business
     assert torch.isnan(loss)
 
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, SFTConfig])
+def test_every_duration_field_is_bounded_at_a_week(cls):
+    # rollout_timeout_s=1e15 was accepted and then overflowed a C timeout as the rollout worker started;
+    # every field named *_s (seconds) is bounded where the config is built, naming the field and the bound.
+    durations = [f.name for f in dataclasses.fields(cls) if f.name.endswith("_s")]
+    assert "reward_timeout_s" in durations
+    if cls is TrainConfig:
+        assert {"rollout_timeout_s", "tool_timeout_s", "dist_timeout_s"} <= set(durations)
+    base = {} if cls is TrainConfig else {"num_examples": 8}
+    for name in durations:
+        with pytest.raises(ValueError) as refused:
+            make_config(cls, {**base, name: 1e15})
+        assert str(refused.value) == f"config: {name}=1e+15 is more than a week (604800 s); lower it"
+        assert getattr(make_config(cls, {**base, name: 604800}), name) == 604800.0  # a week itself is fine
+
+
+def test_an_int_too_large_for_a_float_field_is_a_config_error():
+    with pytest.raises(ValueError) as refused:  # float(10**400): an OverflowError before
+        make_config(TrainConfig, {"rollout_timeout_s": 10**400})
+    assert str(refused.value) == "config: rollout_timeout_s=100000... (401 digits) is too large for a float"
+    with pytest.raises(ValueError) as refused:
+        make_config(TrainConfig, {"learning_rate": -(10**5000)})
+    assert str(refused.value) == "config: learning_rate=-100000... (5001 digits) is too large for a float"

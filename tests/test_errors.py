@@ -515,6 +515,20 @@ def test_output_dir_that_is_a_file(capsys, tmp_path):
     assert status == 2 and (tmp_path / "run").read_text() == "not a folder"
 
 
+
+def test_an_output_dir_of_a_user_s_files_is_refused_in_one_line_and_left_as_it_was(capsys, tmp_path):
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "README.md").write_text("my notes\n")
+    (run / "model" / "config.json").write_text('{"mine": 1}')
+    (run / "plots").mkdir()
+    status, err = run_cli(capsys, tmp_path, "overwrite_output_dir=true")
+    one_line_error(err, rf"output_dir {re.escape(str(run))} holds no gspo run, but gspo would write over its model/, "
+                        r"plots/; move them, or choose another output_dir$")
+    assert status == 2
+    assert (run / "model" / "README.md").read_text() == "my notes\n" and (run / "model" / "config.json").read_text() \
+        == '{"mine": 1}' and sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "model", "plots"]
+
 def test_output_dir_that_cannot_be_written(capsys, tmp_path):
     if os.geteuid() == 0:
         target = "/sys/gspo-test-run"  # sysfs refuses folders even to root
@@ -719,3 +733,23 @@ def test_fuzz_dataset_lines_give_rows_or_one_line(tmp_path, content, suffix):
         assert_one_line(err)
     else:
         assert rows and all(isinstance(r["prompt"], str) and r["prompt"] for r in rows)
+
+
+# ------------------------------------------------------------------------------- reward values
+def test_a_reward_value_that_cannot_be_read_as_a_float_is_named():
+    from gspo.data.rewards import score_completions
+
+    class Unreadable(float):  # a float whose own conversion fails (a lazy value, a proxy)
+        def __float__(self):
+            raise RuntimeError("cannot evaluate")
+
+    def lazy_score(prompts, completions, **_):
+        return [1.0, Unreadable(2.0)]
+
+    with pytest.raises(ValueError) as refused:
+        score_completions([lazy_score], None, ["1+1=", "2+2="], ["2", "4"], {})
+    assert str(refused.value) == ("reward function 'lazy_score' returned Unreadable at sample 1 (prompt='2+2=', "
+                                  "completion='4'), which cannot be read as a float (RuntimeError: cannot evaluate); "
+                                  "return None for 'no opinion', or set drop_bad_rewards to drop such samples")
+    total, raw = score_completions([lazy_score], None, ["1+1=", "2+2="], ["2", "4"], {}, drop_bad=True)
+    assert total[0].item() == 1.0 and torch.isnan(total[1]) and torch.isnan(raw["lazy_score"][1])

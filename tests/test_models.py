@@ -1,7 +1,11 @@
 """Tests for gspo.models: presets, loading, pad/eos handling and untruncated sampling."""
 
+import json
 import logging
 import random
+import re
+import struct
+import time
 
 import numpy as np
 import pytest
@@ -9,6 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gspo.config import TrainConfig, make_config
+from gspo.gguf import check_gguf
+from gspo.model_checks import available_memory, parameter_bytes
 from gspo.models import PRESETS, count_parameters, is_moe, load_model, resolve_device, seeded_model
 from gspo.tasks import build_char_tokenizer
 
@@ -302,3 +308,140 @@ def test_seeded_model_seeds_every_rng_and_builds_the_preset():
                       next(model.parameters()).flatten()[:4].tolist()))
     assert device == torch.device("cpu") and tok.pad_token_id is not None
     assert draws[0] == draws[1]
+
+
+# ------------------------------------------------------------------------------- sizes, memory, damaged model files
+def saved_tiny(folder):
+    """A tiny-dense (SMALL) saved to `folder` with its tokenizer; returns the folder."""
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def edit_config(folder, **values):
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+    return path
+
+
+def refusal(call) -> str:
+    """The one-line ValueError message `call()` raises."""
+    with pytest.raises(ValueError) as refused:
+        call()
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
+def test_parameter_bytes_is_the_hand_derived_count_without_the_norms(dense, moe):
+    # Embeddings (once when tied), attention and MLP (or router + experts); norms (1,408 here) are left out.
+    assert parameter_bytes(dense[0].config, 4) == (601_600 - 1_408) * 4
+    assert parameter_bytes(moe[0].config, 2) == (998_912 - 1_408) * 2
+    from transformers import Qwen3Config
+
+    untied = Qwen3Config(vocab_size=10, hidden_size=8, num_hidden_layers=1, intermediate_size=16, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=4, tie_word_embeddings=False)
+    embed, attention, mlp = 2 * 10 * 8, 8 * 2 * 4 + 2 * 8 * 1 * 4 + 2 * 4 * 8, 3 * 8 * 16  # q, k + v, o; gate, up, down
+    assert parameter_bytes(untied, 4) == (embed + attention + mlp) * 4 == 2_944
+
+
+def test_a_model_too_large_for_memory_is_refused_before_it_is_built():
+    # Before: built layer by layer until the process died (36 s to a 5 GB limit, then a traceback).
+    if available_memory() is None:
+        pytest.skip("neither psutil nor /proc/meminfo here: the check is skipped")
+    H, L = 100_000, 100_000
+    need = (81 * H + L * (H * 4 * 32 + 2 * H * 2 * 32 + 4 * 32 * H + 3 * H * 256)) * 4  # embed; q, k + v, o; MLP
+    started = time.monotonic()
+    message = refusal(lambda: load_model("tiny-dense", overrides={"num_hidden_layers": L, "hidden_size": H}))
+    assert re.fullmatch(rf"model 'tiny-dense': its weights alone need about {need / 2**30:.1f} GiB \(estimated from "
+                        r"vocab_size=81, hidden_size=100000, num_hidden_layers=100000, intermediate_size=256\), more "
+                        r"than the [\d.]+ GiB of memory available; lower them in model_overrides", message), message
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("overrides, named", [({"hidden_size": -1}, "hidden_size=-1"),
+                                              ({"num_hidden_layers": -3}, "num_hidden_layers=-3"),
+                                              ({"num_hidden_layers": 0, "hidden_size": 0},
+                                               "hidden_size=0, num_hidden_layers=0")])
+def test_sizes_below_one_are_refused_naming_them(overrides, named):
+    assert refusal(lambda: load_model("tiny-dense", overrides=overrides)) == f"model_overrides: {named} must be > 0"
+
+
+def test_a_config_json_with_bad_sizes_is_refused_naming_the_file(tmp_path):
+    folder = saved_tiny(tmp_path / "model")
+    path = edit_config(folder, hidden_size=-1, num_hidden_layers=-3)
+    assert refusal(lambda: load_model(str(folder))) == f"model {path}: hidden_size=-1, num_hidden_layers=-3 must be > 0"
+    path = edit_config(folder, hidden_size=128, num_hidden_layers=2, vocab_size=10**10)
+    if available_memory() is not None:
+        assert re.fullmatch(rf"model {re.escape(str(path))}: its weights alone need about [\d.]+ GiB \(estimated from "
+                            r"vocab_size=10000000000, hidden_size=128, num_hidden_layers=2, intermediate_size=256\), "
+                            r"more than the [\d.]+ GiB of memory available; check its sizes",
+                            refusal(lambda: load_model(str(folder))))
+    path.write_text("{not json")
+    assert refusal(lambda: load_model(str(folder))).startswith(f"model {path}: not a JSON object (")
+
+
+def test_a_damaged_safetensors_file_is_named_with_what_is_wrong(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = saved_tiny(tmp_path / "model")
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])  # an interrupted copy
+    assert refusal(lambda: load_model(str(folder))) == (
+        f"model file {weights}: cut short ({len(whole) // 2} of the {len(whole)} bytes its header describes); "
+        "copy or download it again")
+    weights.write_bytes(b"garbage" * 3)
+    assert refusal(lambda: load_model(str(folder))) == (
+        f"model file {weights}: not a safetensors file (its header would take 7450474826515505511 bytes of its 21)")
+    weights.write_bytes(whole)
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(7, 5)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert refusal(lambda: load_model(str(folder))) == (
+        f"model file {weights}: model.layers.0.mlp.up_proj.weight has shape (7, 5), but {folder / 'config.json'} "
+        "makes it (256, 128)")
+
+
+def gguf_header(version: int = 3, tensors: int = 0, entries: int = 0) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, tensors, entries)  # magic, version, tensor and metadata counts
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"", "is empty"),
+    (b"this is not a gguf file\n" * 4, "is not a GGUF file (it starts with b'this', not b'GGUF')"),
+    (gguf_header()[:10], "is cut short (10 bytes; a GGUF header alone takes 24)"),
+    (gguf_header(tensors=2**60), "claims 1152921504606846976 tensors and 0 metadata entries, more than its 24 bytes "
+                                 "can hold"),
+    (gguf_header(tensors=3, entries=2) + bytes(40), "claims 3 tensors and 2 metadata entries, more than its 64 bytes "
+                                                    "can hold"),
+])
+def test_a_damaged_gguf_file_is_named_with_what_is_wrong(tmp_path, monkeypatch, content, problem):
+    monkeypatch.setenv("GSPO_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    assert refusal(lambda: load_model(str(path))) == f"model {str(path)!r}: {problem}"
+    assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_a_gguf_file_cut_in_its_tensors_is_named(tmp_path, monkeypatch):
+    gguf = pytest.importorskip("gguf")
+    monkeypatch.setenv("GSPO_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list(["a", "bc", "<s>"] * 50)  # metadata of every kind the parser skips: strings, arrays
+    writer.add_token_scores([0.5] * 150)
+    writer.add_custom_alignment(64)
+    writer.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    check_gguf(path, gguf.GGML_QUANT_SIZES)  # whole: passes
+    end = max(t.data_offset + t.n_bytes for t in gguf.GGUFReader(path).tensors)  # gguf's own reading
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-100])  # an interrupted download: the header whole, the last tensors not
+    assert refusal(lambda: load_model(str(path))) == (
+        f"model {str(path)!r}: is cut short ({len(whole) - 100} bytes; its tensors end at byte {end}); "
+        "copy or download it again")

@@ -13,6 +13,7 @@ import difflib
 import inspect
 import math
 import re
+import sys
 import textwrap
 import types
 import typing
@@ -57,11 +58,25 @@ def validate(cfg) -> None:
     their registries), imported inside the checks so that `import gspo.config` stays free of torch. A config
     class with no registered check (gspo.lab.LabConfig) brings its own `validate` method.
     """
+    check_durations(cfg)
     if type(cfg) not in CHECKS:
         return cfg.validate()
     for cls in sections(type(cfg)):
         if cls in CHECKS:
             CHECKS[cls](cfg if cls is type(cfg) else section(cfg, cls))
+
+
+MAX_DURATION_S = 7 * 24 * 3600
+"""The longest any duration field (a name ending in _s: seconds) may be: a week. Beyond ~9e9 s a timeout no
+longer fits the C types that threads, sockets and process groups wait with (an OverflowError mid-run)."""
+
+
+def check_durations(cfg) -> None:
+    """ValueError for a field named *_s (a duration in seconds) above MAX_DURATION_S, naming it and the bound."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name.endswith("_s") and isinstance(value, (int, float)) and value > MAX_DURATION_S:
+            raise ValueError(f"config: {f.name}={value:g} is more than a week ({MAX_DURATION_S} s); lower it")
 
 
 def coerce_fields(cfg) -> None:
@@ -253,6 +268,15 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+_FLOAT_MAX = sys.float_info.max
+
+
+def _digits(value: int) -> str:
+    """A huge int for a message, by its first digits and its length (str() refuses ints of over 4300 digits)."""
+    digits = math.floor(math.log10(abs(value))) + 1  # log10 takes ints of any size
+    return f"{'-' if value < 0 else ''}{abs(value) // 10 ** (digits - 6)}... ({digits} digits)"
+
+
 def _coerce(key: str, value, tp):
     """Check `value` against annotation `tp`; ints are accepted for floats."""
     options = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
@@ -269,6 +293,8 @@ def _coerce(key: str, value, tp):
             except ValueError:
                 pass
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, int) and not -_FLOAT_MAX <= value <= _FLOAT_MAX:  # float(value): an OverflowError
+                raise ValueError(f"config: {key}={_digits(value)} is too large for a float")
             if not math.isfinite(value):
                 raise ValueError(f"config: {key}={value!r} must be a finite number")
             return float(value)

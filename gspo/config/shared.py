@@ -54,7 +54,8 @@ class OutputSettings:
     output_dir: str = "runs/gspo"
     """Where metrics, samples, plots and the final model are written."""
     overwrite_output_dir: bool = False
-    """Start afresh in an output_dir that holds a run (deleting its metrics, checkpoints); false: error."""
+    """Start afresh in an output_dir that holds a run (deleting its metrics, checkpoints); false: error. A folder
+    of other files (no gspo run) takes a run beside them only with it set, never where gspo would write over one."""
 
 
 @dataclass

@@ -187,17 +187,14 @@ def score_completions(
                     f"reward function {name!r} returned {type(value).__name__} at sample {i}; "
                     "expected a float or None"
                 )
-            elif not abs(value) <= _F32_MAX:  # NaN, inf, or beyond float32 (1e39, 10**400): compared, not converted
-                if not drop_bad:
-                    where = _sample(i, prompts, completions)
-                    problem = (f"returned non-finite {value} at {where}" if _is_nonfinite(value)
-                               else f"returned {_show(value)} at {where}, {_BEYOND}")
-                    raise ValueError(f"reward function {name!r} {problem}; return None for 'no opinion', or set "
-                                     "drop_bad_rewards to drop such samples")
+            elif isinstance(converted := _as_float(value), float) and abs(converted) <= _F32_MAX:
+                values.append(converted)
+            elif drop_bad:  # NaN, inf, beyond float32 (1e39, 10**400), or a value float() fails on
                 values.append(math.nan)
                 dropped[i] = True
             else:
-                values.append(float(value))
+                raise ValueError(f"reward function {name!r} {_bad_value(value, converted, i, prompts, completions)}; "
+                                 "return None for 'no opinion', or set drop_bad_rewards to drop such samples")
         raw[name] = torch.tensor(values, dtype=torch.float32)  # (N,) NaN where None
         weighted.append(torch.tensor(values, dtype=torch.float64) * float(weight))  # (N,)
     total64 = torch.nansum(torch.stack(weighted), dim=0)  # (N,) all-None samples sum to 0.0
@@ -214,6 +211,26 @@ def score_completions(
 
 _F32_MAX = float(torch.finfo(torch.float32).max)  # rewards are float32 tensors: a larger one would become inf
 _BEYOND = "beyond float32's range (|r| <= 3.4e+38)"
+
+
+def _as_float(value) -> float | BaseException | None:
+    """float(value); inf for an int beyond float's range; the exception where the value's own conversion fails."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+    except Exception as err:  # a value's own __float__ is user code: its error goes into the message
+        return err
+
+
+def _bad_value(value, converted, i: int, prompts, completions) -> str:
+    where = _sample(i, prompts, completions)
+    if isinstance(converted, BaseException):
+        return (f"returned {type(value).__name__} at {where}, which cannot be read as a float "
+                f"({type(converted).__name__}: {converted})")
+    if _is_nonfinite(value):
+        return f"returned non-finite {value} at {where}"
+    return f"returned {_show(value)} at {where}, {_BEYOND}"
 
 
 def _is_nonfinite(value) -> bool:

@@ -15,6 +15,7 @@ from torch import Tensor
 from transformers import LogitsProcessorList
 
 from gspo.logprobs import is_fsdp2
+from gspo.model_checks import available_memory
 from gspo.rollout import decode
 from gspo.rollout.batch import (
     Rollout,
@@ -356,17 +357,13 @@ def sampling_bytes(config, n: int, new_tokens: int, dtype_bytes: int) -> int:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory free for tensors on `device` (CUDA: free plus cached by torch; CPU: MemAvailable plus free
-    swap), or None where it cannot be read (then nothing is refused)."""
+    """Memory free for tensors on `device` (CUDA: free plus cached by torch; CPU: available RAM plus free swap,
+    `gspo.model_checks.available_memory`), or None where it cannot be read (then nothing is refused)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type == "cpu":
-        try:
-            fields = dict(line.split(":", 1) for line in open("/proc/meminfo", encoding="ascii").read().splitlines())
-            return sum(int(fields[key].split()[0]) * 1024 for key in ("MemAvailable", "SwapFree"))
-        except (OSError, KeyError, ValueError):  # not Linux
-            return None
+        return available_memory()
     return None
 
 
