@@ -53,6 +53,7 @@ from gspo.config.train import (
     TaskSettings,
     TrainConfig,
     rollout_secret,
+    split_address,
 )
 
 __all__ = ["CHECKS", "TRAIN_SECTIONS", "AdvantageSettings", "BatchSettings", "CheckpointSettings",
@@ -62,4 +63,5 @@ __all__ = ["CHECKS", "TRAIN_SECTIONS", "AdvantageSettings", "BatchSettings", "Ch
            "PrecisionSettings", "ProgressSettings", "RewardSettings", "RoutingSettings", "SFTConfig",
            "SFTTermSettings", "SamplingSettings", "TaskSettings", "TrainConfig", "check_choice", "check_positive",
            "checks", "coerce_fields", "config_help", "field_docs", "load_config", "make_config", "prefixed",
-           "renamed", "rollout_secret", "section", "sections", "to_dict", "validate"]
+           "renamed", "rollout_secret", "section", "sections", "split_address", "to_dict",
+           "validate"]

@@ -98,6 +98,17 @@ class SamplingSettings:
     """A file holding the run's secret (its first line), readable by its owner only (chmod 600)."""
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port" (an IPv6 host in brackets: "[::1]:29600"); a ValueError naming the setting
+    otherwise."""
+    host, _, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rollout_address={address!r}: expected host:port (e.g. 10.0.0.5:29600)")
+    return host, int(port)
+
+
 SECRET_ENV = "GSPO_ROLLOUT_SECRET"
 MIN_SECRET_CHARS = 16
 
@@ -163,8 +174,6 @@ def _check_sampling(s: SamplingSettings) -> None:
                          "processes; set rollout_workers: 1 (sampler_lag simulates staleness in one process)")
     check_positive(s, "rollout_timeout_s")
     if s.rollout_address is not None:
-        from gspo.rollout.serve import split_address
-
         prefixed(split_address, s.rollout_address)
         if not s.rollout_workers:
             raise ValueError(f"config: rollout_address={s.rollout_address!r} waits for rollout servers; set "

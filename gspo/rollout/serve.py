@@ -34,17 +34,6 @@ SECRETS = ("rollout_secret", "rollout_secret_file")  # never sent: a worker has 
 PLUMBING = ("rollout_workers", "rollout_timeout_s", "max_staleness", "rollout_address", *SECRETS)
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """("host", port) of "host:port" (an IPv6 host in brackets: "[::1]:29600"); a ValueError naming the setting
-    otherwise."""
-    host, _, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"rollout_address={address!r}: expected host:port (e.g. 10.0.0.5:29600)")
-    return host, int(port)
-
-
 def sent_parameters(model, trained_only: bool) -> list:
     """The parameters a weight broadcast carries, in order (tied ones once): all of them, or (`trained_only`, every
     broadcast after the first) those the optimizer changes: with LoRA the adapters, the frozen base went once."""
@@ -242,7 +231,7 @@ def serve_rollouts(cfg, address: str, rank: int, start_timeout_s: float = START_
     (`rollout_secret(cfg)`), loads the run's model as `cfg` says (the trainer's config: the same architecture and
     sampling settings; the weights come from the trainer) and samples on its own device (cfg.device) until the
     trainer stops it. Every failure is a ValueError in one line."""
-    from gspo.config import LoraSettings, ModelSettings, rollout_secret, section
+    from gspo.config import LoraSettings, ModelSettings, rollout_secret, section, split_address
 
     if not 1 <= rank <= cfg.rollout_workers:
         raise ValueError(f"rollout-server: --rank {rank} must be in 1..rollout_workers={cfg.rollout_workers}")
@@ -262,4 +251,4 @@ def serve_rollouts(cfg, address: str, rank: int, start_timeout_s: float = START_
 
 
 __all__ = ["START_TIMEOUT_S", "check_fit", "flat_weights", "load_flat_weights", "on_device", "probe_logprobs",
-           "sampler_settings", "serve_rollouts", "split_address"]
+           "sampler_settings", "serve_rollouts"]

@@ -42,7 +42,6 @@ from gspo.rollout.serve import (
     on_device,
     probe_logprobs,
     sampler_settings,
-    split_address,
 )
 from gspo.rollout.wire import DTYPE_NAMES, Peer, WireError, accept_peers, listen
 
@@ -71,9 +70,7 @@ class RemoteSampler:
     def __init__(self, model, tokenizer, cfg, *, seeded: bool, workers: int, timeout_s: float = 300.0,
                  version: int = 0, rng: list | None = None, address: str | None = None, records: bool = False,
                  trainer_rank: int = 0):
-        import torch.multiprocessing as mp
-
-        from gspo.config import LoraSettings, ModelSettings, rollout_secret, section
+        from gspo.config import LoraSettings, ModelSettings, rollout_secret, section, split_address
         from gspo.given import is_marker
         from gspo.logprobs import is_fsdp2
         from gspo.rollout.batch import pad_id
@@ -116,22 +113,7 @@ class RemoteSampler:
         self.processes, self.peers, self.refused, self.lost = [], {}, 0, None  # lost: once a worker is
         t0 = time.perf_counter()
         try:
-            for rank in range(1, workers + 1 if address is None else 1):
-                copied = None if load else copy.deepcopy(model).cpu()  # the architecture (through shared memory)
-                process = mp.get_context("spawn").Process(  # the secret travels in the spawn pipe, never on a socket
-                    target=_worker_main, name=f"gspo-rollout-worker-{rank}", daemon=True,
-                    args=(rank, host, listener.getsockname()[1], secret, copied, tokenizer, None, load))
-                process.start()
-                self.processes.append(process)
-            waiting = f"waiting at {address} for {workers} rollout server(s)" if address else "starting the workers"
-            try:
-                socks = accept_peers(listener, secret, range(1, workers + 1), max(timeout_s, START_TIMEOUT_S),
-                                     alive=lambda: self._dead(waiting), refused=self._refuse)
-            except TimeoutError as err:
-                raise self._lose(f"{waiting}: {err}" + (f" ({self.refused} refused)" if self.refused else "")) from None
-            finally:
-                listener.close()  # nobody else joins this run
-            self.peers = {rank: Peer(sock, TO_TRAINER) for rank, sock in sorted(socks.items())}
+            self.peers = self._join(listener, secret, address, None if address else (model, tokenizer, load))
             self.parts: dict[int, dict[int, int]] = {}  # step -> {worker: sequences asked for}, in row order
             self.asked_version: dict[int, int] = {}  # step -> the weights' version when its prompts were sent
             self.arrived: dict[tuple[int, int], tuple] = {}  # (step, worker) -> (rollout, rng), not handed out yet
@@ -153,6 +135,29 @@ class RemoteSampler:
         self.start_s = time.perf_counter() - t0
         self.waited, self.mark = 0.0, time.perf_counter()
         self.worker_busy = [busy for _, busy, _ in sent["answers"]]  # seconds each worker spent working so far
+
+    def _join(self, listener, secret: bytes, address: str | None, spawn: tuple | None) -> dict:
+        """{rank: Peer} of every worker, once each proved `secret` at `listener` (closed then: nobody else joins
+        this run); `spawn`: (model, tokenizer, load) to start the workers from, None: servers started elsewhere."""
+        import torch.multiprocessing as mp
+
+        for rank in range(1, self.workers + 1 if spawn else 1):
+            model, tokenizer, load = spawn
+            copied = None if load else copy.deepcopy(model).cpu()  # the architecture (through shared memory)
+            process = mp.get_context("spawn").Process(  # the secret travels in the spawn pipe, never on a socket
+                target=_worker_main, name=f"gspo-rollout-worker-{rank}", daemon=True,
+                args=(rank, "127.0.0.1", listener.getsockname()[1], secret, copied, tokenizer, None, load))
+            process.start()
+            self.processes.append(process)
+        waiting = f"waiting at {address} for {self.workers} rollout server(s)" if address else "starting the workers"
+        try:
+            socks = accept_peers(listener, secret, range(1, self.workers + 1), max(self.timeout_s, START_TIMEOUT_S),
+                                 alive=lambda: self._dead(waiting), refused=self._refuse)
+        except TimeoutError as err:
+            raise self._lose(f"{waiting}: {err}" + (f" ({self.refused} refused)" if self.refused else "")) from None
+        finally:
+            listener.close()
+        return {rank: Peer(sock, TO_TRAINER) for rank, sock in sorted(socks.items())}
 
     def _refuse(self, line: str) -> None:
         self.refused += 1
