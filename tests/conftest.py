@@ -6,6 +6,7 @@ import gets this very module rather than a second copy.
 """
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,13 @@ def gspo_env(*paths, **extra: str) -> dict:
     python_path = [*map(str, paths), str(ROOT), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(p for p in python_path if p), **extra}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 just now (for a rollout_address)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def gspo_argv(*args, nproc: int = 1) -> list[str]:

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from conftest import SMALL, read_metrics, tiny_cfg
+from conftest import SMALL, free_port, read_metrics, tiny_cfg
 from gspo.config import LoraSettings, ModelSettings, section
 from gspo.models import load_model
 from gspo.rollout import Sampler
@@ -29,12 +29,6 @@ from test_wire import dropped, listening
 
 SECRET = "the secret of this test's runs"
 PROMPTS = ["12+34=", "5+6=", "70+8="]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def forward(source, sink, kinds, tamper=None) -> None:

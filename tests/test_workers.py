@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import SMALL, SMALL_MOE, final_weights, gspo_argv, gspo_env, read_metrics, tiny_cfg
+from conftest import SMALL, SMALL_MOE, final_weights, free_port, gspo_argv, gspo_env, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, load_config
 from gspo.models import load_model
 from gspo.rollout import Sampler
@@ -30,11 +30,6 @@ from gspo.trainer import train
 PROMPTS = ["12+34=", "5+6=", "70+8="]
 SECRET = "a secret of this test's run"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 pytestmark = pytest.mark.slow  # each test spawns a worker (a fresh interpreter importing torch)
 

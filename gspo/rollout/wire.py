@@ -43,7 +43,6 @@ HANDSHAKE_TIMEOUT_S = 10.0  # the longest either side waits for the other's next
 MAX_HEADER_BYTES = 1 << 26  # 64 MiB of JSON (a step's prompts and data rows)
 MAX_TENSORS = 64
 MAX_HANDSHAKES = 32  # connections proving themselves at once; more are closed unread
-MIN_SECRET_CHARS = 16
 ACCEPTED, RANK_TAKEN, RANK_UNKNOWN = 1, 2, 3  # the listener's last handshake byte
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
@@ -80,15 +79,6 @@ class Message:
     kind: str
     fields: dict
     tensors: dict  # name -> Tensor (on the CPU)
-
-
-def resolve_secret(text: str, where: str) -> bytes:
-    """The secret's key bytes; a ValueError naming `where` if it is too short to protect anything."""
-    text = text.strip()
-    if len(text) < MIN_SECRET_CHARS:
-        raise ValueError(f"{where}: the run's secret must be at least {MIN_SECRET_CHARS} characters (e.g. the output "
-                         "of: python -c 'import secrets; print(secrets.token_hex(32))')")
-    return text.encode()
 
 
 def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -450,4 +440,4 @@ def _shutdown(sock: socket.socket, how: int) -> None:
 
 
 __all__ = ["Closed", "Kind", "Message", "Peer", "WireError", "accept_peers", "connect", "listen", "parse_header",
-           "recv", "resolve_secret", "send"]
+           "recv", "send"]
