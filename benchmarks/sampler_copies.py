@@ -32,9 +32,9 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    from gspo.algo.correction import mismatch_metrics, mismatch_moments
+    from gspo.algo.logprobs import completion_logprobs
     from gspo.config import TrainConfig, make_config
-    from gspo.correction import mismatch_metrics, mismatch_moments
-    from gspo.logprobs import completion_logprobs
     from gspo.models import count_parameters, seeded_model
     from gspo.rollout import Sampler
 

@@ -2,7 +2,7 @@
 
     python benchmarks/sandbox_cost.py --baseline bbf266e --rounds 6 --runs 20
 
-Each process imports its tree's gspo.data.sandbox, does one run as warm-up, then `--runs` runs of a
+Each process imports its tree's gspo.sandbox.runner, does one run as warm-up, then `--runs` runs of a
 correct two-line program against two asserts (each must pass), one after another, and reports the
 median and the total wall seconds per run. Rounds alternate the order of the sides. Since issue 31 a
 run is two sandboxed interpreters (the program's and the judge's) plus a memory cgroup where one can
@@ -26,7 +26,7 @@ TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\n"
 
 def cost(spec: dict) -> dict:
     sys.path.insert(0, spec["tree"])
-    from gspo.data.sandbox import run_sandboxed
+    from gspo.sandbox.runner import run_sandboxed
 
     run_sandboxed(PROGRAM, TESTS, sandbox=spec["sandbox"])  # warm-up (probes the boundary)
     seconds = []

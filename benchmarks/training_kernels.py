@@ -36,7 +36,7 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")  # cold: nothing compiled before
     import torch
 
-    from gspo.logprobs import completion_logprobs
+    from gspo.algo.logprobs import completion_logprobs
     from gspo.models import load_model
 
     torch.set_num_threads(args.threads)

@@ -28,13 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, table, write_result  # noqa: E402
-from gspo.bench import forward_flops, matmul_params, peak_matmul_rates  # noqa: E402
+from gspo.apps.bench import forward_flops, matmul_params, peak_matmul_rates  # noqa: E402
 
 # ~50M parameters: 16 layers of hidden 512 (8 query / 4 kv heads of 64, MLP 1536) on the character vocabulary
 LARGE = dict(hidden_size=512, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
              intermediate_size=1536, max_position_embeddings=1024)
 MODELS = {
-    # the demo's RL settings (gspo/demo.py DEMO_RL) on the tiny-dense preset
+    # the demo's RL settings (gspo/apps/demo.py DEMO_RL) on the tiny-dense preset
     "demo": dict(overrides=None, B=16, G=8, M=4, T=48),
     "50m": dict(overrides=LARGE, B=4, G=4, M=4, T=64),
 }

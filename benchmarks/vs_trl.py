@@ -105,8 +105,8 @@ def cold_start(work_dir: Path, sft_steps: int) -> tuple[str, dict]:
     info_path = work_dir / "cold_start" / "info.json"
     if (model_dir / "config.json").is_file() and info_path.is_file():
         return str(model_dir), json.loads(info_path.read_text())
+    from gspo.apps.demo import DEMO_SFT
     from gspo.config import SFTConfig, make_config
-    from gspo.demo import DEMO_SFT
     from gspo.sft import sft
 
     cfg = make_config(SFTConfig, {**DEMO_SFT, "max_steps": sft_steps, "seed": 0, "progress": False,
@@ -128,7 +128,7 @@ def run_gspo(spec: dict) -> dict:
     stamps, records, gen_s, first_prompts, eval_starts = {}, {}, [], [], []
     from gspo.data.source import SingleTask
     from gspo.rollout import Sampler  # the trainer's rollout sampler only
-    from gspo.rollout.workers import RemoteSampler
+    from gspo.rollout.remote.client import RemoteSampler
 
     original_log, original_generate, original_evaluate = tracking.MetricsLogger.log, Sampler.sample, SingleTask.evaluate
 

@@ -5,8 +5,8 @@ Two answers to one prompt, the second twice as long; the policy moved a little s
 
 import torch
 
-from gspo.advantages import group_advantages
-from gspo.objectives import policy_loss
+from gspo.algo.advantages import group_advantages
+from gspo.algo.objectives import policy_loss
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 import sys
 
-from gspo.cli import main
+from gspo.apps.cli import main
 
 sys.exit(main())

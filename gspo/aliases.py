@@ -103,8 +103,8 @@ that comes with its own (cispo: token_mean; sapo: seq_mean_token_mean, TRL's too
 LOSS_TYPES_REFUSED = {
     "bnpo": "it normalises by each process's own token count; gspo's token_mean counts the whole step's "
             "tokens across processes (TRL's dapo): use loss_type: dapo",
-    "luspo": "gspo has no LUSPO objective (register one with gspo.objectives.register_objective)",
-    "vespo": "gspo has no VESPO objective (register one with gspo.objectives.register_objective)",
+    "luspo": "gspo has no LUSPO objective (register one with gspo.algo.objectives.register_objective)",
+    "vespo": "gspo has no VESPO objective (register one with gspo.algo.objectives.register_objective)",
 }
 """TRL loss types whose meaning gspo lacks -> the hint."""
 
@@ -131,7 +131,7 @@ def _loss_type(value, values: dict, defaults: dict) -> dict:
         raise ValueError(f"config: loss_type={value!r} (TRL): {LOSS_TYPES_REFUSED[value]}")
     key, gspo_value = _choose("loss_type", value, LOSS_TYPES)
     if key == "aggregation":  # the objective it aggregates must accept it (GSPO: only a mean over sequences)
-        from gspo.objectives import OBJECTIVES, check_aggregation
+        from gspo.algo.objectives import OBJECTIVES, check_aggregation
 
         level = values.get("importance_sampling_level")
         objective = SAMPLING_LEVELS.get(level) or values.get("objective", defaults["objective"])

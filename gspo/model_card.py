@@ -99,7 +99,7 @@ def model_card(config: dict, *, kind: str, evals: dict | None = None, metrics: d
 
 def write_model_card(folder: Path, config: dict, **details) -> Path:
     """Write `model_card(config, **details)` as folder/README.md; returns its path."""
-    from gspo import __version__
+    from gspo.version import __version__
 
     path = Path(folder) / CARD_FILE
     path.write_text(model_card(config, version=__version__, **details), encoding="utf-8")

@@ -23,7 +23,7 @@ import torch
 from gspo.gguf import converted, is_gguf
 from gspo.given import is_marker, not_rebuildable
 from gspo.model_checks import check_config_json, check_memory, check_safetensors, check_sizes, mismatched_shapes
-from gspo.parallel import launched
+from gspo.plugs.parallel import launched
 from gspo.tasks import build_char_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool, at
         )
     adapter_only = not os.path.isfile(os.path.join(path, "config.json"))
     if adapter_only and os.path.isfile(os.path.join(path, "adapter_config.json")):
-        from gspo.lora import load_adapter  # a LoRA run's output_dir/model: base + adapter, merged
+        from gspo.plugs.lora import load_adapter  # a LoRA run's output_dir/model: base + adapter, merged
 
         return load_adapter(path, lambda base: _load_pretrained(base, torch_dtype, trust_remote_code, attention_kwargs))
     if os.path.exists(path) and adapter_only:

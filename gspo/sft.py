@@ -1,7 +1,7 @@
 """Cold-start supervised fine-tuning: teach the answer format on prompt/answer pairs.
 
 The loss is the NLL of the answer tokens (and the closing EOS) only; prompt tokens are
-context. The encoding is gspo/supervised.py's, shared with the RL run's sft_coef term. With
+context. The encoding is gspo/plugs/supervised.py's, shared with the RL run's sft_coef term. With
 `target_accuracy` the run stops as soon as greedy held-out accuracy reaches it, so the cold
 start is partial by design and RL has something left to learn.
 """
@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
+from gspo.algo.schedules import lr_schedule
 from gspo.config import ModelSettings, OutputSettings, SFTConfig, section, to_dict
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.rewards import reward_spec
 from gspo.data.rows import config_splits
 from gspo.model_card import write_model_card
 from gspo.models import seeded_model
+from gspo.plugs.supervised import collate, encode_pairs, labelled_nll
 from gspo.rollout import pad_id
-from gspo.run import Progress, prepare_output_dir, run_lock, save_model
-from gspo.schedules import lr_schedule
-from gspo.supervised import collate, encode_pairs, labelled_nll
+from gspo.runtime import Progress, prepare_output_dir, run_lock, save_model
 from gspo.tracking import MetricsLogger
 
 

@@ -3,7 +3,7 @@
     rollout --gather_scores--> Scores (N,) --prepare--> Batch (pi_old, pi_ref, advantages, minibatch plan)
             --Learner.update x M x epochs--> per-minibatch stats --step_metrics--> one metrics line
 
-Every stage works on this rank's rows and asks the Topology (gspo/parallel.py) for the little it
+Every stage works on this rank's rows and asks the Topology (gspo/plugs/parallel.py) for the little it
 needs from other ranks; in one process each of those calls is the identity.
 """
 
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gspo.advantages import group_stats
+from gspo.algo.advantages import group_stats
+from gspo.algo.correction import behaviour_weights, correction_units, mismatch_metrics, mismatch_moments
+from gspo.algo.logprobs import completion_logprobs
+from gspo.algo.objectives import check_loss_options, policy_loss, stat_units
 from gspo.config import BatchSettings, CorrectionSettings, ObjectiveSettings, PrecisionSettings
-from gspo.correction import behaviour_weights, correction_units, mismatch_metrics, mismatch_moments
-from gspo.logprobs import completion_logprobs
-from gspo.objectives import check_loss_options, policy_loss, stat_units
-from gspo.parallel import Part, Topology
-from gspo.plugs import AuxiliaryTerm, Baseline, Reference, Routing
+from gspo.plugs.parallel import Part, Topology
+from gspo.plugs.protocols import AuxiliaryTerm, Baseline, Reference, Routing
 from gspo.rollout import Rollout
 
 
@@ -77,7 +77,7 @@ def prepare(rollout: Rollout, scores: Scores, *, plan: BatchSettings, objective:
     """The minibatch plan of every epoch, pi_old and pi_ref log-probs, advantages: the step's Batch.
 
     The plan partitions the global rollout from the shared `shuffle` generator, the same on every
-    rank. Advantages come last, from the `baseline` (gspo/baselines.py: the group's rewards, or a
+    rank. Advantages come last, from the `baseline` (gspo/plugs/baselines.py: the group's rewards, or a
     critic's values once per rollout and GAE); a dropped sample gets 0.
     pi_old is computed once per rollout, on the first epoch's minibatch shapes. The first
     minibatch is on-policy (same weights, same shapes): its pi_old is its first training
@@ -118,7 +118,7 @@ class Learner:
                  correction: CorrectionSettings, max_grad_norm: float, topology: Topology, routing: Routing,
                  aux: AuxiliaryTerm, baseline: Baseline, loss_fn=policy_loss, autocast=nullcontext):
         self.model, self.optimizer, self.scheduler, self.guard = model, optimizer, scheduler, guard
-        self.autocast = autocast  # the forwards' precision (gspo/precision.py); backwards run outside it
+        self.autocast = autocast  # the forwards' precision (gspo/plugs/precision.py); backwards run outside it
         self.topology, self.routing, self.aux, self.baseline, self.loss_fn = topology, routing, aux, baseline, loss_fn
         self.max_grad_norm, self.loss_kwargs, self.logp_kwargs = max_grad_norm, loss_kwargs, logp_kwargs
         self.correction = (correction.rollout_correction, correction.rollout_correction_low,

@@ -8,19 +8,19 @@ One RL step (docs/design.md, "The shape of the trainer"):
               off-policy: that is where the importance ratio matters)
   5. metrics  one line of metrics.jsonl
   6. evaluate / log samples / checkpoint, periodically
-Everything optional is a plug (gspo/plugs.py: the Protocols) built once before the loop from its own
+Everything optional is a plug (gspo/plugs/protocols.py: the Protocols) built once before the loop from its own
 config section, with a do-nothing twin, so the loop never asks which case it is in: the Topology
-(one process, DDP, FSDP2: gspo/parallel.py), the Sampler (gspo/rollout/), Routing (MoE replay and
-drift: gspo/routing.py), the prompt source (one task or a mixture: gspo/data/source.py), the
-auxiliary term (SFT: gspo/auxiliary.py), the baseline (gspo/baselines.py: the group's rewards, or
+(one process, DDP, FSDP2: gspo/plugs/parallel.py), the Sampler (gspo/rollout/), Routing (MoE replay and
+drift: gspo/plugs/routing.py), the prompt source (one task or a mixture: gspo/data/source.py), the
+auxiliary term (SFT: gspo/plugs/auxiliary.py), the baseline (gspo/plugs/baselines.py: the group's rewards, or
 PPO's critic, trained on the same minibatches), the reference policy of the KL term
-(gspo/reference.py: none, a frozen copy, or LoRA's base with the adapters off: gspo/lora.py) and the
-forwards' precision (gspo/precision.py: bf16 autocast or none).
+(gspo/plugs/reference.py: none, a frozen copy, or LoRA's base with the adapters off: gspo/plugs/lora.py) and the
+forwards' precision (gspo/plugs/precision.py: bf16 autocast or none).
 The sampler is the policy itself (gspo/rollout/decode.py or HF `generate`), a copy of it (low
 precision, stale: sampler_dtype, sampler_lag), an inference engine colocated in this process
-(vllm) or a worker process sampling up to max_staleness steps ahead (gspo/rollout/workers.py, fed
+(vllm) or a worker process sampling up to max_staleness steps ahead (gspo/rollout/remote/client.py, fed
 by gspo/rollout/feed.py); where its distribution mu is not pi_old, `mismatch/*` measure by how
-much and a rollout correction (gspo/correction.py) weighs the updates by pi_old/mu. The whole
+much and a rollout correction (gspo/algo/correction.py) weighs the updates by pi_old/mu. The whole
 rollout stays in memory.
 """
 
@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.auxiliary import auxiliary_term
-from gspo.baselines import build_baseline
+from gspo.algo.schedules import lr_schedule
 from gspo.callbacks import Callbacks
 from gspo.checkpoint import (
     OPTIMIZER_FILE,
@@ -67,17 +66,19 @@ from gspo.config import (
     to_dict,
 )
 from gspo.data.source import prompt_source
-from gspo.lora import attach_adapters, is_peft, merged_model
 from gspo.model_card import write_model_card
 from gspo.models import resolve_device, seeded_model
-from gspo.parallel import Topology
-from gspo.precision import enable_gradient_checkpointing, forward_precision, loss_scaler
-from gspo.reference import reference_policy
+from gspo.plugs.auxiliary import auxiliary_term
+from gspo.plugs.baselines import build_baseline
+from gspo.plugs.lora import attach_adapters, is_peft, merged_model
+from gspo.plugs.parallel import Topology
+from gspo.plugs.precision import enable_gradient_checkpointing, forward_precision, loss_scaler
+from gspo.plugs.reference import reference_policy
+from gspo.plugs.routing import build_routing
 from gspo.rollout import eos_ids
 from gspo.rollout.feed import PENDING_FILE, RolloutFeed, all_ranks_pending, rank_pending
-from gspo.rollout.workers import RolloutWorkerLost, build_sampler
-from gspo.routing import build_routing
-from gspo.run import (
+from gspo.rollout.remote.client import RolloutWorkerLost, build_sampler
+from gspo.runtime import (
     CRITIC_DIR,
     MERGED_DIR,
     NonFiniteGuard,
@@ -91,7 +92,6 @@ from gspo.run import (
     save_model,
     stderr_printer,
 )
-from gspo.schedules import lr_schedule
 from gspo.step import (
     Learner,
     episode_stats,
@@ -109,10 +109,10 @@ from gspo.tracking import MetricsLogger, check_trackers
 def train(cfg: TrainConfig, *, model=None, tokenizer=None, data: dict | None = None, callbacks=()) -> dict:
     """Run GRPO/GSPO as configured; returns a summary (evaluations before/after, time).
 
-    From Python (gspo.Trainer, gspo/api.py) objects may stand in for what the config names: `model` (and its
+    From Python (gspo.Trainer, gspo/apps/api.py) objects may stand in for what the config names: `model` (and its
     `tokenizer`, None: loaded from the model's path) for the `model` setting, `data` ({name: rows}) for the
     datasets the config names "object:<name>" (gspo/given.py); `callbacks` are called after every step
-    (gspo/callbacks.py: one may end the run). Under torchrun every rank calls this; see gspo/parallel.py for
+    (gspo/callbacks.py: one may end the run). Under torchrun every rank calls this; see gspo/plugs/parallel.py for
     how the work is split.
     """
     callbacks = Callbacks(callbacks)  # checked before anything starts

@@ -49,7 +49,7 @@ def qwen3(vocab_size: int, *, seed: int = 0, moe: bool = False, **config):
 def perturb_routers(model, seed: int = 1, std: float = 1.0) -> None:
     """Large random router weights: what a (big) training step could do; free routing then picks
     clearly different experts."""
-    from gspo.moe import find_routers
+    from gspo.plugs.moe import find_routers
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -73,7 +73,7 @@ def starts_with_digit(prompts, completions, **_):
 def random_record(model, ids, seed: int = 3):
     """A RoutingRecord of experts drawn at random (not the routers' own choice) for every token of `ids`
     (N, L), each token's k distinct: a replay that visibly changes the forward."""
-    from gspo.moe import RoutingRecord, find_routers
+    from gspo.plugs.moe import RoutingRecord, find_routers
 
     routers = find_routers(model)
     E, k = routers[0].module.num_experts, routers[0].module.top_k

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.advantages import (
+from gspo.algo.advantages import (
     ESTIMATORS,
     gae,
     group_advantages,

@@ -1,4 +1,4 @@
-"""The Python API (gspo/api.py): Trainer / GRPOTrainer / GSPOTrainer with objects, callbacks, the summary and
+"""The Python API (gspo/apps/api.py): Trainer / GRPOTrainer / GSPOTrainer with objects, callbacks, the summary and
 plots; TrainConfig's type checks; what a saved config records for objects, and resuming with and without them."""
 
 import json
@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT, SMALL, read_metrics
 from gspo import GRPOTrainer, GSPOTrainer, TrainConfig, Trainer
-from gspo.cli import main
+from gspo.apps.cli import main
 from gspo.config import load_config
 from gspo.data.rewards import answer_match, format_reward, get_reward_fn, reward_spec
 from gspo.models import load_model

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import random_record, read_metrics, tiny_cfg
-from gspo.logprobs import completion_logprobs, naive_completion_logprobs, padding_free_layout
-from gspo.moe import SUPPORTED_ARCHITECTURES, find_routers, replay_routing
+from gspo.algo.logprobs import completion_logprobs, naive_completion_logprobs, padding_free_layout
+from gspo.plugs.moe import SUPPORTED_ARCHITECTURES, find_routers, replay_routing
+from gspo.plugs.routing import to_layout
 from gspo.rollout.sampling import pick_generator
-from gspo.routing import to_layout
 from gspo.tasks.tokenizer import build_char_tokenizer
 from gspo.trainer import train
 

@@ -1,12 +1,12 @@
-"""`gspo bench` (gspo/bench.py): the FLOP count by hand, the phases from the trainer's clocks, the command."""
+"""`gspo bench` (gspo/apps/bench.py): the FLOP count by hand, the phases from the trainer's clocks, the command."""
 
 import json
 
 import pytest
 
 from conftest import TINY_MODEL
-from gspo.bench import _forwards_per_phase, bench, format_bench, forward_flops, matmul_params
-from gspo.cli import main
+from gspo.apps.bench import _forwards_per_phase, bench, format_bench, forward_flops, matmul_params
+from gspo.apps.cli import main
 from gspo.config import TrainConfig, make_config
 from gspo.models import load_model
 

@@ -34,7 +34,7 @@ from gspo.checkpoint import (
     set_aside_damaged,
     verify_checkpoint,
 )
-from gspo.run import LOCK_FILE, RUN_MARKER, prepare_output_dir
+from gspo.runtime import LOCK_FILE, RUN_MARKER, prepare_output_dir
 from gspo.tasks import build_char_tokenizer
 from gspo.tracking import METRICS_FILE
 

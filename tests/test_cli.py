@@ -153,7 +153,7 @@ def test_moe_replay_through_the_cli(tmp_path):
 
 
 def test_demo_flags_of_the_real_model_are_refused_without_it_and_unknown_models_named(capsys, tmp_path):
-    from gspo.cli import main
+    from gspo.apps.cli import main
 
     assert main(["demo", "--lora", "--output-dir", str(tmp_path / "a")]) == 2
     assert "--lora, --smoke and --rollout-correction go with --model" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from gspo.algo.objectives import check_loss_options, policy_loss
 from gspo.config import (
     CHECKS,
     TRAIN_SECTIONS,
@@ -19,7 +20,6 @@ from gspo.config import (
     sections,
     to_dict,
 )
-from gspo.objectives import check_loss_options, policy_loss
 from gspo.step import loss_options
 
 

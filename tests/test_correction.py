@@ -1,4 +1,4 @@
-"""Sampler-trainer mismatch (gspo/correction.py): hand-derived weights, masks and metrics, the
+"""Sampler-trainer mismatch (gspo/algo/correction.py): hand-derived weights, masks and metrics, the
 objectives with a correction's factor, and the no-op case (mu == pi_old: bit for bit)."""
 
 import math
@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from gspo.config import TrainConfig, make_config
-from gspo.correction import (
+from gspo.algo.correction import (
     CORRECTIONS,
     behaviour_weights,
     mismatch_metrics,
     mismatch_moments,
     thresholds,
 )
-from gspo.objectives import OBJECTIVES, policy_loss, registered_objective
+from gspo.algo.objectives import OBJECTIVES, policy_loss, registered_objective
+from gspo.config import TrainConfig, make_config
 
 # Two sequences: row 0 has token weights pi_old/mu = (2, 0.5, 4), row 1 two tokens with mu == pi_old.
 OLD = torch.log(torch.tensor([[0.2, 0.2, 0.2], [0.3, 0.6, 1.0]]))  # (2, 3); [1, 2] is padding

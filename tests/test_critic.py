@@ -1,14 +1,14 @@
-"""The value model (gspo/critic.py): built from the policy, aligned with the log-probs' positions,
+"""The value model (gspo/plugs/critic.py): built from the policy, aligned with the log-probs' positions,
 and able to fit a fixed rollout's returns (the critic alone; in the trainer: test_ppo.py)."""
 
 import torch
 
 from conftest import SMALL
-from gspo.advantages import gae
-from gspo.critic import completion_values, terminal_rewards, value_model_from
+from gspo.algo.advantages import gae
+from gspo.algo.values import explained_variance, value_loss
 from gspo.models import load_model
+from gspo.plugs.critic import completion_values, terminal_rewards, value_model_from
 from gspo.rollout import generate
-from gspo.values import explained_variance, value_loss
 
 PROMPTS = ["1+2+3=", "4+0+5=", "7+7+1="]
 

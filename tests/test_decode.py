@@ -8,7 +8,7 @@ import torch
 from conftest import SMALL as SMALL_TIED
 from conftest import SMALL_MOE
 from gspo.models import load_model
-from gspo.moe import record_routing
+from gspo.plugs.moe import record_routing
 from gspo.rollout import GENERATORS, generate, row_seeds
 from gspo.rollout.decode import PrefixKVLayer, prefix_cache, sample, unsupported_reason
 from gspo.tasks import build_char_tokenizer

@@ -192,7 +192,7 @@ def test_the_survivor_of_an_abrupt_exit_names_the_rank_in_one_line(tmp_path, dea
 def test_unavailable_backend_or_bad_mode_is_a_clear_error(monkeypatch):
     import torch.distributed as tdist
 
-    from gspo.parallel import Topology
+    from gspo.plugs.parallel import Topology
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -350,7 +350,7 @@ def test_a_rank_holding_no_row_of_a_minibatch_trains_a_stand_in_of_weight_zero(t
 
 @pytest.mark.slow
 def test_lora_under_ddp_matches_one_process(tmp_path):
-    """LoRA adapters (gspo/lora.py) on 2 DDP ranks: the same run as one process, adapters only saved."""
+    """LoRA adapters (gspo/plugs/lora.py) on 2 DDP ranks: the same run as one process, adapters only saved."""
     pytest.importorskip("peft")
     (tmp_path / "rewards_mod.py").write_text(REWARD)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({**RUN, "lora_r": 4, "lora_alpha": 8.0, "learning_rate": 1e-2}))

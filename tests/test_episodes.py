@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import SMALL
+from gspo.algo.logprobs import completion_logprobs
+from gspo.algo.objectives import policy_loss
 from gspo.env import Toolbox, ToolEnvironment, Turn, parse_tool_calls
-from gspo.logprobs import completion_logprobs
 from gspo.models import load_model
-from gspo.objectives import policy_loss
 from gspo.rollout.episodes import EpisodeLimits, sample_episodes
 from gspo.rollout.sampling import GENERATORS, GeneratorBackend, SeededSampler
 
@@ -204,8 +204,8 @@ def test_rollout_routing_replay_keeps_the_experts_each_token_was_first_read_with
     # tokens, the next prefill of an observation): those a full forward chooses (same weights, causal); replayed in
     # one forward they give back mu, and after the routers moved they are still the ones used
     from conftest import SMALL_MOE, perturb_routers
-    from gspo.moe import record_routing
-    from gspo.routing import minibatch_logprobs_and_routing
+    from gspo.plugs.moe import record_routing
+    from gspo.plugs.routing import minibatch_logprobs_and_routing
 
     torch.manual_seed(0)
     model, tok = load_model("tiny-moe", overrides=SMALL_MOE)
@@ -545,7 +545,7 @@ def NoStep():  # noqa: N802  (an environment factory, named like the class it pr
 
 # ----------------------------------------------------------------------------------------------- the tool demo
 def test_the_tool_demo_s_calculator_reward_and_demonstrations():
-    from gspo.demo_tools import calc, demonstration, final_answer
+    from gspo.apps.demo_tools import calc, demonstration, final_answer
     from gspo.tasks import build_char_tokenizer
 
     assert [calc("1234+5678"), calc(" 90 - 8 "), calc("12*34")] == ["6912", "82", "408"]

@@ -1,6 +1,6 @@
 """What a user gets wrong, answered with one line: the regression suite of issue 14.
 
-Every case runs the real command line (`gspo.cli.main`, in process) and asserts the message, the
+Every case runs the real command line (`gspo.apps.cli.main`, in process) and asserts the message, the
 exit status, that no traceback was printed, and that nothing already written was lost (metrics
 lines, checkpoints). Cases that need a process of their own (a full disk, signals) run `gspo` in a
 subprocess. The fuzz tests feed random config files and dataset lines to the readers: every input
@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY_RUN, gspo_argv, gspo_env, logged_steps, read_metrics
-from gspo.cli import main
+from gspo.apps.cli import main
 from gspo.config import TrainConfig, load_config, make_config, to_dict
 from gspo.data.rows import check_prompt_lengths, load_rows, render_prompts
-from gspo.run import LOCK_FILE, run_lock
+from gspo.runtime import LOCK_FILE, run_lock
 from gspo.tasks import build_char_tokenizer
 from gspo.tracking import read_jsonl
 
@@ -309,7 +309,7 @@ def test_code_tests_cells_are_checked_before_training(capsys, tmp_path, name, te
 
 
 def test_the_code_tests_check_accepts_what_the_reward_reads():
-    from gspo.data.sandbox import CodeReward
+    from gspo.sandbox.runner import CodeReward
 
     fine = [{"prompt": "p", "tests": "assert f() == 1"}, {"prompt": "p", "tests": ["assert f()", "assert g()"]},
             {"prompt": "p", "tests": None}, {"prompt": "p"}]  # None or no cell: no opinion

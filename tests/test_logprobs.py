@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import qwen3
-from gspo.logprobs import completion_logprobs, naive_completion_logprobs, position_ids_from_mask
+from gspo.algo.logprobs import completion_logprobs, naive_completion_logprobs, position_ids_from_mask
 
 V = 53  # a vocab size no other model dimension shares, so (.., V) tensors are recognisable
 
@@ -63,7 +63,7 @@ def test_chunked_equals_naive(name, chunk_size, with_entropy):
 
 
 def test_default_chunk_rows_follow_the_vocabulary(monkeypatch):
-    from gspo import logprobs
+    from gspo.algo import logprobs
 
     assert logprobs.default_chunk_rows(151_936) == 441  # 2**26 // 151,936: 256 MiB of fp32 logits per chunk
     assert logprobs.default_chunk_rows(81) == 828_504

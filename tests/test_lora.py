@@ -1,4 +1,4 @@
-"""LoRA through PEFT (gspo/lora.py, gspo/reference.py): only the adapters train and are checkpointed,
+"""LoRA through PEFT (gspo/plugs/lora.py, gspo/plugs/reference.py): only the adapters train and are checkpointed,
 the reference policy is the base with its adapters off, runs resume exactly, the merged model is the
 trained policy, and bad settings are named before anything loads."""
 
@@ -11,13 +11,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import SMALL, SMALL_MOE, changed, read_metrics, starts_with_digit, tiny_cfg
+from gspo.algo.logprobs import completion_logprobs, minibatch_logprobs
 from gspo.config import TrainConfig, make_config
-from gspo.logprobs import completion_logprobs, minibatch_logprobs
-from gspo.lora import attach_adapters
 from gspo.models import load_model
-from gspo.moe import find_routers
-from gspo.parallel import Topology
-from gspo.reference import AdaptersOff, reference_policy
+from gspo.plugs.lora import attach_adapters
+from gspo.plugs.moe import find_routers
+from gspo.plugs.parallel import Topology
+from gspo.plugs.reference import AdaptersOff, reference_policy
 from gspo.rollout import generate
 from gspo.tasks import get_task
 from gspo.trainer import train
@@ -175,7 +175,7 @@ def test_a_target_that_matches_nothing_and_a_missing_peft_are_named(tmp_path, mo
 
 def test_merged_state_dict_is_the_policy_under_plain_names_and_leaves_it_alone(tmp_path):
     """What the vLLM engine loads (gspo/rollout/vllm_engine.py): base weights plus each adapter's delta."""
-    from gspo.lora import merged_state_dict
+    from gspo.plugs.lora import merged_state_dict
 
     model, _ = load_model("tiny-dense", overrides=SMALL)
     policy = attach_adapters(model, tiny_cfg(tmp_path, lora_r=4))

@@ -166,7 +166,7 @@ def test_load_from_path_with_dtype(tmp_path):
 
 
 def test_attn_implementation_reaches_the_model_and_packed_forwards_match(tmp_path):
-    from gspo.logprobs import completion_logprobs
+    from gspo.algo.logprobs import completion_logprobs
 
     model, tok = load_model("tiny-dense", overrides=SMALL, attn_implementation="eager")
     assert model.config._attn_implementation == "eager"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import no_hooks, perturb_routers, qwen3
-from gspo.moe import (
+from gspo.plugs.moe import (
     RoutingRecord,
     expert_change_frac,
     find_routers,

@@ -11,9 +11,9 @@ import gspo.trainer
 from conftest import SMALL, SMALL_MOE, changed, no_hooks, perturb_routers, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, make_config
 from gspo.models import load_model
-from gspo.moe import expert_change_frac, find_routers, record_routing
+from gspo.plugs.moe import expert_change_frac, find_routers, record_routing
+from gspo.plugs.routing import free_routing, minibatch_logprobs_and_routing
 from gspo.rollout import generate
-from gspo.routing import free_routing, minibatch_logprobs_and_routing
 from gspo.tasks import get_task
 from gspo.trainer import train
 

@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.config import TrainConfig, make_config
-from gspo.objectives import (
+from gspo.algo.objectives import (
     AGGREGATIONS,
     DEFAULT_AGGREGATION,
     DEFAULT_CLIP,
@@ -20,6 +19,7 @@ from gspo.objectives import (
     registered_objective,
     unregister_objective,
 )
+from gspo.config import TrainConfig, make_config
 
 D = torch.float64
 

@@ -1,6 +1,6 @@
-"""Padding-free training forwards (gspo/logprobs.py `packed`, config padding_free): sequences packed several
+"""Padding-free training forwards (gspo/algo/logprobs.py `packed`, config padding_free): sequences packed several
 to a row with per-sequence position ids give the padded layout's log-probs, entropies and gradients, also
-under MoE routing replay (records packed into the rows and back: gspo/routing.py `to_layout`); where the
+under MoE routing replay (records packed into the rows and back: gspo/plugs/routing.py `to_layout`); where the
 layout is not a rollout's, or the model has no separable backbone and head, the padded path runs.
 
 Tolerance: the packed forward multiplies other matrix shapes, so float sums may differ in the last bits;
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import SMALL, SMALL_MOE, random_record, read_metrics, starts_with_digit, tiny_cfg
-from gspo.critic import completion_values, value_model_from
-from gspo.logprobs import completion_logprobs, pack_rows, packed_layout, padding_free_layout
+from gspo.algo.logprobs import completion_logprobs, pack_rows, packed_layout, padding_free_layout
 from gspo.models import load_model
-from gspo.moe import RoutingRecord, record_routing, replay_routing
-from gspo.routing import MoERouting, from_layout, to_layout
+from gspo.plugs.critic import completion_values, value_model_from
+from gspo.plugs.moe import RoutingRecord, record_routing, replay_routing
+from gspo.plugs.routing import MoERouting, from_layout, to_layout
 from gspo.trainer import train
 
 

@@ -1,4 +1,4 @@
-"""PPO in the trainer: advantage_estimator=gae, the critic plug (gspo/baselines.py), its config,
+"""PPO in the trainer: advantage_estimator=gae, the critic plug (gspo/plugs/baselines.py), its config,
 checkpoints and exact resume. The pure parts (gae, value_loss) are tested in test_advantages.py
 and test_values.py; the value model in test_critic.py."""
 
@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SMALL, changed, final_weights, initial_weights, read_metrics, starts_with_digit, tiny_cfg
-from gspo.baselines import CriticBaseline, GroupBaseline, build_baseline
 from gspo.config import AdvantageSettings, TrainConfig, make_config, section
-from gspo.critic import HEAD_FILE, load_value_model
 from gspo.models import load_model
-from gspo.parallel import Part, Topology
+from gspo.plugs.baselines import CriticBaseline, GroupBaseline, build_baseline
+from gspo.plugs.critic import HEAD_FILE, load_value_model
+from gspo.plugs.parallel import Part, Topology
 from gspo.rollout import Rollout
-from gspo.run import NonFiniteGuard
+from gspo.runtime import NonFiniteGuard
 from gspo.trainer import train
 
 PPO = dict(objective="grpo", advantage_estimator="gae")
@@ -118,7 +118,7 @@ def test_a_dropped_sample_gets_no_advantage_and_stays_out_of_the_statistics():
 
 
 def test_group_baseline_is_the_registered_estimator():
-    from gspo.advantages import group_advantages
+    from gspo.algo.advantages import group_advantages
     from gspo.step import Scores
 
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0, 4.0])
@@ -187,7 +187,7 @@ def test_critic_model_from_a_saved_critic_or_a_causal_lm(tmp_path):
     critic = load_value_model(str(tmp_path / "lm"), dtype=torch.float32, device="cpu")
     assert all(torch.equal(v, policy.state_dict()[f"model.{k}"]) for k, v in critic.decoder.state_dict().items())
     assert not critic.head.weight.any()  # a causal LM brings no value head: zero
-    from gspo.critic import save_value_model
+    from gspo.plugs.critic import save_value_model
 
     torch.nn.init.normal_(critic.head.weight)
     save_value_model(critic, tmp_path / "critic")
@@ -249,8 +249,8 @@ def test_ppo_raises_held_out_accuracy_from_the_demo_cold_start(tmp_path):
     settings: held-out greedy accuracy must rise by 0.15. The same run with a reward unrelated to
     correctness (the update is then noise as far as addition goes) must not. (30 steps, not 20: on an
     AMD EPYC AVX-512 machine 20 gave +0.12, at bbf266e too; 30 gave +0.19, the control -0.47.)"""
+    from gspo.apps.demo import DEMO_RL, DEMO_SFT
     from gspo.config import SFTConfig
-    from gspo.demo import DEMO_RL, DEMO_SFT
     from gspo.sft import sft
 
     cold = sft(make_config(SFTConfig, {**DEMO_SFT, "output_dir": str(tmp_path / "sft"), "progress": False}))
@@ -302,7 +302,7 @@ def test_the_rlhf_path_a_trained_reward_model_scores_the_last_token_and_ppo_trai
 
 
 def test_a_non_finite_value_loss_skips_the_critic_step_and_aborts_naming_the_critic():
-    from gspo.run import TrainingAborted
+    from gspo.runtime import TrainingAborted
 
     cfg = tiny_cfg_values()
     critic = FixedValues([[0.0] * 4, [0.0] * 4])

@@ -1,4 +1,4 @@
-"""bf16 mixed precision and gradient checkpointing (gspo/precision.py): the training forward's gradients
+"""bf16 mixed precision and gradient checkpointing (gspo/plugs/precision.py): the training forward's gradients
 against the plain float32 path, on dense and MoE models, with routing replay; runs that use them train.
 
 Tolerances: gradient checkpointing recomputes the same float32 ops, so its gradients equal the plain
@@ -20,10 +20,10 @@ from conftest import (
     starts_with_digit,
     tiny_cfg,
 )
-from gspo.logprobs import completion_logprobs
+from gspo.algo.logprobs import completion_logprobs
 from gspo.models import load_model
-from gspo.moe import record_routing, replay_routing
-from gspo.precision import enable_gradient_checkpointing, forward_precision
+from gspo.plugs.moe import record_routing, replay_routing
+from gspo.plugs.precision import enable_gradient_checkpointing, forward_precision
 from gspo.trainer import train
 
 
@@ -67,7 +67,7 @@ def test_gradient_checkpointing_gives_the_plain_gradients(preset, overrides):
 def test_gradient_checkpointing_gives_the_plain_gradients_of_lora_adapters(tmp_path):
     """Only the adapters require grad (a frozen base: what the reentrant variant would get wrong)."""
     pytest.importorskip("peft")
-    from gspo.lora import attach_adapters
+    from gspo.plugs.lora import attach_adapters
 
     def lora_model(checkpointing: bool):
         model, _ = load_model("tiny-dense", overrides=SMALL)
@@ -148,7 +148,7 @@ def test_fp16_autocast_gradients_are_closer_to_float32_than_bf16(preset, overrid
 def test_fp16_loss_scaling_keeps_gradients_that_would_underflow():
     # a loss 1e-7 times the usual one: its float16 activation gradients fall below float16's smallest
     # subnormal (6e-8) and vanish; scaled by 2^16 before the backward and unscaled after, they survive
-    from gspo.precision import loss_scaler
+    from gspo.plugs.precision import loss_scaler
 
     def grads(scaler):
         model, _ = load_model("tiny-dense", overrides=SMALL)

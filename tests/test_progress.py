@@ -3,7 +3,7 @@
 import json
 
 from conftest import TINY_MODEL, read_metrics
-from gspo.cli import main
+from gspo.apps.cli import main
 
 TINY = ["model=tiny-dense", "model_overrides=" + json.dumps(TINY_MODEL), "task=add3", "per_device_batch_size=2",
         "num_generations=2", "num_minibatches=2", "max_completion_length=6", "eval_k=2", "device=cpu",

@@ -35,7 +35,7 @@ def test_packaged_models_name_their_package_and_how_to_install_it(monkeypatch):
 
 
 def test_the_demos_held_out_problems_are_100_and_never_trained_on(tmp_path):
-    from gspo.demo_real import real_config, sum_rows
+    from gspo.apps.demo_real import real_config, sum_rows
 
     train, test = sum_rows("train"), sum_rows("test")
     questions = [r["prompt"][0]["content"] for r in train + test]

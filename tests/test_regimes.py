@@ -1,4 +1,4 @@
-"""The regimes lab (gspo/lab/regimes.py): levels x methods, what is left out and why, every knob
+"""The regimes lab (gspo/apps/lab/regimes.py): levels x methods, what is left out and why, every knob
 reaching its run's config and metrics, and a micro regimes lab end to end."""
 
 import importlib.util
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from conftest import read_metrics
+from gspo.apps.lab.regimes import levels, not_applicable
+from gspo.apps.lab.report import load_lab
+from gspo.apps.lab.runs import LabConfig, expand_grid, run_lab, sft_config, train_config
+from gspo.apps.lab.stability_map import stability_map
 from gspo.config import make_config
-from gspo.lab.regimes import levels, not_applicable
-from gspo.lab.report import load_lab
-from gspo.lab.runs import LabConfig, expand_grid, run_lab, sft_config, train_config
-from gspo.lab.stability_map import stability_map
 
 REGIMES = {"mismatch": {"bf16": {"sampler_dtype": "bfloat16"}, "vllm": {"generation_backend": "vllm"}},
            "staleness": {"lag1": {"sampler_lag": 1}},
@@ -93,8 +93,8 @@ def test_every_regime_knob_reaches_its_runs_config(tmp_path):
 
 
 def test_the_shipped_regimes_lab_builds_every_run_and_names_what_it_leaves_out(tmp_path):
-    from gspo.lab.regimes import regime_runs
-    from gspo.lab.runs import load_lab_config
+    from gspo.apps.lab.regimes import regime_runs
+    from gspo.apps.lab.runs import load_lab_config
 
     cfg = load_lab_config(False, Path(__file__).resolve().parents[1] / "configs" / "lab_regimes.yaml",
                           [f"output_dir={tmp_path / 'lab'}"])
@@ -124,7 +124,7 @@ def test_the_shipped_part3_labs_build_every_run(tmp_path, part, runs):
     # policy: baseline 3, mb1 5, mb8 8, stale2 5 (21 x 3); moe: baseline 2, bf16 4, fp16 4, lag4 4, autocast-bf16
     # and -fp16 2 each, lr3e-4, lr1e-3, e64top1 and e64top1_lr2e-4 3 each (30 x 3): the axis_methods picks, each
     # applicable there
-    from gspo.lab.runs import load_lab_config
+    from gspo.apps.lab.runs import load_lab_config
 
     cfg = load_lab_config(False, Path(__file__).resolve().parents[1] / "configs" / f"lab_part3_{part}.yaml",
                           [f"output_dir={tmp_path / 'lab'}"])
@@ -146,7 +146,7 @@ def test_axis_methods_pick_each_axis_methods_and_the_baseline_runs_their_union(t
                          **({"mismatch-vllm": ["grpo", "grpo_tis"]} if HAS_VLLM else {}),
                          "staleness-lag1": ["grpo", "gspo", "grpo_r2", "grpo_tis"], "off_policy-mb8": ["gspo"],
                          "length-long": ["gspo"], "moe_shape-deep": ["grpo_r2"], "moe_shape-wide": ["grpo_r2"]}
-    from gspo.lab.regimes import regime_runs
+    from gspo.apps.lab.regimes import regime_runs
 
     left_out = regime_runs(REGIMES, METHODS, "moe", picks)[1]
     assert {"regime": "off_policy-mb8", "method": "grpo",

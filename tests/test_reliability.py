@@ -29,9 +29,9 @@ from conftest import (
     starts_with_digit,
     tiny_cfg,
 )
-from gspo.cli import main
-from gspo.objectives import OBJECTIVES
-from gspo.run import TrainingAborted
+from gspo.algo.objectives import OBJECTIVES
+from gspo.apps.cli import main
+from gspo.runtime import TrainingAborted
 from gspo.tracking import read_jsonl
 from gspo.trainer import train
 

@@ -1,5 +1,5 @@
 """The rollout channel end to end, in one process (fast): the trainer's RemoteSampler waits at rollout_address and a
-real rollout worker (gspo/rollout/serve.py) runs in a thread of this process. Between them a proxy that holds the
+real rollout worker (rollout/remote/worker.py) runs in a thread of this process. Between them a proxy that holds the
 run's secret can change what the worker answers: a broken or hostile server. Every malformed answer is refused at
 the boundary as RolloutWorkerLost, in one line naming the worker and what was wrong, and a run stops with the
 checkpoint it writes for a lost worker. (tests/test_workers.py: spawned workers, in processes of their own.)"""
@@ -19,11 +19,11 @@ from conftest import SMALL, free_port, read_metrics, tiny_cfg
 from gspo.config import LoraSettings, ModelSettings, section
 from gspo.models import load_model
 from gspo.rollout import Sampler
-from gspo.rollout.protocol import TO_TRAINER, TO_WORKER
-from gspo.rollout.serve import _worker_main, serve_rollouts
-from gspo.rollout.wire import MAGIC, NONCE_BYTES, accept_peers, connect, listen, recv, send
-from gspo.rollout.workers import RemoteSampler, RolloutWorkerLost
-from gspo.run import TrainingAborted
+from gspo.rollout.remote.client import RemoteSampler, RolloutWorkerLost
+from gspo.rollout.remote.protocol import TO_TRAINER, TO_WORKER
+from gspo.rollout.remote.wire import MAGIC, NONCE_BYTES, accept_peers, connect, listen, recv, send
+from gspo.rollout.remote.worker import _worker_main, serve_rollouts
+from gspo.runtime import TrainingAborted
 from gspo.trainer import train
 from test_wire import dropped, listening
 

@@ -1,12 +1,12 @@
 """Samplers that are not pi_old (gspo/rollout/sampling.py: PolicySampler): a low-precision copy of
-the weights (sampler_dtype) and stale weights (sampler_lag), measured with gspo/correction.py."""
+the weights (sampler_dtype) and stale weights (sampler_lag), measured with gspo/algo/correction.py."""
 
 import pytest
 import torch
 
 from conftest import read_metrics, starts_with_digit, tiny_cfg
-from gspo.correction import mismatch_metrics, mismatch_moments
-from gspo.logprobs import completion_logprobs
+from gspo.algo.correction import mismatch_metrics, mismatch_moments
+from gspo.algo.logprobs import completion_logprobs
 from gspo.models import seeded_model
 from gspo.rollout import PolicySampler, Sampler
 from gspo.trainer import train
@@ -133,7 +133,7 @@ def test_join_rollouts_lays_shares_out_as_one_sampler_would():
 
 
 def test_join_rollouts_widens_routing_records_on_input_ids_columns():
-    from gspo.moe import RoutingRecord
+    from gspo.plugs.moe import RoutingRecord
     from gspo.rollout.batch import Rollout, join_rollouts
 
     # one router (layer 3), top-1; share a: 1 row of P=2, T=2 (record 4 positions: experts 1 2 3 4);

@@ -20,9 +20,9 @@ import uuid
 
 import pytest
 
-from gspo.data import sandbox
 from gspo.data.rewards import get_reward_fn
-from gspo.data.sandbox import (
+from gspo.sandbox import runner as sandbox
+from gspo.sandbox.runner import (
     CodeReward,
     SandboxUnavailable,
     code_reward,
@@ -188,9 +188,9 @@ TAMPERING = {
     # a handler raising SystemExit(0) every 0.1 ms, also while the sandbox finishes up
     "signal": "import signal\nE = SystemExit\ndef h(*a):\n    raise E(0)\nsignal.signal(signal.SIGALRM, h)\n"
     "signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0001)\n",
-    "fake_exit_event": "import sys\nsys.audit('gspo.data.sandbox.exit', 0)",
+    "fake_exit_event": "import sys\nsys.audit('gspo.sandbox.runner.exit', 0)",
     "exit_event_from_the_sandbox_frame": "import sys\n"
-    "sys._getframe(1).f_locals['_audit']('gspo.data.sandbox.exit', 0)",
+    "sys._getframe(1).f_locals['_audit']('gspo.sandbox.runner.exit', 0)",
     "replaced_stdout": "import sys\nE = SystemExit\nclass Out:\n    def write(self, s):\n        pass\n"
     "    def flush(self):\n        raise E(0)\nsys.stdout = Out()\n",
 }
@@ -390,7 +390,7 @@ def test_the_wire_decodes_any_json_to_data_or_a_wire_error():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from gspo.data.sandbox_wire import WireError, decode, encode
+    from gspo.sandbox.wire import WireError, decode, encode
 
     def no_handles(tag, args):
         raise WireError("no handles here")
@@ -488,7 +488,7 @@ needs_cgroup = pytest.mark.skipif(CGROUP_PARENT is None, reason=f"no memory cgro
 
 @needs_cgroup
 def test_a_run_cgroup_kills_what_goes_over_its_memory():
-    from gspo.data.sandbox_kernel import RunCgroup
+    from gspo.sandbox.kernel import RunCgroup
 
     hog = textwrap.dedent(MEMFD_HOG)
     cgroup = RunCgroup(64 * 2**20)
@@ -918,7 +918,7 @@ def test_os_mode_without_a_working_bwrap_refuses(monkeypatch, tmp_path):
 def test_importing_the_sandbox_does_not_probe(tmp_path):
     marker = tmp_path / "probed"
     env = {**os.environ, "GSPO_BWRAP": _fake_bwrap(tmp_path, f"touch {marker}\n")}
-    code = ("import os, gspo.data.sandbox as s\nprint(os.path.exists(%r), s.code_tests.sandbox)\n"
+    code = ("import os, gspo.sandbox.runner as s\nprint(os.path.exists(%r), s.code_tests.sandbox)\n"
             "try:\n    s.code_reward()\nexcept s.SandboxUnavailable:\n    print(os.path.exists(%r))\n")
     out = subprocess.run([sys.executable, "-c", code % (str(marker), str(marker))], env=env,
                          capture_output=True, text=True, timeout=60)
@@ -1004,7 +1004,7 @@ def test_get_reward_fn_code_tests():
 
 @pytest.mark.slow
 def test_importing_rewards_does_not_import_the_sandbox():
-    code = "import sys, gspo.data.rewards; print('gspo.data.sandbox' in sys.modules)"
+    code = "import sys, gspo.data.rewards; print('gspo.sandbox.runner' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          check=True)
     assert out.stdout.strip() == "False"

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gspo.schedules import SCHEDULES, lr_schedule, schedule
+from gspo.algo.schedules import SCHEDULES, lr_schedule, schedule
 
 
 def test_warmup_then_cosine_by_hand():

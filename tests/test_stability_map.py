@@ -1,9 +1,9 @@
-"""The stability map (gspo/lab/stability_map.py) on synthetic run summaries, cells computed by hand."""
+"""The stability map (gspo/apps/lab/stability_map.py) on synthetic run summaries, cells computed by hand."""
 
 import pytest
 
-from gspo.lab.report import precursor
-from gspo.lab.stability_map import details_table, draw_drift_per_layer, draw_map, map_table, stability_map
+from gspo.apps.lab.report import precursor
+from gspo.apps.lab.stability_map import details_table, draw_drift_per_layer, draw_map, map_table, stability_map
 
 
 def run(method, regime, start, final, collapse_step=None):
@@ -114,7 +114,7 @@ def summary(label, method, objective, replay, acc, clip, drift, ratio_std, grad_
 
 
 def test_claims_per_regime_read_only_the_plain_methods():
-    from gspo.lab.report import plain_methods, regime_claims
+    from gspo.apps.lab.report import plain_methods, regime_claims
 
     methods = {"grpo": {"objective": "grpo"}, "gspo": {"objective": "gspo"},
                "grpo_r2": {"objective": "grpo", "routing_replay": "old_policy"},

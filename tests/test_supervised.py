@@ -6,10 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo.logprobs import completion_logprobs
+from gspo.algo.logprobs import completion_logprobs
 from gspo.models import load_model
-from gspo.rollout import pad_id
-from gspo.supervised import (
+from gspo.plugs.supervised import (
     collate,
     encode_pairs,
     reference_chunks,
@@ -19,6 +18,7 @@ from gspo.supervised import (
     sft_coef_at,
     sft_nll,
 )
+from gspo.rollout import pad_id
 from gspo.tasks import build_char_tokenizer, get_task
 from tests.test_trainer import SMALL
 

@@ -17,11 +17,11 @@ from conftest import (
     starts_with_digit,
     tiny_cfg,
 )
+from gspo.algo.logprobs import completion_logprobs, minibatch_logprobs
+from gspo.algo.objectives import registered_objective
 from gspo.config import BatchSettings, ObjectiveSettings, PrecisionSettings, section
-from gspo.logprobs import completion_logprobs, minibatch_logprobs
 from gspo.models import load_model
-from gspo.objectives import registered_objective
-from gspo.reference import NoReference
+from gspo.plugs.reference import NoReference
 from gspo.rollout import generate
 from gspo.tasks import get_task
 from gspo.tracking import read_jsonl
@@ -180,9 +180,9 @@ def test_missing_prompt_column_is_a_clear_error(tmp_path):
 def test_pi_old_forward_skips_the_first_minibatch(tmp_path):
     """Minibatch 1 is on-policy: its pi_old is its training forward (bitwise equal, test above), so
     `prepare` runs M - 1 pi_old forwards and leaves minibatch 1's rows at 0. The Routing plug is the seam."""
-    from gspo.baselines import GroupBaseline
-    from gspo.parallel import Topology
-    from gspo.routing import NoRouting
+    from gspo.plugs.baselines import GroupBaseline
+    from gspo.plugs.parallel import Topology
+    from gspo.plugs.routing import NoRouting
     from gspo.step import gather_scores, logprob_options, prepare
 
     class Counting:

@@ -8,10 +8,10 @@ import re
 import pytest
 
 from conftest import ROOT
-from gspo.advantages import estimator_choices
+from gspo.algo.advantages import estimator_choices
+from gspo.algo.objectives import AGGREGATIONS, OBJECTIVES
 from gspo.aliases import ALIASES, LOSS_TYPES, REFUSED, REPORT_TO, SAMPLING_LEVELS, SCALE_REWARDS
 from gspo.config import SFTConfig, TrainConfig, load_config, make_config, renamed, to_dict
-from gspo.objectives import AGGREGATIONS, OBJECTIVES
 from gspo.rollout import generator_choices
 
 

@@ -1,11 +1,11 @@
-"""The critic's losses (gspo/values.py): PPO's clipped value loss and explained variance, by hand."""
+"""The critic's losses (gspo/algo/values.py): PPO's clipped value loss and explained variance, by hand."""
 
 import math
 
 import pytest
 import torch
 
-from gspo.values import explained_variance, value_loss
+from gspo.algo.values import explained_variance, value_loss
 
 MASK = torch.tensor([[True, True], [True, False]])
 

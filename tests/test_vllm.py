@@ -21,7 +21,7 @@ from conftest import (
     starts_with_digit,
     tiny_cfg,
 )
-from gspo.logprobs import completion_logprobs, position_ids_from_mask
+from gspo.algo.logprobs import completion_logprobs, position_ids_from_mask
 from gspo.models import load_model, seeded_model
 from gspo.rollout import (
     GENERATORS,
@@ -229,10 +229,10 @@ def test_gspo_training_with_vllm_moves_a_forced_reward(tmp_path):
 
 
 def test_a_lora_policy_is_served_with_its_adapters_merged(tmp_path):
-    """LoRA (gspo/lora.py): the engine loads the base with the adapters' delta added, at start and each push;
+    """LoRA (gspo/plugs/lora.py): the engine loads the base with the adapters' delta added, at start and each push;
     the policy's adapters stay as they were (merged out of place)."""
     pytest.importorskip("peft")
-    from gspo.lora import attach_adapters
+    from gspo.plugs.lora import attach_adapters
 
     cfg = tiny_cfg(tmp_path, generation_backend="vllm", lora_r=4, lora_alpha=8.0, num_generations=G,
                    max_prompt_length=16, max_completion_length=40, temperature=0.7)

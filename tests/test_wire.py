@@ -1,4 +1,4 @@
-"""The rollout channel's wire (gspo/rollout/wire.py): a listener binds exactly its host, both sides prove the run's
+"""The rollout channel's wire (rollout/remote/wire.py): a listener binds exactly its host, both sides prove the run's
 secret before anything else is read, a message is tensors plus a schema-checked JSON header, and nothing that
 arrives is unpickled: every malformed frame is one WireError naming what was wrong."""
 
@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.rollout.wire import (
+from gspo.rollout.remote.wire import (
     DTYPES,
     MAGIC,
     MAX_HEADER_BYTES,

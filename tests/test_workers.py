@@ -1,4 +1,4 @@
-"""Rollout workers (gspo/rollout/workers.py, gspo/rollout/feed.py): a worker process samples what the trainer's
+"""Rollout workers (gspo/rollout/remote/client.py, gspo/rollout/feed.py): a worker process samples what the trainer's
 process would, follows the broadcast weights, runs max_staleness steps ahead exactly as the in-process lag
 stand-in does, resumes bit for bit, and a dead or silent worker is named within the timeout and stops the run
 with a checkpoint."""
@@ -23,8 +23,8 @@ from conftest import SMALL, SMALL_MOE, final_weights, free_port, gspo_argv, gspo
 from gspo.config import TrainConfig, load_config
 from gspo.models import load_model
 from gspo.rollout import Sampler
-from gspo.rollout.workers import RemoteSampler, RolloutWorkerLost
-from gspo.run import TrainingAborted
+from gspo.rollout.remote.client import RemoteSampler, RolloutWorkerLost
+from gspo.runtime import TrainingAborted
 from gspo.trainer import train
 
 PROMPTS = ["12+34=", "5+6=", "70+8="]

@@ -38,7 +38,7 @@ from gspo.checkpoint.files import (
     weight_files,
     write_error,
 )
-from gspo.lora import is_peft
+from gspo.plugs.lora import is_peft
 from gspo.rng import capture_rng, restore_rng
 
 
@@ -193,7 +193,7 @@ def load_model_weights(model, path) -> None:
     from safetensors.torch import load_file
 
     path = Path(path)
-    if is_peft(model):  # a LoRA policy (gspo/lora.py): its checkpoint holds the adapters only
+    if is_peft(model):  # a LoRA policy (gspo/plugs/lora.py): its checkpoint holds the adapters only
         _load_adapter_weights(model, path)
         return
     saved = {}

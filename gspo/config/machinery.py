@@ -56,7 +56,7 @@ def validate(cfg) -> None:
 
     Allowed values are read from the modules that own them (objectives and advantage estimators from
     their registries), imported inside the checks so that `import gspo.config` stays free of torch. A config
-    class with no registered check (gspo.lab.LabConfig) brings its own `validate` method.
+    class with no registered check (gspo.apps.lab.LabConfig) brings its own `validate` method.
     """
     check_durations(cfg)
     if type(cfg) not in CHECKS:

@@ -136,8 +136,8 @@ class RewardSettings:
 def _check_rewards(s: RewardSettings) -> None:
     import math
 
-    from gspo.data.sandbox import SANDBOX_MODES  # light: the probe runs only when code_tests is built
     from gspo.models import DTYPES
+    from gspo.sandbox.runner import SANDBOX_MODES  # light: the probe runs only when code_tests is built
 
     check_positive(s, "reward_timeout_s", allow_zero=True)
     check_choice(s, "sandbox", SANDBOX_MODES)

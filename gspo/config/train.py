@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gspo.algo.schedules import SCHEDULES
 from gspo.config.machinery import check_choice, check_positive, checks, coerce_fields, prefixed
 from gspo.config.shared import (
     DataSettings,
@@ -18,7 +19,6 @@ from gspo.config.shared import (
     ProgressSettings,
     RewardSettings,
 )
-from gspo.schedules import SCHEDULES
 
 
 @dataclass
@@ -261,7 +261,7 @@ def _check_tasks(s: TaskSettings) -> None:
 
 @dataclass
 class SFTTermSettings:
-    """A supervised term added to the policy loss (gspo/auxiliary.py)."""
+    """A supervised term added to the policy loss (gspo/plugs/auxiliary.py)."""
 
     sft_coef: float = 0.0
     """Weight of an NLL term on the sft_column text added to the policy loss (loss/sft); 0: off."""
@@ -300,7 +300,7 @@ class ObjectiveSettings:
 
 @checks(ObjectiveSettings)
 def _check_objective(s: ObjectiveSettings) -> None:
-    from gspo.objectives import AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, check_aggregation, check_clip
+    from gspo.algo.objectives import AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, check_aggregation, check_clip
 
     check_choice(s, "objective", OBJECTIVES)
     check_choice(s, "kl_estimator", KL_ESTIMATORS)
@@ -337,7 +337,7 @@ class AdvantageSettings:
 
 @checks(AdvantageSettings)
 def _check_advantages(s: AdvantageSettings) -> None:
-    from gspo.advantages import estimator_choices
+    from gspo.algo.advantages import estimator_choices
 
     check_choice(s, "advantage_estimator", estimator_choices())
     check_positive(s, "critic_learning_rate", "vf_coef", "value_clip")
@@ -402,7 +402,7 @@ class LoraSettings:
 
 @checks(LoraSettings)
 def _check_lora(s: LoraSettings) -> None:
-    from gspo.lora import check_lora
+    from gspo.plugs.lora import check_lora
 
     check_positive(s, "lora_r", allow_zero=True)
     check_positive(s, "lora_alpha")
@@ -449,7 +449,7 @@ class CorrectionSettings:
 
 @checks(CorrectionSettings)
 def _check_correction(s: CorrectionSettings) -> None:
-    from gspo.correction import CORRECTIONS, thresholds
+    from gspo.algo.correction import CORRECTIONS, thresholds
 
     check_choice(s, "rollout_correction", CORRECTIONS)
     prefixed(thresholds, s.rollout_correction, s.rollout_correction_low, s.rollout_correction_high)
@@ -467,7 +467,7 @@ class RoutingSettings:
 
 @checks(RoutingSettings)
 def _check_routing(s: RoutingSettings) -> None:
-    from gspo.moe import REPLAY_MODES
+    from gspo.plugs.moe import REPLAY_MODES
 
     check_choice(s, "routing_replay", REPLAY_MODES)
 
@@ -526,7 +526,7 @@ class DistributedSettings:
 
 @checks(DistributedSettings)
 def _check_distributed(s: DistributedSettings) -> None:
-    from gspo.parallel import MODES
+    from gspo.plugs.parallel import MODES
 
     check_choice(s, "distributed", MODES)
     check_positive(s, "dist_timeout_s")
@@ -555,7 +555,7 @@ class TrainConfig(DistributedSettings, ProgressSettings, LoggingSettings, Checkp
 @checks(TrainConfig)
 def check_train(cfg: TrainConfig) -> None:
     """The checks that read fields of more than one section (each section's own ran before)."""
-    from gspo.objectives import OBJECTIVES
+    from gspo.algo.objectives import OBJECTIVES
 
     if cfg.task is None and cfg.dataset is None and cfg.tasks is None:
         raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder)")

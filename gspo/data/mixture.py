@@ -17,7 +17,7 @@ Task weights (`task_weighting`):
   "Online" teacher: EMA of the change in score) and of Graves et al. 2017 (arXiv 1704.03003).
 
 The optional supervised term on reference answers (`sft_coef`, in single- and multi-task runs)
-lives in gspo/supervised.py, next to the `gspo sft` encoding it shares.
+lives in gspo/plugs/supervised.py, next to the `gspo sft` encoding it shares.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.advantages import group_stats
+from gspo.algo.advantages import group_stats
 from gspo.config import DataSettings, RewardSettings, section
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.rewards import get_reward_fn, reward_options, reward_spec, score_completions

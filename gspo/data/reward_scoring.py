@@ -62,7 +62,7 @@ def _call(fn, prompts, completions, columns, timeout_s):
             else:  # a function with its own names for the two, e.g. `lambda p, c, **_`
                 box["value"] = fn(args[0], args[1], **args[2])
         except BaseException as exc:  # noqa: B036 - reported to the trainer, which decides
-            if getattr(exc, "stops_the_run", False):  # the trainer's own signal handling (gspo.run), not fn's
+            if getattr(exc, "stops_the_run", False):  # the trainer's own signal handling (gspo.runtime), not fn's
                 raise
             box["error"] = exc
 

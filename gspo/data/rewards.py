@@ -274,9 +274,9 @@ class RewardModelReward:
 def code_tests(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
     """1.0 where the completion's Python program passes the `tests` column in a sandbox, else 0.0.
 
-    See gspo.data.sandbox (imported on first use, so importing this module stays light).
+    See gspo.sandbox.runner (imported on first use, so importing this module stays light).
     """
-    from gspo.data.sandbox import code_tests as sandboxed
+    from gspo.sandbox.runner import code_tests as sandboxed
 
     return sandboxed(prompts, completions, **columns)
 
@@ -315,7 +315,7 @@ def get_reward_fn(spec, *, sandbox: str = "os", rm_device: str = "cpu", rm_dtype
 
     Specs: a built-in name ("answer_match", "math": math-verify against the `answer` column,
     "format", "code_tests": sandboxed Python run against the `tests` column, see
-    gspo.data.sandbox); "rm:<path>", a sequence-classification
+    gspo.sandbox.runner); "rm:<path>", a sequence-classification
     reward model saved at <path> (scored on `rm_device` in `rm_dtype`, or pass a RewardModelReward object);
     a user's "package.module:function" (found on sys.path, else in the working directory, as `python -m`
     finds it) or "path/to/file.py:function"; or, from Python, the callable itself.
@@ -330,7 +330,7 @@ def get_reward_fn(spec, *, sandbox: str = "os", rm_device: str = "cpu", rm_dtype
         raise not_rebuildable("reward", spec, "pass the same reward functions again (gspo.Trainer(reward_funcs=...)), "
                                               "or name importable ones as 'module:function'")
     if spec == "code_tests":
-        from gspo.data.sandbox import code_reward
+        from gspo.sandbox.runner import code_reward
 
         return code_reward(sandbox)
     if spec == "math":

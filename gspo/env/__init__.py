@@ -107,7 +107,7 @@ def environment_factory(settings, sandbox: str = "os"):
         return None
     if settings.environment == "tools":
         if "python" in settings.tools:
-            from gspo.data.sandbox import check_sandbox
+            from gspo.sandbox.runner import check_sandbox
 
             check_sandbox(sandbox)  # SandboxUnavailable names why and the fixes
         tools = load_tools(settings.tools, sandbox, settings.tool_timeout_s)

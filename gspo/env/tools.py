@@ -9,7 +9,7 @@ Two formats of a call (`style`):
           argument; a JSON object there gives several by name)
 
 Built-in tools, named in `tools:` by their name alone (`BUILTIN_TOOLS`): `python` runs model-written code in
-gspo's code sandbox (gspo/data/sandbox.py: another process behind bubblewrap, or the weak mode, as the run's
+gspo's code sandbox (gspo/sandbox/runner.py: another process behind bubblewrap, or the weak mode, as the run's
 `sandbox` setting says) and returns what it printed; its traceback or the limit that stopped it otherwise.
 
 A malformed call (bad JSON, JSON past the parser's limits, an unknown tool, wrong arguments), a tool that raises
@@ -131,10 +131,10 @@ class Toolbox:
 
 def python_tool(sandbox: str = "os", timeout_s: float = 5.0, memory_mb: int = 512):
     """The built-in tool `python`: a function python(code) that runs `code` as a program in the code sandbox
-    (`sandbox`: "os" or "weak", gspo.data.sandbox.run_sandboxed; the program gets `timeout_s` and `memory_mb`)
+    (`sandbox`: "os" or "weak", gspo.sandbox.runner.run_sandboxed; the program gets `timeout_s` and `memory_mb`)
     and returns its stdout; a program that raised adds its traceback, one stopped by a limit says which. The
     code failing is the model's to read, not a tool error; a sandbox that cannot start is (it raises)."""
-    from gspo.data.sandbox import run_sandboxed
+    from gspo.sandbox.runner import run_sandboxed
 
     def python(code: str) -> str:
         """Run a Python program and return what it prints.

@@ -27,7 +27,7 @@ class Rollout:
     ref_logprobs: Tensor | None = None  # (N, T)
     old_values: Tensor | None = None  # (N, T) the critic's values when the rollout was made (gae)
     returns: Tensor | None = None  # (N, T) the critic's targets: GAE advantages + old_values
-    routing: object | None = None  # gspo.moe.RoutingRecord (R, N, P+T, k) aligned with input_ids; -1 = route freely
+    routing: object | None = None  # plugs.moe.RoutingRecord (R, N, P+T, k) aligned with input_ids; -1 = route freely
     episodes: list | None = None  # multi-turn: N dicts (turns, tool_calls, tool_errors, truncated, env_reward, ...)
 
     @property

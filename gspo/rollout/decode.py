@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from gspo.logprobs import is_fsdp2
-from gspo.lora import is_peft, plain_model
+from gspo.algo.logprobs import is_fsdp2
+from gspo.plugs.lora import is_peft, plain_model
 
 __all__ = ["PrefixKVLayer", "prefix_cache", "sample", "unsupported_reason"]
 

@@ -73,7 +73,7 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
     episode (seeded sampling: each row's own generator across its turns, `SeededSampler`) or None; `greedy`:
     every turn greedy (evaluation); `chat_template_kwargs`: the template's keywords where an environment answers
     with chat messages (`chat_observation`); `recorder`: a no-argument callable making a fresh
-    `gspo.moe.record_routing` block on the sampler, for rollout routing replay (R3): each position keeps the
+    `gspo.plugs.moe.record_routing` block on the sampler, for rollout routing replay (R3): each position keeps the
     experts of the call that first read it (`_keep_experts`), in `Rollout.routing`.
     Returns the Rollout (completion columns: every token after the prompt; completion_mask: the model's;
     sampler_logprobs: mu, 0 on observations; episodes: `record`s) and the episodes (rewards, counts).
@@ -309,7 +309,7 @@ def _routing(episodes: list[Episode], P: int, T: int, layers: tuple[int, ...]):
     """The episodes' kept experts as one RoutingRecord (R, N, P+T, k) on the Rollout's layout (prompts
     left-padded to P, tokens right-padded to T); -1 (route freely) where no call read a position: padding,
     each episode's last token, observations after its last turn."""
-    from gspo.moe import RoutingRecord
+    from gspo.plugs.moe import RoutingRecord
 
     first = episodes[0].routing[0]  # (R, l, k)
     out = torch.full((first.shape[0], len(episodes), P + T, first.shape[-1]), -1, dtype=first.dtype,

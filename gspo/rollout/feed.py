@@ -1,5 +1,5 @@
 """Where each step's prompts and rollout come from: drawn and sampled when the step begins, or asked for
-`ahead` steps early from rollout workers (`max_staleness`, gspo/rollout/workers.py).
+`ahead` steps early from rollout workers (`max_staleness`, gspo/rollout/remote/client.py).
 
 `RolloutFeed.next(step)` first asks the sampler for every step up to `step + ahead` not yet asked for
 (drawing their prompts from the prompt source, in step order), then waits for step `step`'s rollout. A
@@ -23,7 +23,7 @@ from dataclasses import asdict, fields
 
 from gspo.data.rows import Row
 from gspo.rollout.batch import Rollout
-from gspo.rollout.workers import RolloutWorkerLost
+from gspo.rollout.remote.client import RolloutWorkerLost
 
 PENDING_FILE = "rollouts.pt"  # the checkpoint's file of rollouts asked for but not yet trained on
 
@@ -132,7 +132,7 @@ def rank_pending(state: dict | None, rank: int, world_size: int) -> dict | None:
 
 def unpack_pending(state: dict | None):
     """(step, examples, Rollout, weights' version) of each pending rollout of `pack_pending`."""
-    from gspo.moe import RoutingRecord
+    from gspo.plugs.moe import RoutingRecord
 
     if not state:
         return []

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessorList
 
-from gspo.logprobs import is_fsdp2
+from gspo.algo.logprobs import is_fsdp2
 from gspo.model_checks import available_memory
 from gspo.rollout import decode
 from gspo.rollout.batch import (
@@ -54,7 +54,7 @@ def generate(
     repetition_penalty=1 sample the full softmax(logits / temperature), the distribution the
     trainer's log-probs are taken over.
     `with_logprobs` keeps the sampler's own log-probs of the chosen tokens.
-    `routing_recorder`: `gspo.moe.record_routing(model)`; the experts chosen in the prefill and
+    `routing_recorder`: `gspo.plugs.moe.record_routing(model)`; the experts chosen in the prefill and
     every decode step are kept in `Rollout.routing`, padded to the (N, P+T) layout of `input_ids`
     (the last column, never fed back, is -1: route freely).
     `row_seeds`: one seed per completion (N = len(prompts) * num_generations): each row draws from
@@ -141,7 +141,7 @@ class GeneratorBackend:
     sample: object
     unsupported: object
     seeded_rows: bool = True  # honours per-row seeds (SeededSampler)
-    routing_record: bool = True  # its forwards can be recorded by gspo.moe.record_routing
+    routing_record: bool = True  # its forwards can be recorded by gspo.plugs.moe.record_routing
     logprobs: bool = True  # returns the sampler's own log-probs (mu)
     start: object = None  # (policy, tokenizer, sampling, rows=, seed=) -> an engine; None: PolicySampler
 

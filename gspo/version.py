@@ -1,0 +1,3 @@
+"""The version of gspo: one place (pyproject.toml reads it)."""
+
+__version__ = "0.1.0"
