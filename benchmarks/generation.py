@@ -39,7 +39,7 @@ def run_case(name: str, backends: list[str], repeats: int, out_dir: str) -> dict
     from gspo.algo.logprobs import completion_logprobs
     from gspo.config import TrainConfig, make_config
     from gspo.models import count_parameters, load_model
-    from gspo.rollout import GENERATORS, Sampler, generate
+    from gspo.rollout import GENERATORS, Sampler, generate, sampler_sections
     from gspo.tasks import get_task
 
     overrides, B, G, T = CASES[name]
@@ -55,7 +55,7 @@ def run_case(name: str, backends: list[str], repeats: int, out_dir: str) -> dict
                                         "generation_backend": "vllm", "per_device_batch_size": B,
                                         "num_generations": G, "max_completion_length": T, "max_prompt_length": 32,
                                         "device": "cpu", "progress": False, "output_dir": out_dir})
-        generator = Sampler(model, tokenizer, cfg, seeded=False)
+        generator = Sampler(model, tokenizer, *sampler_sections(cfg), seeded=False)
 
     def sample(backend: str, step: int):
         if backend == "vllm":

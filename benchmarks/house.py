@@ -38,7 +38,9 @@ def imported(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> set
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
-            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            named = [f"{base}.{alias.name}" for alias in node.names]
+            # `from a.b import c`: the module a.b.c where c is one, else a name of a.b
+            targets = [t for t in named if t in known] + ([base] if any(t not in known for t in named) else [])
         else:
             continue
         for target in targets:

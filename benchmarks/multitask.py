@@ -44,6 +44,7 @@ def cold_start(work: Path, tasks: list[str], args) -> tuple[str, dict]:
 
     The accuracy is greedy, on the held-out problems of the RL runs with seed 0.
     """
+    from gspo.config import EvalSettings, RewardSettings, SamplingSettings, section
     from gspo.data.evaluation import Evaluation, evaluate
     from gspo.models import load_model
     from gspo.sft import sft
@@ -70,10 +71,11 @@ def cold_start(work: Path, tasks: list[str], args) -> tuple[str, dict]:
         output_dir=str(work / "sft"), overwrite_output_dir=True, progress=False, seed=0, device="cpu"))
     sft(cfg)
     model, tokenizer = load_model(str(model_dir), device="cpu")
-    accuracy = {}
+    accuracy, plan = {}, Evaluation.of(section(cfg, EvalSettings), section(cfg, RewardSettings),
+                                       SamplingSettings(max_completion_length=cfg.max_completion_length), seed=cfg.seed)
     for t in tasks:  # the RL runs' held-out problems (seed 10_000: TrainConfig's default eval split)
         rows = get_task(t).dataset("test", args.eval_prompts, 10_000)
-        accuracy[t] = evaluate(model, tokenizer, rows, Evaluation.of(cfg), sampled=False)["eval/accuracy"]
+        accuracy[t] = evaluate(model, tokenizer, rows, plan, sampled=False)["eval/accuracy"]
     summary_file.write_text(json.dumps({"settings": settings, "accuracy": accuracy}, indent=1))
     return str(model_dir), accuracy
 

@@ -36,7 +36,7 @@ def main() -> None:
     from gspo.algo.logprobs import completion_logprobs
     from gspo.config import TrainConfig, make_config
     from gspo.models import count_parameters, seeded_model
-    from gspo.rollout import Sampler
+    from gspo.rollout import Sampler, sampler_sections
 
     torch.set_num_threads(args.threads)
     prompts = [f"{100 + 37 * i}+{205 + 11 * i}=" for i in range(16)]
@@ -48,8 +48,8 @@ def main() -> None:
         cfg = make_config(TrainConfig, base)
         _, model, tokenizer = seeded_model(cfg)
         params = count_parameters(model)
-        generators = {name: Sampler(model, tokenizer, make_config(TrainConfig, {**base, **kw}), seeded=True)
-                      for name, kw in VARIANTS.items()}
+        generators = {name: Sampler(model, tokenizer, *sampler_sections(make_config(TrainConfig, {**base, **kw})),
+                                    seeded=True) for name, kw in VARIANTS.items()}
         times = {name: [] for name in VARIANTS}
         pushes = {name: [] for name in VARIANTS}
         tokens, kl = {}, {}

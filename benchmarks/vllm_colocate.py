@@ -50,13 +50,13 @@ def generation_part(args) -> dict:
     import torch
 
     from gspo.models import seeded_model
-    from gspo.rollout import Sampler
+    from gspo.rollout import Sampler, sampler_sections
 
     cfg = config(args, tempfile.mkdtemp(), 1)
     _, model, tokenizer = seeded_model(cfg)
     params = non_embedding_params(model)
     t0 = time.perf_counter()
-    generator = Sampler(model, tokenizer, cfg, seeded=False)
+    generator = Sampler(model, tokenizer, *sampler_sections(cfg), seeded=False)
     start_s = time.perf_counter() - t0
     prompts = [f"{100 + i}+{200 + 3 * i}=" for i in range(args.batch)]
     generator.sample(prompts, 0, 0)  # warm-up

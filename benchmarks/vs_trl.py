@@ -68,9 +68,12 @@ def ordered_prompts(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     Mirrors `gspo.trainer.train`: the same `load_splits` call and `PromptSampler`, so TRL can be
     given the identical sequence as an unshuffled dataset.
     """
-    from gspo.data.rows import PromptSampler, config_splits
+    from gspo.config import DataSettings, section
+    from gspo.data.rows import PromptSampler, SplitLoader
 
-    train_rows, eval_rows = config_splits(cfg, tokenizer, max(1000, cfg.max_steps * cfg.per_device_batch_size))
+    train_rows, eval_rows = SplitLoader(tokenizer, max(1000, cfg.max_steps * cfg.per_device_batch_size),
+                                        cfg.eval_num_prompts, cfg.seed, cfg.max_prompt_length,
+                                        cfg.truncate_prompts)(section(cfg, DataSettings))
     sampler = PromptSampler(train_rows, cfg.seed)
     rows = [r for _ in range(cfg.max_steps) for r in sampler.next(cfg.per_device_batch_size)]
     return rows, eval_rows
@@ -214,6 +217,7 @@ def run_trl(spec: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
+    from gspo.config import EvalSettings, RewardSettings, SamplingSettings, section
     from gspo.data.evaluation import Evaluation, evaluate
     from gspo.data.rewards import answer_match
 
@@ -276,7 +280,9 @@ def run_trl(spec: dict) -> dict:
                       "mean_len": lengths[s - 1]})
     model = trainer.model
     torch.manual_seed(spec["seed"])
-    final = evaluate(model, tokenizer, eval_rows, Evaluation.of(cfg))
+    plan = Evaluation.of(section(cfg, EvalSettings), section(cfg, RewardSettings), section(cfg, SamplingSettings),
+                         seed=cfg.seed, template_kwargs=cfg.chat_template_kwargs)
+    final = evaluate(model, tokenizer, eval_rows, plan)
     return {"side": "trl", "steps": steps, "eval": final, "first_prompts": first_prompts,
             "torch_threads": torch.get_num_threads()}
 

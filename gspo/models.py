@@ -20,6 +20,7 @@ import random
 import numpy as np
 import torch
 
+from gspo.config import MODEL_DTYPES, check_implemented
 from gspo.gguf import converted, is_gguf
 from gspo.given import is_marker, not_rebuildable
 from gspo.model_checks import check_config_json, check_memory, check_safetensors, check_sizes, mismatched_shapes
@@ -34,6 +35,7 @@ DTYPES = {
     "float16": torch.float16,
     "auto": "auto",  # the checkpoint's own dtype; presets stay float32
 }
+check_implemented(MODEL_DTYPES, DTYPES, "gspo.models.DTYPES")  # the config's names (dtype=...), each mapped here
 
 # Shared by both presets: 601,600 (dense) / 998,912 (MoE) parameters with the 81-token vocabulary.
 _TINY = dict(

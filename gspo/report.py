@@ -2,8 +2,10 @@
 
 `plot_run(run_dir)` writes one PNG per group of metrics the run logged (reward, eval, clipping,
 ratio spread, lengths, entropy, losses, grad norm, MoE routing drift) into `run_dir/plots/`.
-Matplotlib is imported lazily and used through `Figure` + the Agg canvas directly, so pyplot's
-global state (current figure, backend) is never touched.
+Matplotlib (the `lab` extra: pip install 'gspo[lab]') is imported lazily and used through `Figure` +
+the Agg canvas directly, so pyplot's global state (current figure, backend) is never touched. Without
+it `plot_run` raises PlotsUnavailable, one line naming the fix; `plot_run_or_skip` (the demos,
+`gspo train`, Trainer.train) says in one line that the plots were skipped and goes on.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +24,23 @@ Series = tuple[list[int], list[float]]
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 100  # so every PNG is 800 x 450 pixels
 MAX_LEGEND_LINES = 12  # beyond this (e.g. 48 MoE layers) lines are drawn without legend entries
+
+
+LAB_EXTRA = "pip install 'gspo[lab]'"  # what installs matplotlib, for the plots and the lab
+
+
+class PlotsUnavailable(ValueError):
+    """Plots were asked for and matplotlib (the `lab` extra) is not installed."""
+
+
+def check_plotting() -> None:
+    """Raise PlotsUnavailable (one line naming the fix) where matplotlib cannot be imported here."""
+    try:
+        import matplotlib  # noqa: F401  (the package only: its figure modules load where a plot is drawn)
+    except ModuleNotFoundError as err:
+        if err.name != "matplotlib":  # installed, but something it needs is missing: its own error says what
+            raise
+        raise PlotsUnavailable(f"plots need matplotlib, which is not installed: {LAB_EXTRA}") from None
 
 
 def _metrics_file(run_dir_or_file: str | os.PathLike) -> pathlib.Path:
@@ -207,6 +227,7 @@ def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     """
     if smooth is not None and (isinstance(smooth, bool) or not isinstance(smooth, int) or smooth < 0):
         raise ValueError(f"smooth must be None or an int >= 0, got {smooth!r}")
+    check_plotting()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -226,3 +247,14 @@ def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
         fig.savefig(path, format="png")
         written.append(path)
     return written
+
+
+def plot_run_or_skip(run_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """`plot_run(run_dir)`, or [] and one line on stderr where matplotlib is missing: for a run that finishes
+    without its plots (the demos, `gspo train`, Trainer.train) rather than failing at its end."""
+    try:
+        return plot_run(run_dir)
+    except PlotsUnavailable:
+        print(f"plots skipped: matplotlib is not installed; {LAB_EXTRA}, then `gspo plot {run_dir}` draws them",
+              file=sys.stderr, flush=True)
+        return []

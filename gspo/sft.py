@@ -15,10 +15,20 @@ from pathlib import Path
 import torch
 
 from gspo.algo.schedules import lr_schedule
-from gspo.config import ModelSettings, OutputSettings, SFTConfig, section, to_dict
+from gspo.config import (
+    DataSettings,
+    EvalSettings,
+    ModelSettings,
+    OutputSettings,
+    RewardSettings,
+    SamplingSettings,
+    SFTConfig,
+    section,
+    to_dict,
+)
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.rewards import reward_spec
-from gspo.data.rows import config_splits
+from gspo.data.rows import SplitLoader
 from gspo.model_card import write_model_card
 from gspo.models import seeded_model
 from gspo.plugs.supervised import collate, encode_pairs, labelled_nll
@@ -37,7 +47,11 @@ def _sft(cfg: SFTConfig) -> dict:
     started = time.perf_counter()
     out_dir = prepare_output_dir(section(cfg, OutputSettings), resumable=False)
     device, model, tokenizer = seeded_model(section(cfg, ModelSettings))
-    train_rows, eval_rows = config_splits(cfg, tokenizer, cfg.num_examples)
+    train_rows, eval_rows = SplitLoader(tokenizer, cfg.num_examples, cfg.eval_num_prompts, cfg.seed)(
+        section(cfg, DataSettings))  # no prompt length limit here: encode_pairs checks max_length
+    plan = Evaluation.of(section(cfg, EvalSettings), section(cfg, RewardSettings),
+                         SamplingSettings(max_completion_length=cfg.max_completion_length), seed=cfg.seed,
+                         template_kwargs=cfg.chat_template_kwargs)
     if cfg.dataset is not None and cfg.num_examples:
         train_rows = train_rows[: cfg.num_examples]
     pairs = encode_pairs(tokenizer, train_rows, cfg.answer_column, cfg.max_length)
@@ -60,7 +74,7 @@ def _sft(cfg: SFTConfig) -> dict:
         scheduler.step()
         metrics = {"loss/sft": loss.item()}
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
-            metrics.update(evaluate(model, tokenizer, eval_rows, Evaluation.of(cfg), sampled=False))
+            metrics.update(evaluate(model, tokenizer, eval_rows, plan, sampled=False))
             model.train()
             accuracy = metrics.get("eval/accuracy")
         logger.log(step, metrics)

@@ -19,7 +19,7 @@ import torch
 from gspo.algo.advantages import group_stats
 from gspo.algo.correction import behaviour_weights, correction_units, mismatch_metrics, mismatch_moments
 from gspo.algo.logprobs import completion_logprobs
-from gspo.algo.objectives import check_loss_options, policy_loss, stat_units
+from gspo.algo.objectives import check_loss_options, objective_options, policy_loss, stat_units
 from gspo.config import BatchSettings, CorrectionSettings, ObjectiveSettings, PrecisionSettings
 from gspo.plugs.parallel import Part, Topology
 from gspo.plugs.protocols import AuxiliaryTerm, Baseline, Reference, Routing
@@ -213,10 +213,13 @@ def logprob_options(temperature: float, precision: PrecisionSettings) -> dict:
 def loss_options(objective: ObjectiveSettings, *, norm_length: int, kl_in_reward: bool) -> dict:
     """`policy_loss` options of a run, checked here once (`check_loss_options`), so that the loss of each
     minibatch runs without re-checking them or syncing on its tensors' values (`validate=False`); with
-    kl_in_reward (gae) the KL is folded into the rewards instead."""
+    kl_in_reward (gae) the KL is folded into the rewards instead. `options`: the objective's own, every one
+    of them (the run's `objective_options` over the objective's defaults)."""
+    own = objective_options(objective.objective, objective.objective_options, "objective_options")
     options = dict(objective=objective.objective, clip_low=objective.clip_low, clip_high=objective.clip_high,
                    aggregation=objective.aggregation, norm_length=norm_length,
-                   kl_coef=0.0 if kl_in_reward else objective.kl_coef, kl_estimator=objective.kl_estimator)
+                   kl_coef=0.0 if kl_in_reward else objective.kl_coef, kl_estimator=objective.kl_estimator,
+                   options=own)
     check_loss_options(**options)
     return {**options, "validate": False}
 

@@ -2,12 +2,14 @@
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import ROOT, TINY_MODEL, TINY_RUN, logged_steps, read_metrics, run_gspo
+from conftest import ROOT, TINY_MODEL, TINY_RUN, gspo_env, logged_steps, read_metrics, run_gspo
 from gspo.config import SFTConfig, TrainConfig, field_docs, load_config
 from gspo.trainer import train
 
@@ -164,3 +166,65 @@ def test_demo_flags_of_the_real_model_are_refused_without_it_and_unknown_models_
     assert main(["demo", "--tools", "--objective", "grpo", "--output-dir", str(tmp_path / "c")]) == 2
     assert "--tools runs its own tiny model with GSPO" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # refused before anything was written
+
+
+# ------------------------------------------------------------------------------- the lab extra (matplotlib)
+NO_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None  # as if it were not installed\n"
+MISSING = "plots need matplotlib, which is not installed: pip install 'gspo[lab]'"
+
+
+def python_c(code: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=gspo_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_train_imports_neither_the_lab_nor_matplotlib():
+    code = ("import contextlib, io, sys\n"
+            "from gspo.apps import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "    cli.main(['train', '--help'])\n"
+            "import gspo.apps.api, gspo.report, gspo.trainer  # what `gspo train` runs\n"
+            "loaded = sorted(m for m in sys.modules\n"
+            "                if m.split('.')[0] == 'matplotlib' or m.startswith('gspo.apps.lab'))\n"
+            "assert 'gspo.trainer' in sys.modules and loaded == [], loaded\n"
+            "print('clean')\n")
+    done = python_c(code, ROOT)
+    assert (done.returncode, done.stdout) == (0, "clean\n"), done.stderr[-2000:]
+
+
+def test_lab_help_lists_the_lab_fields(capsys):
+    from gspo.apps.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["lab", "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and "pip install 'gspo[lab]'" in out
+    assert "  sft_target_accuracy (float, default 0.4)" in out and "Greedy held-out accuracy at which" in out
+
+
+def test_plot_and_lab_without_matplotlib_fail_in_one_line_naming_the_fix(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 0.5}\n')
+    code = NO_MATPLOTLIB + ("from gspo.apps.cli import main\n"
+                            "for argv in (['plot', 'run'], ['lab', '--report-only', 'output_dir=lab'], "
+                            "['lab', '--quick', 'output_dir=lab']):\n"
+                            "    print(main(argv))\n")
+    done = python_c(code, tmp_path)
+    assert done.stdout.split() == ["2", "2", "2"], done.stderr[-2000:]
+    assert done.stderr.splitlines() == [f"gspo plot: error: {MISSING}", f"gspo lab: error: {MISSING}",
+                                        f"gspo lab: error: {MISSING}"]
+    assert not (tmp_path / "lab").exists() and not (tmp_path / "run" / "plots").exists()  # refused before any run
+
+
+@pytest.mark.slow
+def test_train_without_matplotlib_finishes_and_says_the_plots_were_skipped(tmp_path):
+    overrides = [f"{k}={json.dumps(v)}" for k, v in {**TINY_RUN, "max_steps": 1, "output_dir": "out"}.items()]
+    code = NO_MATPLOTLIB + f"from gspo.apps.cli import main\nsys.exit(main(['train', *{overrides!r}]))\n"
+    done = python_c(code, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["plots"] == [] and logged_steps(tmp_path / "out") == [0, 1]
+    skipped = [line for line in done.stderr.splitlines() if "plots" in line]
+    assert skipped == ["plots skipped: matplotlib is not installed; pip install 'gspo[lab]', then `gspo plot out` "
+                       "draws them"]
+    assert not (tmp_path / "out" / "plots").exists()
+

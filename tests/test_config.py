@@ -26,7 +26,7 @@ from gspo.step import loss_options
 def test_train_config_is_its_sections_and_nothing_else():
     own = [f.name for f in dataclasses.fields(TrainConfig)]
     by_section = [f.name for s in TRAIN_SECTIONS for f in dataclasses.fields(s)]
-    assert own == by_section and len(own) == len(set(own)) == 123  # each field in exactly one section, in order
+    assert own == by_section and len(own) == len(set(own)) == 124  # each field in exactly one section, in order
     assert sections(TrainConfig)[:-1] == list(TRAIN_SECTIONS)  # the last is TrainConfig itself (no fields of its own)
     assert all(s in CHECKS for s in TRAIN_SECTIONS if s.__name__ not in ("OutputSettings",))
 
@@ -120,3 +120,39 @@ def test_an_int_too_large_for_a_float_field_is_a_config_error():
     with pytest.raises(ValueError) as refused:
         make_config(TrainConfig, {"learning_rate": -(10**5000)})
     assert str(refused.value) == "config: learning_rate=-100000... (5001 digits) is too large for a float"
+
+
+def test_names_the_runtime_implements_are_written_once_in_the_config():
+    # the config imports no runtime module (tests/test_layout.py): the names it allows are its own, and each
+    # module implementing them checks at import that it implements exactly those
+    import gspo.config as config
+    from gspo.data import mixture
+    from gspo.env import BUILTIN_TOOLS, OBSERVATIONS, STYLES
+    from gspo.models import DTYPES
+
+    assert STYLES is config.TOOL_CALL_STYLES and set(OBSERVATIONS) == set(STYLES) == {"hermes", "text"}
+    assert set(BUILTIN_TOOLS) == set(config.BUILTIN_TOOL_NAMES) == {"python"}
+    assert set(DTYPES) == set(config.MODEL_DTYPES)
+    assert (mixture.WEIGHTINGS, mixture.parse_tasks, mixture.TaskSpec) == (config.WEIGHTINGS, config.parse_tasks,
+                                                                           config.TaskSpec)
+    config.check_implemented(("a", "b"), {"b": 1, "a": 2}, "x")  # the order is the config's to choose
+    with pytest.raises(RuntimeError) as refused:
+        config.check_implemented(config.TOOL_CALL_STYLES, {"hermes": "..."}, "gspo.env.OBSERVATIONS")
+    assert str(refused.value) == ("gspo.env.OBSERVATIONS implements hermes but the config allows hermes, text: "
+                                  "implement each allowed name, or allow it in gspo/config")
+
+
+def test_the_split_config_keeps_every_name_where_it_was():
+    # gspo/config/train.py was split (sampling.py, tasks.py): its names still import from it and from gspo.config
+    import gspo.config as config
+    import gspo.config.train as train
+
+    for name in ("SamplingSettings", "EpisodeSettings", "TaskSettings", "split_address", "rollout_secret",
+                 "reshaping", "SECRET_ENV", "MIN_SECRET_CHARS", "renamed", "TrainConfig", "TRAIN_SECTIONS"):
+        assert getattr(train, name) is getattr(config, name, getattr(train, name)), name
+    assert config.renamed({"num_iterations": 2}) == {"num_epochs": 2}  # TRL's name, for a TrainConfig by default
+    with pytest.raises(ValueError, match=r"config: tasks\[1\].task='add9' is not a built-in task"):
+        config.parse_tasks([{"task": "add3"}, {"task": "add9"}], ["answer_match"])
+    with pytest.raises(ValueError) as refused:
+        config.utf8_text(b"ok\n\xff", "config: x.yaml")
+    assert str(refused.value) == "config: x.yaml line 2: not UTF-8 text (byte 0xff at column 1)"

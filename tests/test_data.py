@@ -67,3 +67,36 @@ def test_sampler_is_deterministic_covers_epochs_and_resumes():
     b.load_state_dict(state)
     assert [r["prompt"] for r in b.next(6)] == expected
     assert [r["prompt"] for r in PromptSampler(rows, seed=3).next(5)] == first
+
+
+def add(a: int, b: int) -> int:
+    """a + b"""
+    return a + b
+
+
+def test_a_prompt_source_is_built_from_its_sections_and_the_seed(tmp_path):
+    # No TrainConfig: each section and the shared seed are handed over by name. The tool environment's tools
+    # reach the training rows' template and the evaluation's alike (computed once).
+    from gspo.config import DataSettings, EpisodeSettings, EvalSettings, RewardSettings, SamplingSettings, TaskSettings
+    from gspo.data.source import SingleTask, prompt_source
+    from gspo.env import tool_schema
+
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %} t{{ tools | length }}" \
+                        "{% endif %}="
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}"}], "answer": str(2 * i)})
+                            + "\n" for i in range(10)))
+    sections = dict(data=DataSettings(task=None, dataset=str(path), eval_holdout=3), rewards=RewardSettings(),
+                    evals=EvalSettings(eval_num_prompts=2), sampling=SamplingSettings(max_prompt_length=8),
+                    tasks=TaskSettings(), episodes=EpisodeSettings(environment="tools", tools=["test_data:add"]))
+    source = prompt_source(tok, 0, **sections, seed=3, note=lambda line: None)
+    assert isinstance(source, SingleTask) and source.sampler.seed == 3 and source.evaluation.seed == 3
+    assert (len(source.sampler.rows), len(source.held_out)) == (7, 2)  # 3 held out, 2 of them evaluated
+    assert all(r["prompt"].endswith(" t1=") for r in source.sampler.rows + source.held_out)
+    assert source.evaluation.template_kwargs == {"tools": [tool_schema(add)]}
+    assert source.evaluation.sampling.max_prompt_length == 8
+    # the prompt length limit is sampling's: "0+0 t1=" has 7 tokens
+    with pytest.raises(ValueError, match="has 7 tokens > max_prompt_length=6"):
+        prompt_source(tok, 0, **{**sections, "sampling": SamplingSettings(max_prompt_length=6)}, seed=3,
+                      note=lambda line: None)

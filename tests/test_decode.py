@@ -315,7 +315,7 @@ def test_prompt_learning_adapters_stay_on_hf_generate():
 
 
 def test_the_chosen_sampler_and_why_are_said(dense, adapted):
-    from gspo.rollout.sampling import choose_generator
+    from gspo.rollout.registry import choose_generator
 
     assert choose_generator(dense[0], "auto") == ("gspo", "sampler: gspo (generation_backend='auto': the first that "
                                                           "runs this model)")

@@ -513,24 +513,26 @@ def test_a_worker_samples_the_episodes_the_trainer_s_process_would(tmp_path):
 
 def test_the_sampler_plug_runs_episodes_from_prompts_alone(tmp_path):
     from conftest import tiny_cfg
-    from gspo.rollout import Sampler
+    from gspo.rollout import Sampler, sampler_sections
 
     model, tok = load_model("tiny-dense", overrides=SMALL)
     cfg = tiny_cfg(tmp_path, environment="test_episodes:Countdown", max_turns=3, seeded_sampling=True)
-    rollout = Sampler(model, tok, cfg, seeded=True).sample(["1+2=", "3+4="], 1, 0)  # no rows: {"prompt": p}
+    sampler = Sampler(model, tok, *sampler_sections(cfg), seeded=True)
+    rollout = sampler.sample(["1+2=", "3+4="], 1, 0)  # no rows: {"prompt": p}
     assert len(rollout.episodes) == 2 * cfg.num_generations and rollout.prompts[::4] == ["1+2=", "3+4="]
     assert all(e["turns"] == 3 or e["truncated"] for e in rollout.episodes)  # Countdown answers three turns
 
 
 def test_bad_environment_settings_are_named(tmp_path):
     from conftest import tiny_cfg
-    from gspo.rollout import Sampler
+    from gspo.rollout import Sampler, sampler_sections
 
     model, tok = load_model("tiny-dense", overrides=SMALL)
     with pytest.raises(ValueError, match=r"tool 'nowhere_mod:calc': cannot import module 'nowhere_mod'"):
-        Sampler(model, tok, tiny_cfg(tmp_path, environment="tools", tools=["nowhere_mod:calc"]), seeded=False)
+        Sampler(model, tok, *sampler_sections(tiny_cfg(tmp_path, environment="tools", tools=["nowhere_mod:calc"])),
+                seeded=False)
     with pytest.raises(ValueError, match=r"Echo has no step\(\) method"):
-        Sampler(model, tok, tiny_cfg(tmp_path, environment="test_episodes:NoStep"), seeded=False)
+        Sampler(model, tok, *sampler_sections(tiny_cfg(tmp_path, environment="test_episodes:NoStep")), seeded=False)
     with pytest.raises(ValueError, match="set environment: tools"):
         tiny_cfg(tmp_path, tools=["test_episodes:calc"])
 

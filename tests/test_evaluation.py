@@ -5,10 +5,22 @@ import json
 import pytest
 
 from conftest import SMALL, tiny_cfg
-from gspo.config import SFTConfig, TrainConfig, make_config
+from gspo.config import (
+    DataSettings,
+    EpisodeSettings,
+    EvalSettings,
+    RewardSettings,
+    SamplingSettings,
+    SFTConfig,
+    TaskSettings,
+    TrainConfig,
+    make_config,
+    section,
+)
 from gspo.data.evaluation import Evaluation, evaluate, success_threshold
 from gspo.data.mixture import TaskMixture
-from gspo.data.rows import config_splits, holdout_count
+from gspo.data.rows import SplitLoader, holdout_count
+from gspo.data.source import prompt_source
 from gspo.models import load_model
 from gspo.tasks import get_task
 
@@ -43,8 +55,18 @@ def eval_cfg(**kw) -> TrainConfig:
 
 
 def plan(**settings) -> Evaluation:
-    """The Evaluation of `eval_cfg(**settings)`."""
-    return Evaluation.of(eval_cfg(**settings))
+    """The Evaluation of `eval_cfg(**settings)`, built from its sections as a run builds it."""
+    cfg = eval_cfg(**settings)
+    return Evaluation.of(section(cfg, EvalSettings), section(cfg, RewardSettings), section(cfg, SamplingSettings),
+                         seed=cfg.seed, template_kwargs=cfg.chat_template_kwargs,
+                         episodes=section(cfg, EpisodeSettings))
+
+
+def source_of(cfg: TrainConfig, tokenizer, num_train: int):
+    """`prompt_source` as a run builds it: the sections it reads and the run's seed."""
+    return prompt_source(tokenizer, num_train, data=section(cfg, DataSettings), rewards=section(cfg, RewardSettings),
+                         evals=section(cfg, EvalSettings), sampling=section(cfg, SamplingSettings),
+                         tasks=section(cfg, TaskSettings), episodes=section(cfg, EpisodeSettings), seed=cfg.seed)
 
 
 def test_success_threshold_is_full_marks_unless_given():
@@ -67,8 +89,7 @@ def test_rows_with_an_answer_are_scored_by_the_configured_reward(tiny):
 def test_accuracy_is_the_share_of_prompts_at_the_threshold(tiny):
     model, tokenizer, rows = tiny
     # always_one + answer_match (0 for a random model): total reward 1 of the full marks 2.
-    two = eval_cfg(reward_funcs=[always_one, "answer_match"], eval_k=2)
-    out = evaluate(model, tokenizer, rows, Evaluation.of(two))
+    out = evaluate(model, tokenizer, rows, plan(reward_funcs=[always_one, "answer_match"], eval_k=2))
     assert out == {"eval/accuracy": 0.0, "eval/reward": 1.0, "eval/mean_at_k": 0.0, "eval/pass_at_k": 0.0,
                    "eval/sampled_reward": 1.0}
     out = evaluate(model, tokenizer, rows, plan(reward_funcs=[always_one, "answer_match"], eval_k=2,
@@ -102,7 +123,9 @@ def test_each_task_of_a_mixture_is_evaluated_with_its_own_rewards(tmp_path):
     cfg = tiny_cfg(tmp_path, task=None, reward_funcs=["answer_match"], eval_num_prompts=3,
                    tasks=[{"task": "add2"}, {"name": "paid", "task": "add3", "reward_funcs": [always_one]}])
     model, tokenizer = load_model("tiny-dense", seed=0, overrides=SMALL)
-    out = TaskMixture.from_config(cfg, tokenizer, num_train=10).evaluate(model, tokenizer)
+    source = source_of(cfg, tokenizer, num_train=10)
+    assert isinstance(source, TaskMixture)
+    out = source.evaluate(model, tokenizer)
     assert out["task/paid/eval_accuracy"] == 1.0 and out["task/paid/eval_reward"] == 1.0
     assert out["task/add2/eval_accuracy"] == 0.0  # answer_match: a random model is never right
     assert out["eval/accuracy"] == 0.5  # the unweighted mean over the tasks
@@ -121,20 +144,24 @@ def test_holdout_count():
         holdout_count(30, 30, "data.jsonl")
 
 
+def splits(tokenizer, eval_num_prompts: int = 200, **data):
+    """(train rows, held-out rows) of DataSettings(task=None, **data), loaded as a run loads them (seed 0)."""
+    return SplitLoader(tokenizer, 0, eval_num_prompts, seed=0, max_prompt_length=512)(DataSettings(task=None, **data))
+
+
 def test_the_held_out_split_is_said_and_can_be_none(tmp_path, capsys):
     data = write_rows(tmp_path / "data.jsonl", 30)
     _, tokenizer = load_model("tiny-dense", seed=0, overrides=SMALL)
-    train_rows, held_out = config_splits(eval_cfg(task=None, dataset=data), tokenizer, 0)
+    train_rows, held_out = splits(tokenizer, dataset=data)
     assert (len(train_rows), len(held_out)) == (27, 3)
     assert f"eval: holding out 3 of 30 rows of {data} (eval_holdout=0.1)" in capsys.readouterr().err
-    train_rows, held_out = config_splits(eval_cfg(task=None, dataset=data, eval_holdout=0), tokenizer, 0)
+    train_rows, held_out = splits(tokenizer, dataset=data, eval_holdout=0)
     assert (len(train_rows), len(held_out)) == (30, 0)
     assert f"eval: holding out 0 of 30 rows of {data} (eval_holdout=0): no evaluation" in capsys.readouterr().err
-    train_rows, held_out = config_splits(eval_cfg(task=None, dataset=data, eval_holdout=12, eval_num_prompts=5),
-                                         tokenizer, 0)
+    train_rows, held_out = splits(tokenizer, dataset=data, eval_holdout=12, eval_num_prompts=5)
     assert (len(train_rows), len(held_out)) == (18, 5)
     assert "holding out 12 of 30 rows" in capsys.readouterr().err
-    train_rows, held_out = config_splits(eval_cfg(task=None, dataset=data, eval_num_prompts=0), tokenizer, 0)
+    train_rows, held_out = splits(tokenizer, dataset=data, eval_num_prompts=0)
     assert (len(train_rows), len(held_out)) == (30, 0)  # evaluation off: nothing held out
 
 

@@ -16,8 +16,10 @@ import yaml
 import gspo.sft
 import gspo.trainer
 from conftest import comparable, gspo_argv, gspo_env, logged_steps, read_metrics
-from gspo.apps.lab.report import claims, detect_collapse, load_lab, stat, write_report
+from gspo.apps.lab.claims import claims
+from gspo.apps.lab.report import detect_collapse, load_lab, write_report
 from gspo.apps.lab.runs import LabConfig, _run_one, expand_grid, run_dir, run_lab, train_config
+from gspo.apps.lab.stats import stat
 from gspo.config import make_config, to_dict
 from gspo.runtime import run_lock
 from gspo.tracking import MetricsLogger
@@ -208,7 +210,7 @@ def test_a_killed_lab_takes_its_workers_along(tmp_path, signum):
 def test_a_worker_whose_lab_is_already_gone_leaves_at_once():
     """The race of PR_SET_PDEATHSIG: a lab that died before its worker's initializer ran is no longer the
     worker's parent, and the worker leaves (status 1) instead of waiting for work; under its own parent it stays."""
-    code = "import os; from gspo.apps.lab.runs import _die_with_parent; _die_with_parent({}); print('stayed')"
+    code = "import os; from gspo.apps.lab.workers import die_with_parent; die_with_parent({}); print('stayed')"
     for parent, expected in (("-1", (1, "")), ("os.getppid()", (0, "stayed\n"))):
         done = subprocess.run([sys.executable, "-c", code.format(parent)], env=gspo_env(), capture_output=True,
                               text=True, timeout=60)

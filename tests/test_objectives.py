@@ -312,12 +312,12 @@ def test_kl_cov_hand():
     assert stats["kl_cov/token_frac"].item() == 0.25
     # half the tokens: (1, 1) and (0, 0), cov 1.75 (its |log r| = 0.1)
     two, stats = policy_loss(logp.detach(), old, t([1.0, -1.0]), torch.ones(2, 2, dtype=D), objective="kl_cov",
-                             kl_cov_ratio=0.5, kl_cov_coef=2.0)
+                             options={"kl_cov_ratio": 0.5, "kl_cov_coef": 2.0})
     assert two.item() == pytest.approx((-math.exp(0.1) - 1 + 1 + math.exp(-0.2) + 2 * (0.2 + 0.1)) / 4)
     assert stats["kl_cov/token_frac"].item() == 0.5
     with pytest.raises(ValueError, match="kl_cov_ratio must be in"):
         policy_loss(logp.detach(), old, t([1.0, -1.0]), torch.ones(2, 2, dtype=D), objective="kl_cov",
-                    kl_cov_ratio=0.0)
+                    options={"kl_cov_ratio": 0.0})
 
 
 # ---------------------------------------------------------------- KL
@@ -484,6 +484,7 @@ def test_built_in_registrations():
                                   "cispo": (1.0, 0.28), "sapo": (None, None), "pg": (None, None),
                                   "gmpo": (0.4, 0.4), "kl_cov": (None, None)}
     assert [o for o, spec in OBJECTIVES.items() if spec.length_neutral] == ["gspo", "gspo_token", "gmpo"]
-    assert OBJECTIVES["kl_cov"].options == ("kl_cov_ratio", "kl_cov_coef")
+    assert dict(OBJECTIVES["kl_cov"].options) == {"kl_cov_ratio": 2e-4, "kl_cov_coef": 1.0}
     assert DEFAULT_AGGREGATION["cispo"] == "token_mean"
-    assert OBJECTIVES["sapo"].options == ("sapo_tau_pos", "sapo_tau_neg")
+    assert dict(OBJECTIVES["sapo"].options) == {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}
+    assert [o for o, spec in OBJECTIVES.items() if spec.options] == ["sapo", "kl_cov"]  # gmpo: clip_low/clip_high

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from conftest import tiny_cfg
-from gspo.config import TrainConfig, make_config
-from gspo.data.rows import check_rows, config_splits
+from gspo.config import DataSettings, TrainConfig, make_config, section
+from gspo.data.rows import SplitLoader, check_rows
 from gspo.tasks import build_char_tokenizer
 
 FLAG_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if flag %} (flagged){% endif %}="
@@ -27,7 +27,7 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(20)))
     cfg = make_config(TrainConfig, {"task": None, "dataset": str(data), "chat_template_kwargs": {"flag": True}})
-    train, held_out = config_splits(cfg, tok, 0)
+    train, held_out = SplitLoader(tok, 0, cfg.eval_num_prompts, cfg.seed)(section(cfg, DataSettings))
     assert all(r["prompt"].endswith(" (flagged)=") for r in train + held_out) and len(train) + len(held_out) == 20
 
 

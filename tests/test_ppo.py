@@ -196,7 +196,7 @@ def test_critic_model_from_a_saved_critic_or_a_causal_lm(tmp_path):
     # the trainer builds it from critic_model (not from the policy it trains)
     cfg = tiny_cfg(tmp_path, **PPO, critic_model=str(tmp_path / "critic"))
     other, _ = load_model("tiny-dense", overrides=SMALL, seed=0)
-    baseline = build_baseline(cfg, other, Topology(), _adamw)
+    baseline = baseline_of(cfg, other)
     assert torch.equal(baseline.critic.head.weight, critic.head.weight)
     with pytest.raises(ValueError, match="critic_model '.*nowhere': could not load a decoder"):
         load_value_model(str(tmp_path / "nowhere"), dtype=torch.float32, device="cpu")
@@ -205,6 +205,36 @@ def test_critic_model_from_a_saved_critic_or_a_causal_lm(tmp_path):
 def _adamw(module, lr):
     optimizer = torch.optim.AdamW(module.parameters(), lr=lr)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def baseline_of(cfg: TrainConfig, policy, make_optimizer=_adamw):
+    """`build_baseline` as a run builds it: its own section and the values it shares with the run."""
+    return build_baseline(section(cfg, AdvantageSettings), policy, Topology(), make_optimizer,
+                          group_size=cfg.num_generations, learning_rate=cfg.learning_rate,
+                          max_grad_norm=cfg.max_grad_norm, max_consecutive_skips=cfg.max_consecutive_skips,
+                          kl_coef=cfg.kl_coef, packed=cfg.padding_free, trust_remote_code=cfg.trust_remote_code)
+
+
+def test_the_baseline_is_built_from_its_section_and_the_values_named_to_it():
+    policy, _ = load_model("tiny-dense", overrides=SMALL, seed=0)
+    shared = dict(group_size=3, learning_rate=1e-3, max_grad_norm=0.5, max_consecutive_skips=7, kl_coef=0.25,
+                  packed=False)
+    group = build_baseline(AdvantageSettings(advantage_estimator="rloo"), policy, Topology(), _adamw, **shared)
+    assert isinstance(group, GroupBaseline) and (group.estimator, group.group_size) == ("rloo", 3)
+    rates = []
+
+    def recording(module, lr):
+        rates.append(lr)
+        return _adamw(module, lr)
+
+    folded = build_baseline(AdvantageSettings(advantage_estimator="gae", kl_in_reward=True, gae_gamma=0.9), policy,
+                            Topology(), recording, **shared)
+    own_lr = build_baseline(AdvantageSettings(advantage_estimator="gae", critic_learning_rate=1e-4), policy,
+                            Topology(), recording, **shared)
+    assert rates == [1e-3, 1e-4]  # critic_learning_rate, else the run's learning_rate
+    assert (folded.gamma, folded.kl_reward_coef, folded.needs_pi_old) == (0.9, 0.25, True)
+    assert (own_lr.kl_reward_coef, own_lr.needs_pi_old) == (0.0, False)  # the KL stays in the loss
+    assert (folded.max_grad_norm, folded.packed, folded.guard.limit) == (0.5, False, 7)
 
 
 def test_a_checkpoint_saved_before_the_rename_and_the_ppo_fields_resumes():
@@ -286,7 +316,7 @@ def test_the_rlhf_path_a_trained_reward_model_scores_the_last_token_and_ppo_trai
     rollout.rewards = scores
     cfg = tiny_cfg(tmp_path, **PPO, reward_funcs=[f"rm:{tmp_path / 'rm'}"], gae_gamma=1.0, gae_lambda=1.0,
                    whiten_advantages=False)
-    baseline = build_baseline(cfg, policy, Topology(), _adamw)
+    baseline = baseline_of(cfg, policy)
     N = rollout.num_sequences
     lengths = rollout.completion_mask.sum(-1).float()
     baseline.estimate(rollout, None, [Topology().part(torch.arange(N), N, lengths, False)], Topology())

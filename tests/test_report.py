@@ -141,3 +141,22 @@ def test_plotting_leaves_pyplot_alone(run_dir):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_without_matplotlib_plot_run_names_the_fix_and_plot_run_or_skip_says_it_skipped(run_dir):
+    code = (
+        "import sys; sys.modules['matplotlib'] = None  # as if it were not installed\n"
+        "from gspo.report import PlotsUnavailable, plot_run, plot_run_or_skip\n"
+        "try:\n"
+        f"    plot_run({str(run_dir)!r})\n"
+        "except PlotsUnavailable as err:\n"
+        "    print(err)\n"
+        f"print(plot_run_or_skip({str(run_dir)!r}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["plots need matplotlib, which is not installed: pip install 'gspo[lab]'",
+                                        "[]"], done.stderr[-2000:]
+    assert done.stderr.splitlines() == [f"plots skipped: matplotlib is not installed; pip install 'gspo[lab]', then "
+                                        f"`gspo plot {run_dir}` draws them"]
+    assert not (run_dir / "plots").exists()
+

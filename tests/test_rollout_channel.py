@@ -18,7 +18,7 @@ import torch
 from conftest import SMALL, free_port, read_metrics, tiny_cfg
 from gspo.config import LoraSettings, ModelSettings, section
 from gspo.models import load_model
-from gspo.rollout import Sampler
+from gspo.rollout import Sampler, sampler_sections
 from gspo.rollout.remote.client import RemoteSampler, RolloutWorkerLost
 from gspo.rollout.remote.protocol import TO_TRAINER, TO_WORKER
 from gspo.rollout.remote.wire import MAGIC, NONCE_BYTES, accept_peers, connect, listen, recv, send
@@ -29,6 +29,17 @@ from test_wire import dropped, listening
 
 SECRET = "the secret of this test's runs"
 PROMPTS = ["12+34=", "5+6=", "70+8="]
+
+
+def seeded_sampler(model, tok, cfg) -> Sampler:
+    """The trainer's own Sampler of `cfg` in this process, seeded: what a worker must sample alike."""
+    return Sampler(model, tok, *sampler_sections(cfg), seeded=True)
+
+
+def waiting_sampler(model, tok, cfg, timeout_s: float = 20) -> RemoteSampler:
+    """The trainer's RemoteSampler of `cfg`, seeded, waiting at its rollout_address for one rollout server."""
+    return RemoteSampler(model, tok, *sampler_sections(cfg), seeded=True, workers=1, timeout_s=timeout_s,
+                         address=cfg.rollout_address)
 
 
 def forward(source, sink, kinds, tamper=None) -> None:
@@ -74,7 +85,7 @@ def remote(tmp_path, model, tok, tamper=None, **cfg):
     serve(port, model, tok, tamper=tamper)
     cfg = tiny_cfg(tmp_path, seeded_sampling=True, rollout_workers=1, rollout_address=f"127.0.0.1:{port}",
                    rollout_secret=SECRET, **cfg)
-    return cfg, RemoteSampler(model, tok, cfg, seeded=True, workers=1, timeout_s=20, address=cfg.rollout_address)
+    return cfg, waiting_sampler(model, tok, cfg)
 
 
 def test_a_server_on_the_wire_samples_what_the_process_samples_and_follows_the_weights(tmp_path):
@@ -83,7 +94,7 @@ def test_a_server_on_the_wire_samples_what_the_process_samples_and_follows_the_w
     cfg, sampler = remote(tmp_path, model, tok)
     try:
         assert not [p for p in listening_ports() if p == int(cfg.rollout_address.split(":")[1])]  # closed once joined
-        local, far = Sampler(model, tok, cfg, seeded=True).sample(PROMPTS, 1, 0), sampler.sample(PROMPTS, 1, 0)
+        local, far = seeded_sampler(model, tok, cfg).sample(PROMPTS, 1, 0), sampler.sample(PROMPTS, 1, 0)
         for name in ("input_ids", "attention_mask", "completion_mask"):
             assert torch.equal(getattr(local, name), getattr(far, name)), name
         assert local.completions == far.completions and sampler.version_of(1) == 0
@@ -93,7 +104,7 @@ def test_a_server_on_the_wire_samples_what_the_process_samples_and_follows_the_w
         stats = sampler.sync(model)
         assert stats["async/sync_bytes"] == 4.0 * sum(p.numel() for p in model.parameters())
         assert stats["async/refused_peers"] == 0.0
-        local, far = Sampler(model, tok, cfg, seeded=True).sample(PROMPTS, 2, 0), sampler.sample(PROMPTS, 2, 0)
+        local, far = seeded_sampler(model, tok, cfg).sample(PROMPTS, 2, 0), sampler.sample(PROMPTS, 2, 0)
         assert torch.equal(local.input_ids, far.input_ids) and sampler.version_of(2) == 1  # the new weights
     finally:
         sampler.close()
@@ -125,11 +136,11 @@ def test_a_fake_server_without_the_secret_is_refused_and_the_run_goes_on_with_th
     serve_later.start()
     cfg = tiny_cfg(tmp_path, seeded_sampling=True, rollout_workers=1, rollout_address=f"127.0.0.1:{port}",
                    rollout_secret=SECRET)
-    sampler = RemoteSampler(model, tok, cfg, seeded=True, workers=1, timeout_s=20, address=cfg.rollout_address)
+    sampler = waiting_sampler(model, tok, cfg)
     try:
         assert sampler.refused == 2
         assert torch.equal(sampler.sample(PROMPTS, 1, 0).input_ids,
-                           Sampler(model, tok, cfg, seeded=True).sample(PROMPTS, 1, 0).input_ids)
+                           seeded_sampler(model, tok, cfg).sample(PROMPTS, 1, 0).input_ids)
     finally:
         sampler.close()
     err = capfd.readouterr().err
@@ -289,7 +300,7 @@ def test_a_port_already_taken_is_named_first(tmp_path):
     try:
         with pytest.raises(ValueError, match=rf"^rollout_address=127.0.0.1:{port}: cannot listen at 127.0.0.1:{port}: "
                                              r"Address already in use: another run or program holds this port"):
-            RemoteSampler(model, tok, cfg, seeded=True, workers=1, timeout_s=5, address=cfg.rollout_address)
+            waiting_sampler(model, tok, cfg, timeout_s=5)
     finally:
         held.close()
 
@@ -326,6 +337,6 @@ def test_a_server_whose_config_differs_from_the_trainer_s_says_so_on_both_sides(
     thread, raised = server_thread(tiny_cfg(tmp_path, **common, **server_settings), port)
     cfg = tiny_cfg(tmp_path, **common)
     with pytest.raises(RolloutWorkerLost, match=trainer_error):
-        RemoteSampler(model, tok, cfg, seeded=True, workers=1, timeout_s=20, address=cfg.rollout_address)
+        waiting_sampler(model, tok, cfg)
     thread.join(20)
     assert len(raised) == 1 and re.search(server_error, str(raised[0])), raised

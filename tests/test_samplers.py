@@ -1,5 +1,15 @@
-"""Samplers that are not pi_old (gspo/rollout/sampling.py: PolicySampler): a low-precision copy of
-the weights (sampler_dtype) and stale weights (sampler_lag), measured with gspo/algo/correction.py."""
+"""Samplers that are not pi_old (gspo/rollout/policy.py: PolicySampler): a low-precision copy of the weights
+(sampler_dtype) and stale weights (sampler_lag), measured with gspo/algo/correction.py; the sections a sampler is
+built from (gspo/rollout/sampler.py) and the registry it picks its generator from (gspo/rollout/registry.py)."""
+
+import ast
+import dataclasses
+import datetime
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +18,7 @@ from conftest import read_metrics, starts_with_digit, tiny_cfg
 from gspo.algo.correction import mismatch_metrics, mismatch_moments
 from gspo.algo.logprobs import completion_logprobs
 from gspo.models import seeded_model
-from gspo.rollout import PolicySampler, Sampler
+from gspo.rollout import PolicySampler, Sampler, SamplerShape, sampler_sections
 from gspo.trainer import train
 
 PROMPTS = ["1+2+3=", "4+0+5=", "7+7+1="]
@@ -42,15 +52,15 @@ def step_weights(model, seed: int) -> dict:
 
 def test_without_dtype_or_lag_the_sampler_is_the_policy(tmp_path):
     cfg, model, _ = built(tmp_path)
-    sampler = PolicySampler(model, None, cfg)
+    sampler = PolicySampler(model, None, sampler_sections(cfg)[0])
     assert sampler.model is model and sampler.push(model) == 0.0
 
 
 def test_bf16_sampler_mismatch_is_orders_of_magnitude_above_fp32(tmp_path):
     cfg, model, tokenizer = built(tmp_path, log_mismatch=True, seeded_sampling=True)
-    fp32 = Sampler(model, tokenizer, cfg, seeded=True).sample(PROMPTS, 1, 0)
+    fp32 = Sampler(model, tokenizer, *sampler_sections(cfg), seeded=True).sample(PROMPTS, 1, 0)
     cfg16, _, _ = built(tmp_path, sampler_dtype="bfloat16", seeded_sampling=True)
-    generator16 = Sampler(model, tokenizer, cfg16, seeded=True)
+    generator16 = Sampler(model, tokenizer, *sampler_sections(cfg16), seeded=True)
     assert next(generator16.sampler.model.parameters()).dtype == torch.bfloat16
     bf16 = generator16.sample(PROMPTS, 1, 0)
     kl32, kl16 = mismatch(model, fp32)["mismatch/kl"], mismatch(model, bf16)["mismatch/kl"]
@@ -66,7 +76,7 @@ def test_bf16_sampler_mismatch_is_orders_of_magnitude_above_fp32(tmp_path):
 
 def test_lag_samples_with_the_policy_of_k_rollouts_ago(tmp_path):
     cfg, model, tokenizer = built(tmp_path, sampler_lag=2, seeded_sampling=True)
-    generator = Sampler(model, tokenizer, cfg, seeded=True)
+    generator = Sampler(model, tokenizer, *sampler_sections(cfg), seeded=True)
     saved = [{k: v.clone() for k, v in model.state_dict().items()}]  # weights after 0, 1, 2, 3 updates
     for step in (1, 2, 3, 4):
         rollout = generator.sample(PROMPTS, step, 0)
@@ -106,6 +116,87 @@ def test_a_checkpoint_older_than_the_sampler_settings_resumes_at_their_defaults(
     check_resumable(old, tiny_cfg(tmp_path, log_mismatch=True, vllm_sleep=False), 1)  # logging / memory only
     with pytest.raises(ValueError, match=r"sampler_lag=0 \(now 2\)"):
         check_resumable(old, tiny_cfg(tmp_path, sampler_lag=2), 1)
+
+
+# ------------------------------------------------------------------------------- what a sampler is built from
+def test_the_registry_names_the_built_in_generators_and_imports_each_on_first_use(tmp_path, monkeypatch):
+    from gspo.rollout import registry
+
+    tree = ast.parse(Path(registry.__file__).read_text())
+    imported = [getattr(node, "module", None) or node.names[0].name for node in tree.body
+                if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert imported and not [name for name in imported if name.startswith("gspo")]  # the config imports it
+    assert registry.generator_choices()[:4] == ("auto", "gspo", "hf", "vllm")  # "auto" tries them in this order
+    (tmp_path / "late_generator.py").write_text("BACKEND = 'imported'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "late_generator", raising=False)
+    lazy = registry.Generators({"late": "late_generator:BACKEND"})
+    assert list(lazy) == ["late"] and "late_generator" not in sys.modules  # known by name only
+    assert lazy["late"] == "imported" and "late_generator" in sys.modules
+    with pytest.raises(ValueError, match="generator 'hf' is already registered"):
+        registry.register_generator("hf", registry.GENERATORS["hf"])
+    # importing the package registers nothing as a side effect: vllm's module loads when "vllm" is first read
+    code = ("import sys, gspo.rollout as r; assert 'gspo.rollout.vllm_engine' not in sys.modules; "
+            "assert r.GENERATORS['vllm'].start is not None and 'gspo.rollout.vllm_engine' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("settings,kept", [
+    ({}, False),  # mu == pi_old and nothing reads mu
+    ({"log_mismatch": True}, True),
+    ({"use_sampler_logprobs": True}, True),
+    ({"rollout_correction": "token_tis", "rollout_correction_high": 2.0}, True),
+    ({"sampler_dtype": "bfloat16"}, True),
+    ({"sampler_lag": 1}, True),
+    ({"rollout_workers": 1}, False),  # a worker at staleness 0 samples pi_old itself
+    ({"rollout_workers": 1, "max_staleness": 1}, True),
+])
+def test_the_shape_keeps_mu_where_the_run_reads_it_or_mu_may_differ(tmp_path, settings, kept):
+    cfg = tiny_cfg(tmp_path, **settings)
+    sampling, episodes, shape = sampler_sections(cfg)
+    assert shape == SamplerShape(num_generations=4, per_device_batch_size=2, seed=cfg.seed, keep_logprobs=kept,
+                                 chat_template_kwargs=None, sandbox=cfg.sandbox)
+    assert (sampling.max_completion_length, episodes.environment) == (12, None)
+
+
+def test_a_worker_rebuilds_the_sections_the_trainer_sends_and_nothing_else(tmp_path):
+    from gspo.rollout.remote.wire import WireError
+    from gspo.rollout.remote.worker import sections_message, sections_of
+
+    cfg = tiny_cfg(tmp_path, environment="tools", tools=["tools_mod:calc"], chat_template_kwargs={"x": [1, 2]},
+                   log_mismatch=True, rollout_workers=1, rollout_address="127.0.0.1:29999",
+                   rollout_secret="a secret of this test's run")
+    sampling, episodes, shape = sampler_sections(cfg)
+    message = json.loads(json.dumps(sections_message(sampling, episodes, shape)))  # as the wire carries it
+    assert set(message) == {"sampling", "episodes", "shape"} and message["sampling"]["rollout_secret"] is None
+    assert sections_of(message) == (dataclasses.replace(sampling, rollout_secret=None), episodes, shape)
+    assert message["shape"] == {"num_generations": 4, "per_device_batch_size": 2, "seed": cfg.seed,
+                                "keep_logprobs": True, "chat_template_kwargs": {"x": [1, 2]}, "sandbox": cfg.sandbox}
+    with pytest.raises(ValueError, match=r"rollout workers: setting chat_template_kwargs\['day'\] is a date"):
+        sections_message(sampling, episodes, dataclasses.replace(shape, chat_template_kwargs={
+            "day": datetime.date(2025, 1, 1)}))
+    message["shape"]["use_sampler_logprobs"] = True  # what an older trainer sent (the whole config's fields)
+    with pytest.raises(WireError, match=r"setup settings \['use_sampler_logprobs'\] of 'shape' are not this "):
+        sections_of(message)
+    with pytest.raises(WireError, match=r"setup settings of sections \['sampling'\], not this version's"):
+        sections_of({"sampling": message["sampling"]})
+
+
+def test_a_rollout_server_takes_whether_mu_is_kept_from_the_trainer_and_refuses_other_differences(tmp_path):
+    from gspo.rollout.remote.worker import _sections, sections_message
+
+    server = sampler_sections(tiny_cfg(tmp_path))  # its own config keeps no mu
+    trainer = sampler_sections(tiny_cfg(tmp_path, log_mismatch=True, rollout_timeout_s=9.0))  # the trainer reads mu
+    near, far = socket.socketpair()
+    with near, far:
+        sampling, episodes, shape = _sections(near, sections_message(*trainer), server)
+        assert shape.keep_logprobs and not server[2].keep_logprobs  # the trainer's to say
+        assert (sampling, episodes) == server[:2] and sampling.rollout_timeout_s == 300.0  # the channel's: its own
+        other = sampler_sections(tiny_cfg(tmp_path, num_generations=2))
+        with pytest.raises(ValueError, match=r"sampling settings differ from this rollout server's config "
+                                             r"\(num_generations: trainer 2, here 4\)"):
+            _sections(near, sections_message(*other), server)
 
 
 # ------------------------------------------------------------------------------- joining workers' shares

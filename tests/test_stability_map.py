@@ -114,7 +114,7 @@ def summary(label, method, objective, replay, acc, clip, drift, ratio_std, grad_
 
 
 def test_claims_per_regime_read_only_the_plain_methods():
-    from gspo.apps.lab.report import plain_methods, regime_claims
+    from gspo.apps.lab.claims import plain_methods, regime_claims
 
     methods = {"grpo": {"objective": "grpo"}, "gspo": {"objective": "gspo"},
                "grpo_r2": {"objective": "grpo", "routing_replay": "old_policy"},

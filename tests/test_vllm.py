@@ -30,6 +30,7 @@ from gspo.rollout import (
     generate,
     pick_generator,
     row_seeds,
+    sampler_sections,
 )
 from gspo.rollout.vllm_engine import VLLMEngine
 from gspo.trainer import train
@@ -65,7 +66,7 @@ def started(tmp_path, **kw):
     _, model, tokenizer = seeded_model(cfg)
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    generator = Sampler(model, tokenizer, cfg, seeded=False)
+    generator = Sampler(model, tokenizer, *sampler_sections(cfg), seeded=False)
     return cfg, model, tokenizer, generator, before, torch.get_rng_state()
 
 
@@ -248,7 +249,7 @@ def test_a_lora_policy_is_served_with_its_adapters_merged(tmp_path):
         return {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
 
     nudge_adapters(1)
-    generator = Sampler(policy, tokenizer, cfg, seeded=False)
+    generator = Sampler(policy, tokenizer, *sampler_sections(cfg), seeded=False)
     try:
         assert generator.sampler.probe_diff["max"] < 1e-5, generator.sampler.probe_diff  # merged at start-up
         rollout = generator.sample(PROMPTS, 1, 0)

@@ -22,13 +22,18 @@ from safetensors.torch import load_file
 from conftest import SMALL, SMALL_MOE, final_weights, free_port, gspo_argv, gspo_env, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, load_config
 from gspo.models import load_model
-from gspo.rollout import Sampler
+from gspo.rollout import Sampler, sampler_sections
 from gspo.rollout.remote.client import RemoteSampler, RolloutWorkerLost
 from gspo.runtime import TrainingAborted
 from gspo.trainer import train
 
 PROMPTS = ["12+34=", "5+6=", "70+8="]
 SECRET = "a secret of this test's run"
+
+
+def seeded_sampler(model, tok, cfg) -> Sampler:
+    """The trainer's own Sampler of `cfg` in this process, seeded: what a worker must sample alike."""
+    return Sampler(model, tok, *sampler_sections(cfg), seeded=True)
 
 
 pytestmark = pytest.mark.slow  # each test spawns a worker (a fresh interpreter importing torch)
@@ -39,9 +44,9 @@ def test_a_worker_samples_what_the_process_samples_and_follows_the_weights(tmp_p
     model, tok = load_model("tiny-dense", overrides=SMALL)
     cfg = tiny_cfg(tmp_path, seeded_sampling=True)
     before = copy.deepcopy(model)
-    remote = RemoteSampler(model, tok, cfg, seeded=True, workers=1, timeout_s=60)
+    remote = RemoteSampler(model, tok, *sampler_sections(cfg), seeded=True, workers=1, timeout_s=60)
     try:
-        local, remote_1 = Sampler(model, tok, cfg, seeded=True).sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)
+        local, remote_1 = seeded_sampler(model, tok, cfg).sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)
         assert torch.equal(local.input_ids, remote_1.input_ids) and local.completions == remote_1.completions
         with torch.no_grad():
             for p in model.parameters():
@@ -49,8 +54,8 @@ def test_a_worker_samples_what_the_process_samples_and_follows_the_weights(tmp_p
         stats = remote.sync(model)
         assert stats["async/sync_bytes"] == 4.0 * sum(p.numel() for p in model.parameters())  # float32, tied once
         assert stats["time/sync_s"] > 0 and "time/sampler_start_s" in stats
-        local_2, remote_2 = Sampler(model, tok, cfg, seeded=True).sample(PROMPTS, 2, 0), remote.sample(PROMPTS, 2, 0)
-        stale_2 = Sampler(before, tok, cfg, seeded=True).sample(PROMPTS, 2, 0)
+        local_2, remote_2 = seeded_sampler(model, tok, cfg).sample(PROMPTS, 2, 0), remote.sample(PROMPTS, 2, 0)
+        stale_2 = seeded_sampler(before, tok, cfg).sample(PROMPTS, 2, 0)
         assert torch.equal(local_2.input_ids, remote_2.input_ids)  # the new weights, bit for bit
         assert not torch.equal(stale_2.input_ids, remote_2.input_ids)  # and they mattered
     finally:
@@ -91,13 +96,13 @@ def test_a_local_process_racing_the_worker_runs_no_code_and_the_trainer_listens_
 
     thread = threading.Thread(target=attacker, daemon=True)
     thread.start()
-    remote = RemoteSampler(model, tok, cfg, seeded=True, workers=1, timeout_s=60)
+    remote = RemoteSampler(model, tok, *sampler_sections(cfg), seeded=True, workers=1, timeout_s=60)
     try:
         done.set()
         thread.join(10)
         assert seen == ["127.0.0.1"] and remote.refused == 1  # one listener, on loopback; the attacker dropped
         assert not [port for _, port in listening()]  # closed once the worker joined: nobody else can
-        local, far = Sampler(model, tok, cfg, seeded=True).sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)
+        local, far = seeded_sampler(model, tok, cfg).sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)
         assert torch.equal(local.input_ids, far.input_ids) and local.completions == far.completions
     finally:
         remote.close()
@@ -107,9 +112,9 @@ def test_a_local_process_racing_the_worker_runs_no_code_and_the_trainer_listens_
 def test_two_workers_share_a_step_as_one_sampler_would(tmp_path):
     model, tok = load_model("tiny-dense", overrides=SMALL)
     cfg = tiny_cfg(tmp_path, seeded_sampling=True, log_mismatch=True)  # mu kept
-    remote = RemoteSampler(model, tok, cfg, seeded=True, workers=2, timeout_s=60)
+    remote = RemoteSampler(model, tok, *sampler_sections(cfg), seeded=True, workers=2, timeout_s=60)
     try:
-        local = Sampler(model, tok, cfg, seeded=True)
+        local = seeded_sampler(model, tok, cfg)
         one, two = local.sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)  # shares of 2 and 1 prompts
         assert torch.equal(one.input_ids, two.input_ids) and torch.equal(one.attention_mask, two.attention_mask)
         assert torch.equal(one.completion_mask, two.completion_mask) and one.completions == two.completions
@@ -121,7 +126,7 @@ def test_two_workers_share_a_step_as_one_sampler_would(tmp_path):
 
 def test_a_dead_worker_is_named_within_the_timeout(tmp_path):
     model, tok = load_model("tiny-dense", overrides=SMALL)
-    remote = RemoteSampler(model, tok, tiny_cfg(tmp_path), seeded=False, workers=1, timeout_s=5)
+    remote = RemoteSampler(model, tok, *sampler_sections(tiny_cfg(tmp_path)), seeded=False, workers=1, timeout_s=5)
     try:
         pid = remote.processes[0].pid
         os.kill(pid, signal.SIGKILL)
@@ -155,7 +160,7 @@ def worker(process_list=None):
 
 def test_a_silent_worker_is_named_after_the_timeout(tmp_path):
     model, tok = load_model("tiny-dense", overrides=SMALL)
-    remote = RemoteSampler(model, tok, tiny_cfg(tmp_path), seeded=False, workers=1, timeout_s=3)
+    remote = RemoteSampler(model, tok, *sampler_sections(tiny_cfg(tmp_path)), seeded=False, workers=1, timeout_s=3)
     try:
         os.kill(remote.processes[0].pid, signal.SIGSTOP)  # alive, never answers
         t0 = time.perf_counter()
@@ -307,8 +312,8 @@ def test_a_worker_that_cannot_build_its_sampler_says_why(tmp_path):
     model, tok = load_model("tiny-dense", overrides=SMALL)
     with pytest.raises(RolloutWorkerLost, match=r"(?s)starting the rollout workers: rollout worker 1 failed:\n"
                                                 r"Traceback.*backend='vllm' cannot run this model: .*vllm"):
-        RemoteSampler(model, tok, tiny_cfg(tmp_path, generation_backend="vllm"), seeded=False, workers=1,
-                      timeout_s=60)
+        RemoteSampler(model, tok, *sampler_sections(tiny_cfg(tmp_path, generation_backend="vllm")), seeded=False,
+                      workers=1, timeout_s=60)
 
 
 MOE_R3 = dict(model="tiny-moe", model_overrides=SMALL_MOE, routing_replay="rollout", seeded_sampling=True,

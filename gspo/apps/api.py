@@ -115,9 +115,11 @@ def _preset(objective: str, model: ModelLike | None, reward_funcs: RewardLike | 
 
 def train_and_plot(cfg: TrainConfig, **given: Any) -> dict[str, Any]:
     """`gspo.trainer.train(cfg, **given)`, then plots of its metrics: what `gspo train` and `Trainer.train` run.
-    Returns train's summary with "model" (the saved model's folder) and "plots" (the PNGs' paths)."""
-    from gspo.report import plot_run
+    Returns train's summary with "model" (the saved model's folder) and "plots" (the PNGs' paths; none, said in one
+    line on stderr, without matplotlib: pip install 'gspo[lab]')."""
+    from gspo.report import plot_run_or_skip
     from gspo.trainer import train
 
     summary = train(cfg, **given)
-    return {**summary, "model": f"{cfg.output_dir}/model", "plots": [str(p) for p in plot_run(cfg.output_dir)]}
+    return {**summary, "model": f"{cfg.output_dir}/model",
+            "plots": [str(p) for p in plot_run_or_skip(cfg.output_dir)]}

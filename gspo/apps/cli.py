@@ -7,8 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from gspo.apps.lab.runs import LabConfig
-from gspo.config import SFTConfig, TrainConfig, config_help
+from gspo.config import SFTConfig, TrainConfig, config_help, load_config
 
 # Exit statuses (docs/reliability.md): 0 done; 2 a user or environment error (config, data, reward
 # function, files, disk) printed as one line; 3 aborted by the non-finite guard; 128+N stopped by
@@ -26,6 +25,21 @@ def _config_parser(sub, name: str, cls, summary: str):
     p.add_argument("--config", help="YAML file whose keys are config field names")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides; they win over the YAML file")
     return p
+
+
+class _LabHelp(argparse.Action):
+    """`gspo lab --help`: the lab's config fields, read (gspo.apps.lab imported) only when the help is asked for,
+    so that building the parser, e.g. for `gspo train`, leaves the lab out."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from gspo.apps.lab.runs import LabConfig
+
+        parser.epilog = "config fields (YAML keys and key=value overrides):\n" + config_help(LabConfig)
+        parser.print_help()
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,17 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "log-probs against the trainer's; none (default)")
     p.add_argument("--tools", action="store_true", help="the tiny model learns a calculator tool on 4-digit "
                                                         "addition, beside the same model without it (multi-turn)")
-    p = sub.add_parser("lab", parents=[_COMMON],
+    _add_lab(sub)
+    return parser
+
+
+def _add_lab(sub) -> None:
+    """`gspo lab`: its config fields are listed by `--help` alone (`_LabHelp`)."""
+    p = sub.add_parser("lab", parents=[_COMMON], add_help=False,
                        help="stability lab: GRPO vs GSPO on dense and MoE models, claims report",
                        description="Rerun the GSPO paper's claims in miniature; writes report.md with plots. "
-                                   "Rerunning continues an interrupted lab.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="config fields (YAML keys and key=value overrides):\n" + config_help(LabConfig))
+                                   "Rerunning continues an interrupted lab.\nThe plots need matplotlib, the lab "
+                                   "extra: pip install 'gspo[lab]'.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-h", "--help", action=_LabHelp, help="show this help message and exit")
     p.add_argument("--quick", action="store_true", help="fewer objectives, seeds and steps (under 2 min on 2 cores)")
     p.add_argument("--config", help="YAML file whose keys are lab config field names")
     p.add_argument("--report-only", action="store_true", help="rebuild report.md from the finished runs, run nothing")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides; they win over the YAML file")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,86 +163,119 @@ def _one_line(err: BaseException) -> str:
 def _run(args, argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
-    from gspo.config import load_config
-
     hf_logging.disable_progress_bar()  # our own progress bar is enough
+    args.command_line = "gspo " + " ".join(sys.argv[1:] if argv is None else argv)  # what lab.json records
+    _COMMANDS[args.command](args)
+    return 0
 
-    if args.command == "train":
-        from gspo.apps.api import train_and_plot
 
-        overrides = args.overrides + ([f"resume_from_checkpoint={args.resume}"] if args.resume else [])
-        summary = train_and_plot(load_config(TrainConfig, args.config, overrides))  # what gspo.Trainer.train runs
-        print(json.dumps({"evals": summary["evals"] or "off (no held-out prompts)",  # eval_num_prompts=0, ...
-                          "seconds": round(summary["seconds"], 1),
-                          "model": summary["model"], "plots": summary["plots"]}, indent=2))
-    elif args.command == "bench":
-        from gspo.apps.bench import bench, format_bench
+def _train(args) -> None:
+    """`gspo train`: what gspo.Trainer.train runs; prints the summary as JSON."""
+    from gspo.apps.api import train_and_plot
 
-        result = bench(load_config(TrainConfig, args.config, args.overrides), steps=args.steps,
-                       skip_first=args.skip_first, peak_seconds=args.peak_seconds)
-        print(format_bench(result))
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2))
-    elif args.command == "rollout-server":
-        from gspo.rollout.remote.worker import serve_rollouts
+    overrides = args.overrides + ([f"resume_from_checkpoint={args.resume}"] if args.resume else [])
+    summary = train_and_plot(load_config(TrainConfig, args.config, overrides))
+    print(json.dumps({"evals": summary["evals"] or "off (no held-out prompts)",  # eval_num_prompts=0, ...
+                      "seconds": round(summary["seconds"], 1),
+                      "model": summary["model"], "plots": summary["plots"]}, indent=2))
 
-        serve_rollouts(load_config(TrainConfig, args.config, args.overrides), args.connect, args.rank,
-                       start_timeout_s=args.start_timeout)
-    elif args.command == "sft":
-        from gspo.sft import sft
 
-        cfg = load_config(SFTConfig, args.config, args.overrides)
-        print(json.dumps(sft(cfg), indent=2))
-    elif args.command == "eval":
-        from gspo.config import ModelSettings, make_config, section
-        from gspo.data.evaluation import Evaluation, evaluate
-        from gspo.data.rows import config_splits
-        from gspo.models import seeded_model
+def _bench(args) -> None:
+    from gspo.apps.bench import bench, format_bench
 
-        cfg = make_config(TrainConfig, {"model": args.model, "task": None if args.dataset else args.task,
-                                        "dataset": args.dataset, "eval_num_prompts": args.num_prompts,
-                                        "eval_k": args.k, "eval_temperature": args.temperature,
-                                        "max_completion_length": args.max_completion_length, "seed": args.seed})
-        _, model, tokenizer = seeded_model(section(cfg, ModelSettings))
-        _, rows = config_splits(cfg, tokenizer, 0)
-        print(json.dumps(evaluate(model, tokenizer, rows, Evaluation.of(cfg)), indent=2))
-    elif args.command == "plot":
-        from gspo.report import plot_run
+    result = bench(load_config(TrainConfig, args.config, args.overrides), steps=args.steps,
+                   skip_first=args.skip_first, peak_seconds=args.peak_seconds)
+    print(format_bench(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
 
-        for path in plot_run(args.run_dir):
-            print(path)
-    elif args.command == "demo" and args.tools:
+
+def _rollout_server(args) -> None:
+    from gspo.rollout.remote.worker import serve_rollouts
+
+    serve_rollouts(load_config(TrainConfig, args.config, args.overrides), args.connect, args.rank,
+                   start_timeout_s=args.start_timeout)
+
+
+def _sft(args) -> None:
+    from gspo.sft import sft
+
+    cfg = load_config(SFTConfig, args.config, args.overrides)
+    print(json.dumps(sft(cfg), indent=2))
+
+
+def _eval(args) -> None:
+    from gspo.config import (
+        DataSettings,
+        EvalSettings,
+        ModelSettings,
+        RewardSettings,
+        SamplingSettings,
+        make_config,
+        section,
+    )
+    from gspo.data.evaluation import Evaluation, evaluate
+    from gspo.data.rows import SplitLoader
+    from gspo.models import seeded_model
+
+    cfg = make_config(TrainConfig, {"model": args.model, "task": None if args.dataset else args.task,
+                                    "dataset": args.dataset, "eval_num_prompts": args.num_prompts,
+                                    "eval_k": args.k, "eval_temperature": args.temperature,
+                                    "max_completion_length": args.max_completion_length, "seed": args.seed})
+    _, model, tokenizer = seeded_model(section(cfg, ModelSettings))
+    _, rows = SplitLoader(tokenizer, 0, cfg.eval_num_prompts, cfg.seed, cfg.max_prompt_length)(
+        section(cfg, DataSettings))
+    plan = Evaluation.of(section(cfg, EvalSettings), section(cfg, RewardSettings), section(cfg, SamplingSettings),
+                         seed=cfg.seed, template_kwargs=cfg.chat_template_kwargs)
+    print(json.dumps(evaluate(model, tokenizer, rows, plan), indent=2))
+
+
+def _plot(args) -> None:
+    from gspo.report import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+
+
+def _demo(args) -> None:
+    """`gspo demo`: the tiny model's demo, its tool-use variant (--tools) or a real model's (--model)."""
+    if args.tools:
         if args.model or args.lora or args.smoke or args.objective != "gspo" or args.rollout_correction != "none":
             raise ValueError("--tools runs its own tiny model with GSPO; leave out --model, --lora, --smoke, "
                              "--objective and --rollout-correction")
         from gspo.apps.demo_tools import run_tool_demo
 
         run_tool_demo("runs/demo-tools" if args.output_dir == "runs/demo" else args.output_dir, seed=args.seed)
-    elif args.command == "demo" and args.model:
+    elif args.model:
         from gspo.apps.demo_real import run_real_demo
 
         output_dir = "runs/demo-real" if args.output_dir == "runs/demo" else args.output_dir
         run_real_demo(args.model, output_dir, seed=args.seed, objective=args.objective, lora=args.lora,
                       smoke=args.smoke, rollout_correction=args.rollout_correction)
-    elif args.command == "demo":
+    else:
         if args.lora or args.smoke or args.rollout_correction != "none":
             raise ValueError("--lora, --smoke and --rollout-correction go with --model (the tiny demo trains its "
                              "own model fully)")
         from gspo.apps.demo import run_demo
 
         run_demo(args.output_dir, seed=args.seed, objective=args.objective)
-    elif args.command == "lab":
-        from gspo.apps.lab.report import write_report
-        from gspo.apps.lab.runs import load_lab_config, run_lab
 
-        cfg = load_lab_config(args.quick, args.config, args.overrides)
-        command = "gspo " + " ".join(sys.argv[1:] if argv is None else argv)
-        if args.report_only:
-            print(write_report(cfg.output_dir))
-        else:
-            run_lab(cfg, command=command, log=lambda line: print(line, flush=True))
-    return 0
 
+def _lab(args) -> None:
+    from gspo.apps.lab.report import write_report
+    from gspo.apps.lab.runs import load_lab_config, run_lab
+
+    cfg = load_lab_config(args.quick, args.config, args.overrides)
+    if args.report_only:
+        print(write_report(cfg.output_dir))
+    else:
+        run_lab(cfg, command=args.command_line, log=lambda line: print(line, flush=True))
+
+
+_COMMANDS = {"train": _train, "bench": _bench, "rollout-server": _rollout_server, "sft": _sft, "eval": _eval,
+             "plot": _plot, "demo": _demo, "lab": _lab}
+"""`gspo <command>` -> the function that runs it (on the parsed arguments)."""
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -27,7 +27,7 @@ DEMO_RL = dict(task="add3", max_steps=60, per_device_batch_size=16, num_generati
 
 def run_demo(output_dir: str = "runs/demo", seed: int = 0, objective: str = "gspo") -> dict:
     """SFT -> RL -> evaluation -> plots; prints and returns a summary."""
-    from gspo.report import plot_run
+    from gspo.report import plot_run_or_skip
     from gspo.sft import sft
     from gspo.trainer import train
 
@@ -44,7 +44,7 @@ def run_demo(output_dir: str = "runs/demo", seed: int = 0, objective: str = "gsp
                                        "overwrite_output_dir": True})
     rl = train(rl_cfg)
     print("[3/3] plots")
-    plots = plot_run(out / "rl")
+    plots = plot_run_or_skip(out / "rl")
     before, after = rl["evals"][0], rl["evals"][max(rl["evals"])]
     k = rl_cfg.eval_k
     summary = {

@@ -76,7 +76,7 @@ def run_real_demo(name: str = "smollm2", output_dir: str = "runs/demo-real", *, 
     a correction of pi_old/mu (the demo's sampler is the policy under the same bf16 autocast: mu is its decode
     loop's log-probs, pi_old one full forward's)."""
     from gspo.gguf import converted, packaged_gguf
-    from gspo.report import plot_run
+    from gspo.report import plot_run_or_skip
     from gspo.trainer import train
 
     started = time.perf_counter()
@@ -88,7 +88,7 @@ def run_real_demo(name: str = "smollm2", output_dir: str = "runs/demo-real", *, 
     print(f"{objective.upper()} on {name} ({how}), {cfg.max_steps} steps of {cfg.per_device_batch_size} prompts x "
           f"{cfg.num_generations}; held-out: {cfg.eval_num_prompts} prompts at most")
     result = train(cfg)
-    plot_run(cfg.output_dir)
+    plot_run_or_skip(cfg.output_dir)
     before, after = result["evals"][0], result["evals"][max(result["evals"])]
     summary = {"model": name, "objective": objective, "lora": lora, "seed": seed, "steps": cfg.max_steps,
                "rollout_correction": rollout_correction,

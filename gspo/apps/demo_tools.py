@@ -77,7 +77,15 @@ def demonstration(tokenizer, row: dict, with_tool: bool) -> tuple[list[int], lis
 def cold_start(out: Path, seed: int, with_tool: bool, steps: int | None = None) -> tuple[str, dict]:
     """SFT of the tiny model on TOOL_SFT["examples"] demonstrations, `steps` of them (None: until the target
     accuracy); its saved folder and a summary."""
-    from gspo.config import TrainConfig, make_config
+    from gspo.config import (
+        EpisodeSettings,
+        EvalSettings,
+        RewardSettings,
+        SamplingSettings,
+        TrainConfig,
+        make_config,
+        section,
+    )
     from gspo.data.evaluation import Evaluation, evaluate
     from gspo.models import load_model
     from gspo.plugs.supervised import labelled_nll
@@ -88,8 +96,10 @@ def cold_start(out: Path, seed: int, with_tool: bool, steps: int | None = None) 
     model, tokenizer = load_model("tiny-dense", seed=seed)
     rows = get_task("add4").dataset("train", TOOL_SFT["examples"], seed=seed + 100)  # not the RL run's rows
     checks = get_task("add4").dataset("test", TOOL_SFT["check_prompts"], seed=seed + 100)
-    plan = Evaluation.of(make_config(TrainConfig, {**TOOL_RL, **(WITH_TOOL if with_tool else WITHOUT_TOOL),
-                                                   "model": "tiny-dense", "output_dir": str(out)}))
+    rl = make_config(TrainConfig, {**TOOL_RL, **(WITH_TOOL if with_tool else WITHOUT_TOOL), "model": "tiny-dense",
+                                   "output_dir": str(out)})  # evaluated as the RL run will evaluate
+    plan = Evaluation.of(section(rl, EvalSettings), section(rl, RewardSettings), section(rl, SamplingSettings),
+                         seed=rl.seed, template_kwargs=rl.chat_template_kwargs, episodes=section(rl, EpisodeSettings))
     demos = [demonstration(tokenizer, row, with_tool) for row in rows]
     optimizer = torch.optim.AdamW(model.parameters(), lr=TOOL_SFT["learning_rate"])
     rng, pad, t0, accuracy = random.Random(seed), pad_id(tokenizer, model), time.perf_counter(), None

@@ -3,14 +3,20 @@
     cfg = load_config(TrainConfig, "configs/demo.yaml", ["learning_rate=1e-5"])
     sampling = section(cfg, SamplingSettings)  # what the sampler is built from
 
-The sections (gspo/config/shared.py, gspo/config/train.py) group the fields; TrainConfig and SFTConfig keep
-flat names, so YAML keys, overrides, TRL's names and saved configs stay as they were. docs/configuration.md
+The sections (gspo/config/shared.py, sampling.py, tasks.py, train.py) group the fields; TrainConfig and SFTConfig
+keep flat names, so YAML keys, overrides, TRL's names and saved configs stay as they were. docs/configuration.md
 explains every field at length.
+
+The config is a leaf: it imports nothing of gspo but gspo.aliases, the pure math (gspo.algo) and modules that
+import nothing of gspo outside their own package (a registry, the sandbox, the built-in tasks), so any module
+may import it (tests/test_layout.py). Allowed values the runtime implements by name are written here once
+(MODEL_DTYPES, TOOL_CALL_STYLES, BUILTIN_TOOL_NAMES, WEIGHTINGS); their implementers `check_implemented` at import.
 """
 
 from gspo.config.machinery import (
     CHECKS,
     check_choice,
+    check_implemented,
     check_positive,
     checks,
     coerce_fields,
@@ -18,15 +24,18 @@ from gspo.config.machinery import (
     field_docs,
     load_config,
     make_config,
+    own_names,
     prefixed,
-    renamed,
     section,
     sections,
     to_dict,
+    utf8_text,
     validate,
 )
+from gspo.config.sampling import BUILTIN_TOOL_NAMES, TOOL_CALL_STYLES, SamplerShape
 from gspo.config.sft import SFTConfig
 from gspo.config.shared import (
+    MODEL_DTYPES,
     DataSettings,
     EvalSettings,
     ModelSettings,
@@ -34,6 +43,7 @@ from gspo.config.shared import (
     ProgressSettings,
     RewardSettings,
 )
+from gspo.config.tasks import TASK_KEYS, WEIGHTINGS, TaskSpec, parse_tasks
 from gspo.config.train import (
     TRAIN_SECTIONS,
     AdvantageSettings,
@@ -52,16 +62,20 @@ from gspo.config.train import (
     SFTTermSettings,
     TaskSettings,
     TrainConfig,
+    keeps_sampler_logprobs,
+    renamed,
     rollout_secret,
+    sampler_sections,
     split_address,
 )
 
-__all__ = ["CHECKS", "TRAIN_SECTIONS", "AdvantageSettings", "BatchSettings", "CheckpointSettings",
+__all__ = ["AdvantageSettings", "BUILTIN_TOOL_NAMES", "BatchSettings", "CHECKS", "CheckpointSettings",
            "CorrectionSettings", "DataSettings", "DistributedSettings", "EpisodeSettings", "EvalSettings",
-           "LoggingSettings",
-           "LoraSettings", "ModelSettings", "ObjectiveSettings", "OptimizerSettings", "OutputSettings",
-           "PrecisionSettings", "ProgressSettings", "RewardSettings", "RoutingSettings", "SFTConfig",
-           "SFTTermSettings", "SamplingSettings", "TaskSettings", "TrainConfig", "check_choice", "check_positive",
-           "checks", "coerce_fields", "config_help", "field_docs", "load_config", "make_config", "prefixed",
-           "renamed", "rollout_secret", "section", "sections", "split_address", "to_dict",
-           "validate"]
+           "LoggingSettings", "LoraSettings", "MODEL_DTYPES", "ModelSettings", "ObjectiveSettings",
+           "OptimizerSettings", "OutputSettings", "PrecisionSettings", "ProgressSettings", "RewardSettings",
+           "RoutingSettings", "SFTConfig", "SFTTermSettings", "SamplerShape", "SamplingSettings", "TASK_KEYS",
+           "TOOL_CALL_STYLES", "TRAIN_SECTIONS", "TaskSettings", "TaskSpec", "TrainConfig", "WEIGHTINGS",
+           "check_choice", "check_implemented", "check_positive", "checks", "coerce_fields", "config_help",
+           "field_docs", "keeps_sampler_logprobs", "load_config", "make_config", "own_names", "parse_tasks",
+           "prefixed", "renamed", "sampler_sections", "rollout_secret", "section", "sections", "split_address",
+           "to_dict", "utf8_text", "validate"]

@@ -24,7 +24,6 @@ from typing import TypeVar
 import yaml
 
 from gspo.aliases import translate
-from gspo.data.rows import utf8_text
 
 S = TypeVar("S")
 
@@ -54,9 +53,11 @@ def validate(cfg) -> None:
     """Check choices, ranges and consistency before anything is loaded: each section's check on that
     section's fields, then the config class's own checks across sections.
 
-    Allowed values are read from the modules that own them (objectives and advantage estimators from
-    their registries), imported inside the checks so that `import gspo.config` stays free of torch. A config
-    class with no registered check (gspo.apps.lab.LabConfig) brings its own `validate` method.
+    Allowed values are read from the registries that own them (objectives, advantage estimators, generators),
+    modules that import nothing of gspo outside their own package, imported inside the checks so that `import
+    gspo.config` stays free of torch; names the runtime keys its code by are written in the config itself
+    (`check_implemented`). A config class with no registered check (gspo.apps.lab.LabConfig) brings its own
+    `validate` method.
     """
     check_durations(cfg)
     if type(cfg) not in CHECKS:
@@ -145,6 +146,18 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
     return make_config(cls, values)
 
 
+def utf8_text(data: bytes, where: str) -> str:
+    """`data` decoded as UTF-8 (a byte-order mark dropped); else a ValueError naming `where`, line and column.
+    Config files and data files (gspo.data.rows) are read with it."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise ValueError(f"{where} line {line}: not UTF-8 text (byte {data[err.start]:#04x} at column {column})"
+                         ) from None
+
+
 def _read_yaml_file(path: Path) -> dict:
     """The mapping in a YAML config file; every problem is a ValueError naming the file (and line)."""
     if not path.is_file():
@@ -196,13 +209,9 @@ def _yaml_value(text: str, where: str):
         raise ValueError(f"{where}: invalid YAML (nested too deeply)") from None
 
 
-def renamed(values: dict, cls=None) -> dict:
+def own_names(values: dict, cls) -> dict:
     """`values` with other names of `cls`'s settings (gspo.aliases: former names, TRL's) read into its own;
-    a name given with the setting it stands for is an error. cls: TrainConfig unless given."""
-    if cls is None:
-        from gspo.config.train import TrainConfig
-
-        cls = TrainConfig
+    a name given with the setting it stands for is an error (`renamed`: the same for a TrainConfig)."""
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None
                 for f in dataclasses.fields(cls)}
@@ -214,7 +223,7 @@ def make_config(cls, values: dict):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
-    for key, value in renamed(values, cls).items():
+    for key, value in own_names(values, cls).items():
         if key not in hints or key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -254,6 +263,15 @@ def check_positive(cfg, *names: str, allow_zero: bool = False) -> None:
             continue
         if value < 0 or (value == 0 and not allow_zero):
             raise ValueError(f"config: {name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def check_implemented(names, implemented, owner: str) -> None:
+    """RuntimeError unless `implemented` (a registry's keys) holds exactly `names`, allowed values the config
+    writes down. The module that implements them calls this at import: the names are written once, in the config
+    (which imports no runtime module), and a name without its implementation fails at once, not mid-run."""
+    if set(implemented) != set(names):
+        raise RuntimeError(f"{owner} implements {', '.join(map(str, implemented))} but the config allows "
+                           f"{', '.join(map(str, names))}: implement each allowed name, or allow it in gspo/config")
 
 
 def prefixed(check, *args) -> None:

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from gspo.config.machinery import check_choice, check_positive, checks
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
+"""The dtypes a model may be loaded in (`dtype`, `reward_model_dtype`); gspo.models.DTYPES maps each to torch's
+("auto": the checkpoint's own)."""
+
 
 @dataclass
 class ModelSettings:
@@ -34,9 +38,7 @@ class ModelSettings:
 
 @checks(ModelSettings)
 def _check_model(s: ModelSettings) -> None:
-    from gspo.models import DTYPES
-
-    check_choice(s, "dtype", DTYPES)
+    check_choice(s, "dtype", MODEL_DTYPES)
     check_device(s, "device")
 
 
@@ -136,12 +138,11 @@ class RewardSettings:
 def _check_rewards(s: RewardSettings) -> None:
     import math
 
-    from gspo.models import DTYPES
     from gspo.sandbox.runner import SANDBOX_MODES  # light: the probe runs only when code_tests is built
 
     check_positive(s, "reward_timeout_s", allow_zero=True)
     check_choice(s, "sandbox", SANDBOX_MODES)
-    check_choice(s, "reward_model_dtype", DTYPES)
+    check_choice(s, "reward_model_dtype", MODEL_DTYPES)
     check_device(s, "reward_model_device")
     if not s.reward_funcs:
         raise ValueError("config: reward_funcs is empty; give at least one reward function")

@@ -2,15 +2,27 @@
 
 TrainConfig is the sections put together: its fields keep their flat names (YAML keys, `key=value`
 overrides, TRL's names, saved configs), while each plug is built from its own section (`section(cfg,
-SamplingSettings)`), not the whole config. Checks that read fields of two sections are in `_check_across`.
+SamplingSettings)`), not the whole config. Checks that read fields of two sections are in `check_train`.
+The sampling and episode sections live in gspo/config/sampling.py, the multi-task one in gspo/config/tasks.py
+(their names import from here too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gspo.algo.schedules import SCHEDULES
-from gspo.config.machinery import check_choice, check_positive, checks, coerce_fields, prefixed
+from gspo.config.machinery import check_choice, check_positive, checks, coerce_fields, own_names, prefixed, section
+from gspo.config.sampling import (  # noqa: F401  (the secret and address helpers: importable from here too)
+    MIN_SECRET_CHARS,
+    SECRET_ENV,
+    EpisodeSettings,
+    SamplerShape,
+    SamplingSettings,
+    reshaping,
+    rollout_secret,
+    split_address,
+)
 from gspo.config.shared import (
     DataSettings,
     EvalSettings,
@@ -19,6 +31,7 @@ from gspo.config.shared import (
     ProgressSettings,
     RewardSettings,
 )
+from gspo.config.tasks import TaskSettings, parse_tasks
 
 
 @dataclass
@@ -46,217 +59,6 @@ def _check_batch(s: BatchSettings) -> None:
     if n % s.num_minibatches:
         raise ValueError(f"config: per_device_batch_size * num_generations = {n} is not divisible by "
                          f"num_minibatches={s.num_minibatches}")
-
-
-@dataclass
-class SamplingSettings:
-    """How completions are sampled, and by which sampler."""
-
-    max_prompt_length: int = 512
-    """Longest prompt in tokens; every prompt is checked before training (see truncate_prompts)."""
-    truncate_prompts: str = "error"
-    """A prompt over max_prompt_length: error, or left (keep its last tokens, as TRL does)."""
-    max_completion_length: int = 64
-    """Maximum new tokens per completion."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer's log-probs use the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling; below 1 it truncates the sampler's distribution (no longer the one trained on)."""
-    top_k: int = 0
-    """Top-k sampling; 0 disables it (transformers would otherwise apply 50)."""
-    min_p: float = 0.0
-    """Min-p sampling: keep tokens >= min_p x the top token's probability; 0 disables it. Truncates."""
-    repetition_penalty: float = 1.0
-    """HF's repetition penalty; above 1 makes seen tokens less likely (reshapes sampling); 1: off."""
-    seeded_sampling: bool = False
-    """A seeded generator per completion (Gumbel-max): tokens independent of batch layout and ranks."""
-    generation_backend: str = "auto"
-    """Sampler: gspo (own KV-cached loop), hf (HF generate), vllm (colocated engine) or auto."""
-    sampler_dtype: str | None = None
-    """The sampler's parameter dtype (e.g. bfloat16), a stand-in for engine numerics; null: the policy's."""
-    sampler_lag: int = 0
-    """Sample with the policy of this many rollouts ago (gspo/hf), a stand-in for async training; 0: off."""
-    vllm_gpu_memory_utilization: float = 0.3
-    """vllm on CUDA: fraction of GPU memory the colocated engine may take (weights and KV cache)."""
-    vllm_kv_cache_bytes: int | None = None
-    """vllm: KV cache size in bytes; null: room for one rollout (CPU), from the memory fraction (CUDA)."""
-    vllm_sleep: bool = True
-    """vllm on CUDA: the engine frees its memory while the trainer updates and wakes for each rollout."""
-    rollout_workers: int = 0
-    """Sampling processes beside the trainer, each with its own copy and a share of the prompts; 0: none."""
-    rollout_timeout_s: float = 300.0
-    """Longest wait for a rollout worker's answer; a dead or silent worker is then named and the run stops."""
-    max_staleness: int = 0
-    """Workers sample this many steps ahead: a rollout trains weights at most k updates newer; 0: no overlap."""
-    rollout_address: str | None = None
-    """host:port where the trainer listens for rollout_workers started with `gspo rollout-server` (it binds that host
-    only); null: it starts its own, on loopback. Under torchrun, trainer rank r listens at port + r."""
-    rollout_secret: str | None = None
-    """The secret the trainer and its rollout servers prove to each other (rollout_address); never saved or logged,
-    refused as a command-line override (ps shows those). Else rollout_secret_file, else GSPO_ROLLOUT_SECRET."""
-    rollout_secret_file: str | None = None
-    """A file holding the run's secret (its first line), readable by its owner only (chmod 600)."""
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """("host", port) of "host:port" (an IPv6 host in brackets: "[::1]:29600"); a ValueError naming the setting
-    otherwise."""
-    host, _, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"rollout_address={address!r}: expected host:port (e.g. 10.0.0.5:29600)")
-    return host, int(port)
-
-
-SECRET_ENV = "GSPO_ROLLOUT_SECRET"
-MIN_SECRET_CHARS = 16
-
-
-def rollout_secret(s: SamplingSettings) -> bytes | None:
-    """The run's secret for rollout servers: rollout_secret, else the file rollout_secret_file, else the environment
-    variable GSPO_ROLLOUT_SECRET; None where none is set. A ValueError naming the source if it is unreadable, too
-    short, or a file that others may read."""
-    import os
-    import stat
-
-    if s.rollout_secret is not None:
-        text, where = s.rollout_secret, "rollout_secret"
-    elif s.rollout_secret_file is not None:
-        where = f"rollout_secret_file={s.rollout_secret_file}"
-        try:
-            mode = os.stat(s.rollout_secret_file).st_mode
-            with open(s.rollout_secret_file, encoding="utf-8") as f:
-                text = f.readline()
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"config: {where}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ValueError(f"config: {where}: others may read it (mode {stat.S_IMODE(mode):o}); chmod 600 it")
-    elif os.environ.get(SECRET_ENV):
-        text, where = os.environ[SECRET_ENV], SECRET_ENV
-    else:
-        return None
-    if len(text.strip()) < MIN_SECRET_CHARS:
-        raise ValueError(f"config: {where}: the run's secret must be at least {MIN_SECRET_CHARS} characters (e.g. the "
-                         "output of: python -c 'import secrets; print(secrets.token_hex(32))')")
-    return text.strip().encode()
-
-
-def reshaping(s: SamplingSettings) -> list[str]:
-    """The settings that reshape the sampler's distribution away from the policy's softmax, as `name=value`."""
-    return [f"{k}={getattr(s, k)!r}" for k, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
-                                                   ("repetition_penalty", 1.0)) if getattr(s, k) != off]
-
-
-@checks(SamplingSettings)
-def _check_sampling(s: SamplingSettings) -> None:
-    from gspo.models import DTYPES
-    from gspo.rollout import generator_choices
-    from gspo.rollout.batch import TRUNCATIONS
-
-    check_positive(s, "max_prompt_length", "max_completion_length", "temperature", "repetition_penalty",
-                   "vllm_kv_cache_bytes")
-    check_positive(s, "top_k", "sampler_lag", allow_zero=True)
-    if not 0 < s.top_p <= 1:
-        raise ValueError(f"config: top_p={s.top_p!r} must be in (0, 1]")
-    if not 0 <= s.min_p < 1:
-        raise ValueError(f"config: min_p={s.min_p!r} must be in [0, 1)")
-    if s.seeded_sampling and reshaping(s):
-        raise ValueError(f"config: seeded_sampling draws from the full softmax; {', '.join(reshaping(s))} reshape it "
-                         "(set top_p=1, top_k=0, min_p=0, repetition_penalty=1)")
-    check_choice(s, "truncate_prompts", TRUNCATIONS)
-    check_choice(s, "generation_backend", generator_choices())
-    if s.sampler_dtype is not None:  # null: the policy's own dtype
-        check_choice(s, "sampler_dtype", tuple(d for d in DTYPES if d != "auto"))
-    check_positive(s, "rollout_workers", "max_staleness", allow_zero=True)
-    if s.max_staleness and not s.rollout_workers:
-        raise ValueError(f"config: max_staleness={s.max_staleness} overlaps sampling with training in rollout worker "
-                         "processes; set rollout_workers: 1 (sampler_lag simulates staleness in one process)")
-    check_positive(s, "rollout_timeout_s")
-    if s.rollout_address is not None:
-        prefixed(split_address, s.rollout_address)
-        if not s.rollout_workers:
-            raise ValueError(f"config: rollout_address={s.rollout_address!r} waits for rollout servers; set "
-                             "rollout_workers to how many will join")
-        if rollout_secret(s) is None:
-            raise ValueError(f"config: rollout_address={s.rollout_address!r}: rollout servers must prove the run's "
-                             f"secret; set {SECRET_ENV} (or rollout_secret_file) for the trainer and every server")
-    if s.rollout_workers and s.sampler_lag:
-        raise ValueError(f"config: sampler_lag={s.sampler_lag} simulates in one process the staleness that rollout "
-                         "workers have for real; set max_staleness instead")
-    if not 0 < s.vllm_gpu_memory_utilization <= 1:
-        raise ValueError(f"config: vllm_gpu_memory_utilization={s.vllm_gpu_memory_utilization!r} must be in (0, 1]")
-
-
-@dataclass
-class EpisodeSettings:
-    """Multi-turn episodes: an environment answers each model turn (tool calls, a game); only the model's
-    tokens are trained (docs/samplers.md, "Episodes")."""
-
-    environment: str | None = None
-    """"module:Class" (or "file.py:Class"), called once per episode for an object with reset(row) and step(turn);
-    "tools": the built-in tool environment over `tools`; null: single-turn completions."""
-    tools: list | None = None
-    """Tool functions, "module:function" each (type-hinted arguments), or python (model-written code in the code
-    sandbox, as `sandbox` says); for environment: tools."""
-    tool_call_style: str = "hermes"
-    """How the model writes a call: hermes (<tool_call>{json}</tool_call>) or text (a line name(argument))."""
-    tool_timeout_s: float = 5.0
-    """Longest a tool call may run; a call that takes longer is an error the model reads (episode/tool_errors)."""
-    tool_max_output_chars: int = 1000
-    """A tool's result is cut to this many characters before the model reads it."""
-    max_turns: int = 4
-    """Model turns per episode (each at most max_completion_length tokens); more: the episode is truncated."""
-    max_episode_tokens: int = 256
-    """The model's and the environment's tokens after the prompt; more: the episode is truncated."""
-
-
-@checks(EpisodeSettings)
-def _check_episodes(s: EpisodeSettings) -> None:
-    from gspo.env import STYLES
-
-    check_choice(s, "tool_call_style", STYLES)
-    check_positive(s, "tool_timeout_s", "tool_max_output_chars", "max_turns", "max_episode_tokens")
-    from gspo.env import BUILTIN_TOOLS
-
-    bad = [t for t in s.tools or () if not isinstance(t, str) or (":" not in t and t not in BUILTIN_TOOLS)]
-    if bad:
-        raise ValueError(f"config: tools: {bad[0]!r} is not \"module:function\" (or \"file.py:function\") or a "
-                         f"built-in tool ({', '.join(BUILTIN_TOOLS)})")
-    if s.tools and s.environment != "tools":
-        raise ValueError(f"config: tools={s.tools!r} are called by the built-in tool environment; set environment: "
-                         "tools (or leave tools out: a custom environment runs its own)")
-    if s.environment == "tools" and not s.tools:
-        raise ValueError("config: environment: tools needs `tools`, a list of \"module:function\"")
-    if s.environment is not None and s.environment != "tools" and ":" not in s.environment:
-        raise ValueError(f"config: environment={s.environment!r}: expected \"module:Class\" (or \"file.py:Class\") "
-                         "or tools")
-
-
-@dataclass
-class TaskSettings:
-    """Multi-task runs (docs/multitask.md): the tasks and how each batch draws from them."""
-
-    tasks: list | None = None
-    """Multi-task entries {name, task or dataset, ..., weight}, drawn by weight each batch; null: one task."""
-    task_weighting: str = "static"
-    """Task sampling weights: static (the entries' `weight`) or dynamic (follows each task's signal)."""
-    task_weight_floor: float = 0.05
-    """Dynamic weighting: least sampling weight every task keeps (at most 1 / number of tasks)."""
-    task_weight_smoothing: float = 0.8
-    """Dynamic weighting: EMA factor in [0, 1) of each task's signal; higher: weights move slower."""
-    task_progress_coef: float = 0.0
-    """Dynamic weighting: weight of a task's recent change in mean reward added to its signal; 0: off."""
-
-
-@checks(TaskSettings)
-def _check_tasks(s: TaskSettings) -> None:
-    from gspo.data.mixture import WEIGHTINGS
-
-    check_choice(s, "task_weighting", WEIGHTINGS)
-    check_positive(s, "task_weight_floor", "task_progress_coef", allow_zero=True)
-    if not 0 <= s.task_weight_smoothing < 1:
-        raise ValueError(f"config: task_weight_smoothing={s.task_weight_smoothing!r} must be in [0, 1)")
 
 
 @dataclass
@@ -296,11 +98,22 @@ class ObjectiveSettings:
     """KL estimator: k1, k2 or k3 (DeepSeekMath)."""
     use_sampler_logprobs: bool = False
     """Use the sampler's own log-probs as pi_old instead of recomputing them (GSPO sec. 5.4)."""
+    objective_options: dict = field(default_factory=dict)
+    """The objective's own options by name, e.g. {sapo_tau_pos: 1.2} (sapo: sapo_tau_pos, sapo_tau_neg; kl_cov:
+    kl_cov_ratio, kl_cov_coef); unset ones keep the objective's defaults. An option of another objective is an
+    error."""
 
 
 @checks(ObjectiveSettings)
 def _check_objective(s: ObjectiveSettings) -> None:
-    from gspo.algo.objectives import AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, check_aggregation, check_clip
+    from gspo.algo.objectives import (
+        AGGREGATIONS,
+        KL_ESTIMATORS,
+        OBJECTIVES,
+        check_aggregation,
+        check_clip,
+        objective_options,
+    )
 
     check_choice(s, "objective", OBJECTIVES)
     check_choice(s, "kl_estimator", KL_ESTIMATORS)
@@ -309,6 +122,7 @@ def _check_objective(s: ObjectiveSettings) -> None:
         prefixed(check_aggregation, s.objective, s.aggregation)  # GSPO: no weighting by length
     prefixed(check_clip, s.objective, s.clip_low, s.clip_high)
     check_positive(s, "kl_coef", allow_zero=True)
+    prefixed(objective_options, s.objective, s.objective_options, "objective_options")  # names, types, values
 
 
 @dataclass
@@ -552,6 +366,12 @@ class TrainConfig(DistributedSettings, ProgressSettings, LoggingSettings, Checkp
         coerce_fields(self)  # TrainConfig(learning_rate="abc") is an error naming the field, from Python too
 
 
+def renamed(values: dict, cls=None) -> dict:
+    """`values` with other names of the settings (gspo.aliases: former names, TRL's) read into their own, as
+    `own_names` does; cls: TrainConfig unless given (a saved train_config.json, on resume)."""
+    return own_names(values, TrainConfig if cls is None else cls)
+
+
 @checks(TrainConfig)
 def check_train(cfg: TrainConfig) -> None:
     """The checks that read fields of more than one section (each section's own ran before)."""
@@ -599,8 +419,6 @@ def check_train(cfg: TrainConfig) -> None:
         raise ValueError("config: LoRA with distributed=fsdp is not supported; use distributed=ddp (adapters "
                          "are small: replicas cost little)")
     if cfg.tasks is not None:  # the entries are checked where they are parsed
-        from gspo.data.mixture import parse_tasks
-
         specs = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights)
         for key in ("dataset", "eval_dataset"):
             if getattr(cfg, key) is not None:
@@ -608,3 +426,21 @@ def check_train(cfg: TrainConfig) -> None:
         if cfg.task_weighting == "dynamic" and cfg.task_weight_floor * len(specs) > 1:
             raise ValueError(f"config: task_weight_floor={cfg.task_weight_floor!r} is more than 1/{len(specs)}: "
                              f"{len(specs)} tasks cannot each keep it")
+
+
+def keeps_sampler_logprobs(sampling, correction, objective) -> bool:
+    """Whether a run keeps the sampler's log-probs (mu), from its SamplingSettings, CorrectionSettings and
+    ObjectiveSettings: it trains on them (use_sampler_logprobs, a rollout correction), or mu may differ from pi_old
+    (a copy, a lag, stale workers), or log_mismatch. (An engine's are kept regardless: the Sampler adds that.)"""
+    return bool(objective.use_sampler_logprobs or correction.rollout_correction != "none" or sampling.sampler_dtype
+                or sampling.sampler_lag or sampling.max_staleness or correction.log_mismatch)
+
+
+def sampler_sections(cfg) -> tuple:
+    """(SamplingSettings, EpisodeSettings, SamplerShape) of a TrainConfig: what `Sampler` and `build_sampler` take."""
+    sampling = section(cfg, SamplingSettings)
+    keep = keeps_sampler_logprobs(sampling, section(cfg, CorrectionSettings), section(cfg, ObjectiveSettings))
+    shape = SamplerShape(num_generations=cfg.num_generations, per_device_batch_size=cfg.per_device_batch_size,
+                         seed=cfg.seed, keep_logprobs=keep, chat_template_kwargs=cfg.chat_template_kwargs,
+                         sandbox=cfg.sandbox)
+    return sampling, section(cfg, EpisodeSettings), shape

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gspo.config import DataSettings, EpisodeSettings, EvalSettings, RewardSettings, SamplingSettings, section
+from gspo.config import EpisodeSettings, EvalSettings, RewardSettings, SamplingSettings
 from gspo.data.rewards import get_reward_fn, reward_options, score_completions
 from gspo.data.rows import chat_prompts, columns_of, episode_columns
 from gspo.rollout import generate, policy_backend, row_seeds
@@ -27,7 +27,7 @@ def success_threshold(weights: list[float] | None, num_fns: int, threshold: floa
 @dataclass(frozen=True)
 class Evaluation:
     """How a run evaluates held-out rows: its evaluation settings, its rewards and the sampling options its
-    training uses. `Evaluation.of(cfg)` builds it from a TrainConfig or an SFTConfig."""
+    training uses. `Evaluation.of(...)` builds it from those sections."""
 
     settings: EvalSettings
     rewards: RewardSettings
@@ -37,15 +37,15 @@ class Evaluation:
     template_kwargs: dict | None = None  # what chat messages of an environment are rendered with
 
     @classmethod
-    def of(cls, cfg) -> Evaluation:
-        """The builder. An SFTConfig has no sampling section: its max_completion_length, the defaults otherwise."""
+    def of(cls, settings: EvalSettings, rewards: RewardSettings, sampling: SamplingSettings, *, seed: int,
+           template_kwargs: dict | None = None, episodes: EpisodeSettings | None = None) -> Evaluation:
+        """The builder. `template_kwargs`: DataSettings.chat_template_kwargs, to which the built-in tool
+        environment of `episodes` adds its tools. A run without a sampling section (SFT) passes
+        SamplingSettings(max_completion_length=...): the defaults otherwise."""
         from gspo.env import chat_template_kwargs
 
-        sampling = (section(cfg, SamplingSettings) if isinstance(cfg, SamplingSettings)
-                    else SamplingSettings(max_completion_length=cfg.max_completion_length))
-        episodes = section(cfg, EpisodeSettings) if isinstance(cfg, EpisodeSettings) else EpisodeSettings()
-        kwargs = chat_template_kwargs(section(cfg, DataSettings).chat_template_kwargs, episodes)
-        return cls(section(cfg, EvalSettings), section(cfg, RewardSettings), sampling, cfg.seed, episodes, kwargs)
+        episodes = EpisodeSettings() if episodes is None else episodes
+        return cls(settings, rewards, sampling, seed, episodes, chat_template_kwargs(template_kwargs, episodes))
 
 
 def episode_runner(model, tokenizer, plan: Evaluation):

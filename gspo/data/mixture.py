@@ -24,96 +24,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from gspo.algo.advantages import group_stats
-from gspo.config import DataSettings, RewardSettings, section
+from gspo.config import WEIGHTINGS, DataSettings, RewardSettings, TaskSettings, TaskSpec, parse_tasks
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.rewards import get_reward_fn, reward_options, reward_spec, score_completions
 from gspo.data.rows import (
     PromptSampler,
+    SplitLoader,
     chat_prompts,
     columns_of,
-    config_splits,
     episode_columns,
     state_count,
-    stderr_line,
 )
-from gspo.tasks import TASKS
-
-WEIGHTINGS = ("static", "dynamic")
-TASK_KEYS = ("name", "task", "dataset", "eval_dataset", "reward_funcs", "reward_weights", "weight")
 
 
-# ------------------------------------------------------------------------------- config
-@dataclass
-class TaskSpec:
-    """One task of the mixture, read from an entry of `TrainConfig.tasks`."""
-
-    name: str  # metrics go under task/<name>/
-    task: str | None  # a built-in task (gspo.tasks.TASKS), or None with `dataset`
-    dataset: str | None  # a local data file or folder
-    eval_dataset: str | None  # held-out data for `dataset` (default: the run's eval_holdout of it)
-    reward_funcs: list  # reward specs (names, "module:function") or callables
-    reward_weights: list | None  # one per reward function; None: all 1
-    weight: float  # static weight, and the prior of the dynamic rule (> 0, normalised over tasks)
-
-
-def parse_tasks(entries, reward_funcs: list, reward_weights: list | None = None) -> list[TaskSpec]:
-    """TaskSpecs from the `tasks` config list.
-
-    An entry needs `task` or `dataset`; `name` defaults to the task name or the dataset's file
-    stem; without `reward_funcs` it uses the run's `reward_funcs`/`reward_weights`; `weight`
-    defaults to 1. Every problem is a ValueError naming the entry and key ("config: tasks[1].weight ...").
-    """
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"config: tasks must be a non-empty list of task entries (mappings), got {entries!r}")
-    specs: list[TaskSpec] = []
-    for i, entry in enumerate(entries):
-        where = f"config: tasks[{i}]"
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where} must be a mapping with `task` or `dataset`, got {entry!r}")
-        unknown = sorted(str(k) for k in set(entry) - set(TASK_KEYS))
-        if unknown:
-            raise ValueError(f"{where} has unknown key {unknown[0]!r}; known keys: {', '.join(TASK_KEYS)}")
-        task, dataset, eval_dataset = entry.get("task"), entry.get("dataset"), entry.get("eval_dataset")
-        if (task is None) == (dataset is None):
-            raise ValueError(f"{where} needs exactly one of `task` (a built-in task) and `dataset` (local data)")
-        if task is not None and task not in TASKS:
-            raise ValueError(f"{where}.task={task!r} is not a built-in task; known: {', '.join(TASKS)}")
-        for key, value in (("dataset", dataset), ("eval_dataset", eval_dataset)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{where}.{key}={value!r} must be a path (a non-empty string)")
-        if eval_dataset is not None and dataset is None:
-            raise ValueError(f"{where}.eval_dataset needs `dataset`: a built-in task is evaluated on its test split")
-        name = entry.get("name", task if task is not None else Path(str(dataset)).stem)
-        if not isinstance(name, str) or not name or "/" in name or name != name.strip():
-            raise ValueError(f"{where}.name={name!r} must be a non-empty string without '/' or surrounding spaces "
-                             "(it names the metrics task/<name>/...)")
-        if any(s.name == name for s in specs):
-            raise ValueError(f"{where}.name={name!r} is taken by an earlier entry; give each task a unique `name`")
-        funcs = entry.get("reward_funcs", reward_funcs)
-        funcs = [funcs] if isinstance(funcs, str) else funcs
-        if not isinstance(funcs, list) or not funcs:
-            raise ValueError(f"{where}.reward_funcs={funcs!r} must be a non-empty list of reward functions")
-        weights = entry.get("reward_weights", None if "reward_funcs" in entry else reward_weights)
-        if weights is not None and (not isinstance(weights, list) or len(weights) != len(funcs)
-                                    or not all(_is_finite_number(w) for w in weights)):
-            raise ValueError(f"{where}.reward_weights={weights!r} must be a list of {len(funcs)} finite numbers, "
-                             "one per reward function")
-        weight = entry.get("weight", 1.0)
-        if not _is_finite_number(weight) or weight <= 0:
-            raise ValueError(f"{where}.weight={weight!r} must be a finite number > 0")
-        specs.append(TaskSpec(name, task, dataset, eval_dataset, list(funcs),
-                              None if weights is None else [float(w) for w in weights], float(weight)))
-    return specs
-
-
+# ------------------------------------------------------------------------------- config (read: gspo.config.parse_tasks)
 def saved_tasks(tasks: list | None) -> list | None:
     """The `tasks` entries as JSON: reward functions given as Python callables become "module:name"."""
     if tasks is None:
@@ -132,10 +62,6 @@ def reward_names(fns: list) -> list[str]:
             name, suffix = f"{base}_{suffix}", suffix + 1
         names.append(name)
     return names
-
-
-def _is_finite_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # ------------------------------------------------------------------------------- the weight rule (pure)
@@ -248,18 +174,17 @@ class TaskMixture:
         self.weights = self._weights()
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line) -> TaskMixture:
-        """The mixture of a TrainConfig with `tasks`: each task's data loaded as a single-task run would."""
-        specs, fingerprints = parse_tasks(cfg.tasks, cfg.reward_funcs, cfg.reward_weights), {}
-        data = section(cfg, DataSettings)
-        splits = [config_splits(cfg, tokenizer, num_train, fingerprints=fingerprints, given=given, note=note,
-                                data=dataclasses.replace(data, task=s.task, dataset=s.dataset,
-                                                         eval_dataset=s.eval_dataset)) for s in specs]
-        return cls(specs, [train for train, _ in splits], [held for _, held in splits], weighting=cfg.task_weighting,
-                   floor=cfg.task_weight_floor, smoothing=cfg.task_weight_smoothing,
-                   progress_coef=cfg.task_progress_coef, seed=cfg.seed,
-                   reward_kwargs=reward_options(section(cfg, RewardSettings)), fingerprints=fingerprints,
-                   evaluation=Evaluation.of(cfg))
+    def build(cls, tasks: TaskSettings, data: DataSettings, rewards: RewardSettings, load: SplitLoader, *, seed: int,
+              evaluation: Evaluation | None = None) -> TaskMixture:
+        """The mixture of `tasks.tasks`: each task's data (its entry's task or dataset in place of `data`'s) loaded
+        by `load` as a single-task run's would be; `rewards`: the run's reward functions and options."""
+        specs = parse_tasks(tasks.tasks, rewards.reward_funcs, rewards.reward_weights)
+        splits = [load(dataclasses.replace(data, task=s.task, dataset=s.dataset, eval_dataset=s.eval_dataset))
+                  for s in specs]
+        return cls(specs, [train for train, _ in splits], [held for _, held in splits], weighting=tasks.task_weighting,
+                   floor=tasks.task_weight_floor, smoothing=tasks.task_weight_smoothing,
+                   progress_coef=tasks.task_progress_coef, seed=seed, reward_kwargs=reward_options(rewards),
+                   fingerprints=load.fingerprints, evaluation=evaluation)
 
     @property
     def train_rows(self) -> list[list[dict]]:

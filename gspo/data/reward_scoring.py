@@ -132,6 +132,26 @@ def score_completions(
     completion's token ids) reach the functions that take them.
     """
     n = len(completions)
+    weights = _checked_inputs(reward_fns, weights, prompts, completions, columns, chat, completion_ids)
+    raw: dict[str, Tensor] = {}
+    weighted = []
+    dropped = torch.zeros(n, dtype=torch.bool)  # (N,)
+    for fn, weight in zip(reward_fns, weights):
+        name = _unique_name(fn, raw)
+        fn_prompts, fn_completions, fn_columns = _inputs(fn, prompts, completions, columns, chat, completion_ids)
+        out, error = _call(fn, fn_prompts, fn_completions, fn_columns, timeout_s)
+        if error is not None:
+            batch = _Failure(name, error, timeout_s, f"the batch of {n} samples")
+            out = _one_by_one(fn, batch, fn_prompts, fn_completions, fn_columns, drop_bad, timeout_s)
+        values = _checked_values(name, out, dropped, drop_bad, prompts, completions)
+        raw[name] = torch.tensor(values, dtype=torch.float32)  # (N,) NaN where None
+        weighted.append(torch.tensor(values, dtype=torch.float64) * float(weight))  # (N,)
+    return _weighted_total(weighted, dropped, drop_bad, weights, prompts, completions), raw
+
+
+def _checked_inputs(reward_fns, weights, prompts, completions, columns, chat, completion_ids) -> list[float]:
+    """`score_completions`' inputs checked (one entry per completion everywhere); the weights (default: 1 each)."""
+    n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"prompts has {len(prompts)} entries but completions has {n}")
     if not reward_fns:
@@ -153,50 +173,59 @@ def score_completions(
         raise ValueError(f"weights has {len(weights)} entries but there are {len(reward_fns)} reward functions")
     if not all(isinstance(w, numbers.Real) and math.isfinite(w) for w in weights):
         raise ValueError(f"weights must be finite numbers, got {list(weights)}")
+    return weights
 
-    raw: dict[str, Tensor] = {}
-    weighted = []
-    dropped = torch.zeros(n, dtype=torch.bool)  # (N,)
-    for fn, weight in zip(reward_fns, weights):
-        base = name = _fn_name(fn)
-        suffix = 2
-        while name in raw:
-            name, suffix = f"{base}_{suffix}", suffix + 1
-        fn_prompts, fn_completions, fn_columns = _inputs(fn, prompts, completions, columns, chat, completion_ids)
-        out, error = _call(fn, fn_prompts, fn_completions, fn_columns, timeout_s)
-        if error is not None:
-            batch = _Failure(name, error, timeout_s, f"the batch of {n} samples")
-            out = _one_by_one(fn, batch, fn_prompts, fn_completions, fn_columns, drop_bad, timeout_s)
-        if not isinstance(out, (list, tuple)):
+
+def _unique_name(fn, taken) -> str:
+    """`fn`'s `__name__`, with "_2", "_3", ... added while a function before it holds the name."""
+    base = name = _fn_name(fn)
+    suffix = 2
+    while name in taken:
+        name, suffix = f"{base}_{suffix}", suffix + 1
+    return name
+
+
+def _checked_values(name: str, out, dropped: Tensor, drop_bad: bool, prompts, completions) -> list[float]:
+    """One function's values as floats (NaN for None and for dropped samples, which are marked in `dropped`).
+
+    A wrong number or type of values is a ValueError; so is a value float32 cannot hold, unless `drop_bad`.
+    """
+    n = len(completions)
+    if not isinstance(out, (list, tuple)):
+        raise ValueError(
+            f"reward function {name!r} must return a list of {n} values, got {type(out).__name__}"
+        )
+    if len(out) != n:
+        raise ValueError(
+            f"reward function {name!r} returned {len(out)} values, expected {n} (one per completion)"
+        )
+    values = []
+    for i, value in enumerate(out):
+        if value is None:
+            values.append(math.nan)
+        elif isinstance(value, _Failure):
+            values.append(math.nan)
+            dropped[i] = True
+        elif not isinstance(value, numbers.Real):
             raise ValueError(
-                f"reward function {name!r} must return a list of {n} values, got {type(out).__name__}"
+                f"reward function {name!r} returned {type(value).__name__} at sample {i}; "
+                "expected a float or None"
             )
-        if len(out) != n:
-            raise ValueError(
-                f"reward function {name!r} returned {len(out)} values, expected {n} (one per completion)"
-            )
-        values = []
-        for i, value in enumerate(out):
-            if value is None:
-                values.append(math.nan)
-            elif isinstance(value, _Failure):
-                values.append(math.nan)
-                dropped[i] = True
-            elif not isinstance(value, numbers.Real):
-                raise ValueError(
-                    f"reward function {name!r} returned {type(value).__name__} at sample {i}; "
-                    "expected a float or None"
-                )
-            elif isinstance(converted := _as_float(value), float) and abs(converted) <= _F32_MAX:
-                values.append(converted)
-            elif drop_bad:  # NaN, inf, beyond float32 (1e39, 10**400), or a value float() fails on
-                values.append(math.nan)
-                dropped[i] = True
-            else:
-                raise ValueError(f"reward function {name!r} {_bad_value(value, converted, i, prompts, completions)}; "
-                                 "return None for 'no opinion', or set drop_bad_rewards to drop such samples")
-        raw[name] = torch.tensor(values, dtype=torch.float32)  # (N,) NaN where None
-        weighted.append(torch.tensor(values, dtype=torch.float64) * float(weight))  # (N,)
+        elif isinstance(converted := _as_float(value), float) and abs(converted) <= _F32_MAX:
+            values.append(converted)
+        elif drop_bad:  # NaN, inf, beyond float32 (1e39, 10**400), or a value float() fails on
+            values.append(math.nan)
+            dropped[i] = True
+        else:
+            raise ValueError(f"reward function {name!r} {_bad_value(value, converted, i, prompts, completions)}; "
+                             "return None for 'no opinion', or set drop_bad_rewards to drop such samples")
+    return values
+
+
+def _weighted_total(weighted: list[Tensor], dropped: Tensor, drop_bad: bool, weights, prompts,
+                    completions) -> Tensor:
+    """The (N,) float32 total of the functions' weighted (N,) float64 values: NaN where dropped, or where the sum
+    is beyond float32 and `drop_bad` (else that is a ValueError)."""
     total64 = torch.nansum(torch.stack(weighted), dim=0)  # (N,) all-None samples sum to 0.0
     beyond = (total64.abs() > _F32_MAX) & ~dropped  # (N,) a weighted sum float32 would make inf
     if beyond.any() and not drop_bad:
@@ -206,7 +235,7 @@ def score_completions(
                          "or set drop_bad_rewards to drop such samples")
     total = total64.float()  # (N,)
     total[dropped | beyond] = math.nan
-    return total, raw
+    return total
 
 
 _F32_MAX = float(torch.finfo(torch.float32).max)  # rewards are float32 tensors: a larger one would become inf

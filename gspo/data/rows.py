@@ -16,9 +16,10 @@ import io
 import json
 import random
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from gspo.config import utf8_text  # config files are read with it too
 from gspo.given import is_marker, not_rebuildable
 from gspo.tasks import get_task
 
@@ -85,17 +86,6 @@ def _records(name: str, records) -> list[Row]:
 def _names(keys) -> str:
     """Column names for a one-line message (a name may hold a line break)."""
     return ", ".join(str(k).replace("\n", "\\n").replace("\r", "\\r") for k in keys)
-
-
-def utf8_text(data: bytes, where: str) -> str:
-    """`data` decoded as UTF-8 (a byte-order mark dropped); else a ValueError naming `where`, line and column."""
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        column = err.start - data.rfind(b"\n", 0, err.start)
-        raise ValueError(f"{where} line {line}: not UTF-8 text (byte {data[err.start]:#04x} at column {column})"
-                         ) from None
 
 
 def _read_json(path: Path) -> list[Row]:
@@ -312,19 +302,26 @@ def stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def config_splits(cfg, tokenizer, num_train: int, *, data=None, **kwargs) -> tuple[list[dict], list[dict]]:
-    """`load_splits` for a TrainConfig or an SFTConfig (the builders' and commands' view): its data section (or
-    `data`, one task's), eval_num_prompts, seed and, for a TrainConfig, its prompt length limit."""
-    from gspo.config import DataSettings, EpisodeSettings, section
-    from gspo.env import chat_template_kwargs
+@dataclasses.dataclass
+class SplitLoader:
+    """`load_splits` with the values a run's data sections share: call it with a DataSettings (one task's) for
+    its (train rows, held-out rows); `fingerprints` gathers {data file: data_fingerprint} of every file read."""
 
-    data = section(cfg, DataSettings) if data is None else data
-    if isinstance(cfg, EpisodeSettings):  # the tool environment's tools, shown by a template that shows tools
-        data = dataclasses.replace(data, chat_template_kwargs=chat_template_kwargs(data.chat_template_kwargs, cfg))
-    return load_splits(data, tokenizer, num_train,
-                       eval_num_prompts=cfg.eval_num_prompts, seed=cfg.seed,
-                       max_prompt_length=getattr(cfg, "max_prompt_length", None),  # SFT: no limit here
-                       truncate_prompts=getattr(cfg, "truncate_prompts", "error"), **kwargs)
+    tokenizer: object
+    num_train: int  # the training rows a built-in task generates
+    eval_num_prompts: int  # held-out rows kept (EvalSettings); 0: none
+    seed: int  # the run's: the held-out split of a dataset, a task's rows
+    max_prompt_length: int | None = None  # longer prompts: `truncate_prompts` says (None: no limit)
+    truncate_prompts: str = "error"
+    given: dict | None = None  # in-memory data by the names the data settings hold (`load_rows`)
+    note: Callable[[str], None] = stderr_line  # where the held-out split is said (the trainer's other ranks: no-op)
+    fingerprints: dict = dataclasses.field(default_factory=dict)
+
+    def __call__(self, data) -> tuple[list[dict], list[dict]]:
+        return load_splits(data, self.tokenizer, self.num_train, eval_num_prompts=self.eval_num_prompts,
+                           seed=self.seed, max_prompt_length=self.max_prompt_length,
+                           truncate_prompts=self.truncate_prompts, fingerprints=self.fingerprints, given=self.given,
+                           note=self.note)
 
 
 def load_splits(data, tokenizer, num_train: int, *, eval_num_prompts: int, seed: int,

@@ -8,23 +8,37 @@ is part of a checkpoint, as are its `fingerprints` ({data file: rows and hash}, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from gspo.config import RewardSettings, section
+from gspo.config import DataSettings, EpisodeSettings, EvalSettings, RewardSettings, SamplingSettings, TaskSettings
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.mixture import TaskMixture
 from gspo.data.rewards import get_reward_fn, reward_options, score_completions
-from gspo.data.rows import PromptSampler, chat_prompts, columns_of, config_splits, episode_columns, stderr_line
+from gspo.data.rows import PromptSampler, SplitLoader, chat_prompts, columns_of, episode_columns, stderr_line
 
 
-def prompt_source(cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line):
-    """`TaskMixture` for a config with `tasks`, else `SingleTask`; every row is checked now, not when first drawn:
-    its prompt and length (`load_splits`), and the columns a reward function reads, where it has a
-    `check_rows(rows)` (code_tests: its tests). `given`: in-memory data by the names the config's dataset
-    settings hold (gspo.Trainer; see `load_rows`). `note`: where the held-out split is said (`load_splits`)."""
-    source = TaskMixture.from_config(cfg, tokenizer, num_train, given, note) if cfg.tasks else SingleTask.from_config(
-        cfg, tokenizer, num_train, given, note)
-    fns_per_task = source.reward_fns if cfg.tasks else [source.reward_fns]
+def prompt_source(tokenizer, num_train: int, *, data: DataSettings, rewards: RewardSettings, evals: EvalSettings,
+                  sampling: SamplingSettings, tasks: TaskSettings, episodes: EpisodeSettings, seed: int,
+                  given: dict | None = None, note=stderr_line):
+    """`TaskMixture` for `tasks.tasks`, else `SingleTask`, built from these sections and the run's `seed`. Every row
+    is checked now, not when first drawn: its prompt and its length against sampling's max_prompt_length
+    (`load_splits`), and the columns a reward function reads, where it has a `check_rows(rows)` (code_tests: its
+    tests). `num_train`: the rows a built-in task generates. `given`: in-memory data by the names `data` holds
+    (gspo.Trainer; see `load_rows`). `note`: where the held-out split is said (`load_splits`)."""
+    evaluation = Evaluation.of(evals, rewards, sampling, seed=seed, template_kwargs=data.chat_template_kwargs,
+                               episodes=episodes)
+    # the tool environment's tools, shown by a template that shows tools (as evaluation renders them)
+    data = dataclasses.replace(data, chat_template_kwargs=evaluation.template_kwargs)
+    load = SplitLoader(tokenizer, num_train, evals.eval_num_prompts, seed, sampling.max_prompt_length,
+                       sampling.truncate_prompts, given, note)
+    if tasks.tasks:
+        source = TaskMixture.build(tasks, data, rewards, load, seed=seed, evaluation=evaluation)
+        fns_per_task = source.reward_fns
+    else:
+        source = SingleTask.build(data, rewards, load, seed=seed, evaluation=evaluation)
+        fns_per_task = [source.reward_fns]
     for fns, train, held_out in zip(fns_per_task, source.train_rows, source.eval_rows, strict=True):
         for check in filter(None, (getattr(fn, "check_rows", None) for fn in fns)):
             check(train)
@@ -44,12 +58,12 @@ class SingleTask:
         self.fingerprints = fingerprints or {}  # {data file: data_fingerprint}, recorded in checkpoints
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, num_train: int, given: dict | None = None, note=stderr_line) -> SingleTask:
-        fingerprints = {}
-        train_rows, eval_rows = config_splits(cfg, tokenizer, num_train, fingerprints=fingerprints, given=given,
-                                              note=note)
-        reward_fns = [get_reward_fn(spec, **reward_options(section(cfg, RewardSettings))) for spec in cfg.reward_funcs]
-        return cls(train_rows, eval_rows, reward_fns, cfg.reward_weights, cfg.seed, fingerprints, Evaluation.of(cfg))
+    def build(cls, data: DataSettings, rewards: RewardSettings, load: SplitLoader, *, seed: int,
+              evaluation: Evaluation | None = None) -> SingleTask:
+        """The task or dataset of `data`, its rows loaded by `load`, scored by the reward functions of `rewards`."""
+        train_rows, eval_rows = load(data)
+        reward_fns = [get_reward_fn(spec, **reward_options(rewards)) for spec in rewards.reward_funcs]
+        return cls(train_rows, eval_rows, reward_fns, rewards.reward_weights, seed, load.fingerprints, evaluation)
 
     @property
     def train_rows(self) -> list[list[dict]]:

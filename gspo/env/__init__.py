@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from gspo.config import check_implemented
 from gspo.env.tools import (
     BUILTIN_TOOLS,
     STYLES,
@@ -62,6 +63,7 @@ class Environment(Protocol):
 
 # how a tool's result is shown to the model in a text prompt, per call style (a chat prompt gets tool messages)
 OBSERVATIONS = {"hermes": "\n<tool_response>\n{text}\n</tool_response>\n", "text": "\nresult: {text}\n"}
+check_implemented(STYLES, OBSERVATIONS, "gspo.env.OBSERVATIONS")
 
 
 class ToolEnvironment:

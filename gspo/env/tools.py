@@ -27,7 +27,9 @@ import threading
 import typing
 from dataclasses import dataclass, field
 
-STYLES = ("hermes", "text")
+from gspo.config import BUILTIN_TOOL_NAMES, TOOL_CALL_STYLES, check_implemented
+
+STYLES = TOOL_CALL_STYLES  # the config's names (gspo/config/sampling.py); parse_tool_calls reads each
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _TEXT = re.compile(r"^[ \t]*([A-Za-z_][A-Za-z0-9_]*)\((.*)\)[ \t]*$", re.M)  # a whole line: name(argument)
 _COERCE = {int: int, float: float, str: str, bool: lambda v: v if isinstance(v, bool) else str(v).lower() == "true"}
@@ -160,6 +162,7 @@ def python_tool(sandbox: str = "os", timeout_s: float = 5.0, memory_mb: int = 51
 
 BUILTIN_TOOLS = {"python": python_tool}
 """Tools named by their name alone in `tools:`; each a maker called with the run's (sandbox, tool_timeout_s)."""
+check_implemented(BUILTIN_TOOL_NAMES, BUILTIN_TOOLS, "gspo.env.tools.BUILTIN_TOOLS")
 
 
 def load_tools(specs: list, sandbox: str = "os", timeout_s: float = 5.0) -> list:

@@ -23,7 +23,7 @@ import torch
 from gspo.algo.advantages import gae, group_advantages
 from gspo.algo.values import explained_variance_of, token_moments, value_loss
 from gspo.checkpoint import CRITIC_FILE, check_finite_state, load_state_file
-from gspo.config import AdvantageSettings, section
+from gspo.config import AdvantageSettings
 from gspo.plugs.critic import completion_values, load_value_model, save_value_model, terminal_rewards, value_model_from
 from gspo.plugs.parallel import Part, Topology
 from gspo.rollout import Rollout
@@ -31,18 +31,24 @@ from gspo.runtime import NonFiniteGuard
 from gspo.step import grad_norm, step_or_skip
 
 
-def build_baseline(cfg, policy, topology: Topology, make_optimizer, checkpoint=None):
-    """The configured baseline. For gae the critic is built from `cfg.critic_model` or a copy of the
-    (unwrapped) policy, takes the checkpoint's critic when resuming (before fsdp shards it), is
-    wrapped like the policy, and gets `make_optimizer(module, lr) -> (optimizer, scheduler)`."""
-    if cfg.advantage_estimator != "gae":
-        return GroupBaseline(cfg.advantage_estimator, cfg.num_generations)
-    if cfg.critic_model is None:
+def build_baseline(adv: AdvantageSettings, policy, topology: Topology, make_optimizer, checkpoint=None, *,
+                   group_size: int, learning_rate: float, max_grad_norm: float, max_consecutive_skips: int,
+                   kl_coef: float, packed: bool, trust_remote_code: bool = False):
+    """The baseline of `adv` (AdvantageSettings). For gae the critic is built from `adv.critic_model` (loaded with
+    `trust_remote_code`) or a copy of the (unwrapped) policy, takes the checkpoint's critic when resuming (before
+    fsdp shards it), is wrapped like the policy, and gets `make_optimizer(module, lr) -> (optimizer, scheduler)`.
+
+    What it shares with the run: `group_size` (G, num_generations), `learning_rate` (the critic's where
+    critic_learning_rate is None), `max_grad_norm` and `max_consecutive_skips` (the critic's clip and guard),
+    `kl_coef` (kl_in_reward's per-token penalty), `packed` (padding_free: the critic's forwards too)."""
+    if adv.advantage_estimator != "gae":
+        return GroupBaseline(adv.advantage_estimator, group_size)
+    if adv.critic_model is None:
         critic = value_model_from(policy)
     else:
         first = next(policy.parameters())  # the policy's dtype and device
-        critic = load_value_model(cfg.critic_model, dtype=first.dtype, device=first.device,
-                                  trust_remote_code=cfg.trust_remote_code)
+        critic = load_value_model(adv.critic_model, dtype=first.dtype, device=first.device,
+                                  trust_remote_code=trust_remote_code)
     state = None
     if checkpoint is not None:
         file = checkpoint / CRITIC_FILE
@@ -53,8 +59,8 @@ def build_baseline(cfg, policy, topology: Topology, make_optimizer, checkpoint=N
         check_finite_state(state, str(file))
         critic.load_state_dict(state["model"])
     critic = topology.wrap(critic)
-    optimizer, scheduler = make_optimizer(critic, cfg.critic_learning_rate or cfg.learning_rate)
-    guard = NonFiniteGuard(cfg.max_consecutive_skips, "critic steps", "critic_learning_rate")
+    optimizer, scheduler = make_optimizer(critic, adv.critic_learning_rate or learning_rate)
+    guard = NonFiniteGuard(max_consecutive_skips, "critic steps", "critic_learning_rate")
     if state is not None:
         if topology.sharded:
             topology.load_optimizer_state(critic, optimizer, state["optimizer"])
@@ -62,8 +68,8 @@ def build_baseline(cfg, policy, topology: Topology, make_optimizer, checkpoint=N
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         guard.load_state_dict(state["guard"])
-    return CriticBaseline(section(cfg, AdvantageSettings), critic, optimizer, scheduler, guard, topology,
-                          kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, packed=cfg.padding_free)
+    return CriticBaseline(adv, critic, optimizer, scheduler, guard, topology, kl_coef=kl_coef,
+                          max_grad_norm=max_grad_norm, packed=packed)
 
 
 class GroupBaseline:

@@ -204,24 +204,95 @@ def _decode_experts(model):
             model.set_experts_implementation(original)
 
 
+def _check_sample_arguments(prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, eos_token_ids: list[int],
+                            temperature: float, greedy: bool) -> None:
+    """`sample`'s argument checks: a ValueError naming the bad one."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling; got {temperature}")
+    if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"prompt_ids and prompt_mask must both be (N, P); got {tuple(prompt_ids.shape)} "
+                         f"and {tuple(prompt_mask.shape)}")
+    if not eos_token_ids:
+        raise ValueError("eos_token_ids must name at least one token")
+
+
+def _score_steps(prompt_mask: Tensor, *, greedy: bool, seeded_sampler, top_k: int, top_p: float, min_p: float,
+                 repetition_penalty: float) -> tuple[list, list]:
+    """(processors, warpers): HF's own classes, in HF's order, so scores and truncation are HF's to the bit."""
+    processors, warpers = [], []
+    if repetition_penalty != 1.0:
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        left_padding = (prompt_mask != 0).int().argmax(dim=1)  # (N,) as HF's generate computes it
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty, prompt_ignore_length=left_padding))
+    if not greedy and seeded_sampler is None:
+        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        if top_k != 0:
+            warpers.append(TopKLogitsWarper(top_k=top_k))
+        if top_p is not None and top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=top_p))
+        if min_p:
+            warpers.append(MinPLogitsWarper(min_p=min_p))
+    return processors, warpers
+
+
+def _decode_inputs(prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int,
+                   pad_token_id: int) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(ids (N, P+max) with room for the completion, mask (N, P+max) or None, prompt position ids (N, P))."""
+    N = prompt_ids.shape[0]
+    ids = torch.cat([prompt_ids, prompt_ids.new_full((N, max_new_tokens), pad_token_id)], dim=1)  # (N, P+max)
+    # HF drops an all-ones mask (SDPA can then use its causal kernel); keep it only with padding
+    mask = None
+    if not bool(prompt_mask.all()):
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones((N, max_new_tokens))], dim=1)  # (N, P+max)
+    position_ids = prompt_mask.long().cumsum(-1) - 1  # (N, P) left padding: real tokens count from 0
+    position_ids = position_ids.masked_fill(prompt_mask == 0, 0)  # as HF generate fills padding
+    return ids, mask, position_ids
+
+
+def _prefill(model, prompt_ids: Tensor, prompt_mask: Tensor | None, position_ids: Tensor, max_new_tokens: int):
+    """The prompts' forward (N, P) into a fresh `prefix_cache`: (its output, the keyword arguments every later
+    forward gets: that cache, and logits of the last position only where the model can keep just those)."""
+    P = prompt_ids.shape[1]
+    # the last token is never fed back: P + max_new_tokens - 1 positions ever enter the cache
+    cache = prefix_cache(_num_layers(model), P + max_new_tokens - 1)
+    params = inspect.signature(model.forward).parameters
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    extra[_cache_argument(params)] = cache  # transformers >= 5.20 names it `cache`, earlier 5.x `past_key_values`
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
+                return_dict=True, **extra)
+    if any(layer.filled != P for layer in cache.layers):
+        raise ValueError(f"{type(model).__name__} did not fill gspo's KV cache in every layer; use backend='hf'")
+    return out, extra
+
+
+def _choose(logits: Tensor, prefix: Tensor, processors: list, warpers: list, *, seeded_sampler, greedy: bool,
+            temperature: float, with_logprobs: bool) -> tuple[Tensor, Tensor | None]:
+    """(token (N,), scores (N, V) it was chosen from, or None) for one step's float32 logits (N, V)."""
+    for process in processors:
+        logits = process(prefix, logits)  # (N, V) e.g. repeated tokens' logits rescaled
+    if seeded_sampler is not None:
+        token = seeded_sampler(prefix, logits).argmax(-1)  # (N,) argmax(logits / T + Gumbel)
+        scores = logits / temperature if with_logprobs else None  # (N, V) the distribution sampled
+    elif greedy:
+        scores = logits
+        token = scores.argmax(-1)  # (N,)
+    else:
+        scores = logits / temperature if temperature != 1.0 else logits  # (N, V)
+        for warp in warpers:
+            scores = warp(prefix, scores)  # (N, V) -inf outside the top-k / top-p set
+        token = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)  # (N,)
+    return token, scores
+
+
 @torch.no_grad()
-def sample(
-    model,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    *,
-    max_new_tokens: int,
-    eos_token_ids: list[int],
-    pad_token_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    greedy: bool = False,
-    seeded_sampler=None,
-    with_logprobs: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, eos_token_ids: list[int],
+           pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+           repetition_penalty: float = 1.0, greedy: bool = False, seeded_sampler=None,
+           with_logprobs: bool = False) -> tuple[Tensor, Tensor | None]:
     """Sample completions of left-padded prompts (N, P) -> (completion_ids (N, T), logprobs (N, T) or None).
 
     Token choice as HF `generate`: `greedy` takes argmax(logits); `seeded_sampler` (called as
@@ -238,73 +309,25 @@ def sample(
     runs through its base model, the adapters active.
     """
     model = plain_model(model)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    if not greedy and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling; got {temperature}")
-    if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape:
-        raise ValueError(f"prompt_ids and prompt_mask must both be (N, P); got {tuple(prompt_ids.shape)} "
-                         f"and {tuple(prompt_mask.shape)}")
-    if not eos_token_ids:
-        raise ValueError("eos_token_ids must name at least one token")
-    processors, warpers = [], []  # HF's own classes, in HF's order: identical scores and truncation
-    if repetition_penalty != 1.0:
-        from transformers import RepetitionPenaltyLogitsProcessor
-
-        left_padding = (prompt_mask != 0).int().argmax(dim=1)  # (N,) as HF's generate computes it
-        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty, prompt_ignore_length=left_padding))
-    if not greedy and seeded_sampler is None:
-        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        if top_k != 0:
-            warpers.append(TopKLogitsWarper(top_k=top_k))
-        if top_p is not None and top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p=top_p))
-        if min_p:
-            warpers.append(MinPLogitsWarper(min_p=min_p))
-
+    _check_sample_arguments(prompt_ids, prompt_mask, max_new_tokens, eos_token_ids, temperature, greedy)
+    processors, warpers = _score_steps(prompt_mask, greedy=greedy, seeded_sampler=seeded_sampler, top_k=top_k,
+                                       top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
     N, P = prompt_ids.shape
     device = prompt_ids.device
     eos = torch.tensor(eos_token_ids, device=device)
-    ids = torch.cat([prompt_ids, prompt_ids.new_full((N, max_new_tokens), pad_token_id)], dim=1)  # (N, P+max)
-    # HF drops an all-ones mask (SDPA can then use its causal kernel); keep it only with padding
-    mask = None
-    if not bool(prompt_mask.all()):
-        mask = torch.cat([prompt_mask, prompt_mask.new_ones((N, max_new_tokens))], dim=1)  # (N, P+max)
-    position_ids = prompt_mask.long().cumsum(-1) - 1  # (N, P) left padding: real tokens count from 0
-    position_ids = position_ids.masked_fill(prompt_mask == 0, 0)  # as HF generate fills padding
+    ids, mask, position_ids = _decode_inputs(prompt_ids, prompt_mask, max_new_tokens, pad_token_id)
     next_position = position_ids[:, -1:] + 1  # (N, 1)
     logprobs = torch.zeros(N, max_new_tokens, device=device) if with_logprobs else None  # (N, max)
     unfinished = torch.ones(N, dtype=torch.bool, device=device)  # (N,)
-    # the last token is never fed back: P + max_new_tokens - 1 positions ever enter the cache
-    cache = prefix_cache(_num_layers(model), P + max_new_tokens - 1)
-    params = inspect.signature(model.forward).parameters
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-    extra[_cache_argument(params)] = cache  # transformers >= 5.20 names it `cache`, earlier 5.x `past_key_values`
-
-    out = model(input_ids=prompt_ids, attention_mask=None if mask is None else mask[:, :P],
-                position_ids=position_ids, use_cache=True, return_dict=True, **extra)
-    if any(layer.filled != P for layer in cache.layers):
-        raise ValueError(f"{type(model).__name__} did not fill gspo's KV cache in every layer; use backend='hf'")
+    out, extra = _prefill(model, prompt_ids, None if mask is None else mask[:, :P], position_ids, max_new_tokens)
     T = max_new_tokens
     with _decode_experts(model):
         for t in range(max_new_tokens):
             # (N, V) float32 scores, copied as HF does: frees a full-prompt logits tensor, joins devices
             logits = out.logits[:, -1].to(device=device, dtype=torch.float32, copy=True)
             del out
-            for process in processors:
-                logits = process(ids[:, : P + t], logits)  # (N, V) e.g. repeated tokens' logits rescaled
-            if seeded_sampler is not None:
-                token = seeded_sampler(ids[:, : P + t], logits).argmax(-1)  # (N,) argmax(logits / T + Gumbel)
-                scores = logits / temperature if with_logprobs else None  # (N, V) the distribution sampled
-            elif greedy:
-                scores = logits
-                token = scores.argmax(-1)  # (N,)
-            else:
-                scores = logits / temperature if temperature != 1.0 else logits  # (N, V)
-                for warp in warpers:
-                    scores = warp(ids[:, : P + t], scores)  # (N, V) -inf outside the top-k / top-p set
-                token = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)  # (N,)
+            token, scores = _choose(logits, ids[:, : P + t], processors, warpers, seeded_sampler=seeded_sampler,
+                                    greedy=greedy, temperature=temperature, with_logprobs=with_logprobs)
             token = torch.where(unfinished, token, pad_token_id)  # finished rows emit padding, as HF
             if with_logprobs:
                 logprobs[:, t] = torch.log_softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)

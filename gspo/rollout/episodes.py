@@ -68,7 +68,7 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
                     recorder=None, **options) -> tuple[Rollout, list[Episode]]:
     """Run one episode per environment (N = len(envs); `rows[i]` starts `envs[i]`) into one padded Rollout.
 
-    `generator`: a registered GeneratorBackend (gspo.rollout.sampling.GENERATORS) and `sampler` what it samples
+    `generator`: a registered GeneratorBackend (gspo.rollout.registry.GENERATORS) and `sampler` what it samples
     with (the model, a copy); `options`: its sampling keywords (temperature, top_p, ...); `seeds`: one per
     episode (seeded sampling: each row's own generator across its turns, `SeededSampler`) or None; `greedy`:
     every turn greedy (evaluation); `chat_template_kwargs`: the template's keywords where an environment answers
@@ -78,7 +78,7 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
     Returns the Rollout (completion columns: every token after the prompt; completion_mask: the model's;
     sampler_logprobs: mu, 0 on observations; episodes: `record`s) and the episodes (rewards, counts).
     """
-    from gspo.rollout.sampling import SeededSampler
+    from gspo.rollout.policy import SeededSampler
 
     device = next(model.parameters()).device
     seeded = None if seeds is None else SeededSampler(seeds, options["temperature"], device)

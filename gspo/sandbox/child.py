@@ -46,19 +46,28 @@ def _seccomp(program_hex):
         del sys.modules[name]  # so that `import ctypes` is an import again, which the audit hook sees
 
 
+# The audit hook's policy (see _make_hook): events refused outright, modules never imported, path events
+_DENIED_EVENTS = frozenset({
+    "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+    "subprocess.Popen", "os.killpg", "os.symlink", "os.link", "os.chown", "os.setxattr",
+    "os.removexattr", "resource.setrlimit", "resource.prlimit", "gc.get_objects",
+    "gc.get_referrers", "gc.get_referents", "sys._current_frames", "sys.settrace", "sys.setprofile"})
+# posix: only a re-import (after deleting it from sys.modules) fires this event
+_BLOCKED_IMPORTS = frozenset({"ctypes", "_ctypes", "readline", "_testcapi", "_testinternalcapi", "posix"})
+_PATH_EVENTS = frozenset({"os.mkdir", "os.rmdir", "os.remove", "os.chmod", "os.utime"})
+
+
 def _make_hook(reads, writes, me):
-    deny = frozenset({
-        "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-        "subprocess.Popen", "os.killpg", "os.symlink", "os.link", "os.chown", "os.setxattr",
-        "os.removexattr", "resource.setrlimit", "resource.prlimit", "gc.get_objects",
-        "gc.get_referrers", "gc.get_referents", "sys._current_frames", "sys.settrace", "sys.setprofile"})
-    # posix: only a re-import (after deleting it from sys.modules) fires this event
-    blocked_imports = frozenset({"ctypes", "_ctypes", "readline", "_testcapi", "_testinternalcapi", "posix"})
-    path_events = frozenset({"os.mkdir", "os.rmdir", "os.remove", "os.chmod", "os.utime"})
+    """The audit hook: the policy above plus reads only under `reads`, writes only under `writes`; `me` gets it.
+
+    One function on purpose: everything it reads is bound as a default argument when it is made (the program may
+    rebind this module's globals afterwards) and changing the hook itself is refused, so its checks cannot be
+    split into other functions the program could reach and change.
+    """
     wflags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     pure = pathlib.PurePath
 
-    def hook(event, args, _deny=deny, _blocked=blocked_imports, _pathev=path_events, _wflags=wflags,
+    def hook(event, args, _deny=_DENIED_EVENTS, _blocked=_BLOCKED_IMPORTS, _pathev=_PATH_EVENTS, _wflags=wflags,
              _reads=reads, _writes=writes, _me=me, _cwd=posix.getcwd, _pid=posix.getpid,
              _str=str, _bytes=bytes, _int=int, _type=type, _isinstance=isinstance, _PE=PermissionError,
              _pure=pure, _pfspath=pure.__fspath__, _pstr=pure.__str__):

@@ -31,6 +31,32 @@ class Launch:
 
 
 @dataclasses.dataclass
+class Held:
+    """What one run holds until it ends: our pipe and memfd descriptors, host folders (weak mode), its memory
+    cgroup (a kernel.RunCgroup) and the reading end of the program's set-up pipe; `release` frees them all."""
+
+    fds: list[int] = dataclasses.field(default_factory=list)
+    folders: list[str] = dataclasses.field(default_factory=list)
+    cgroup: object = None
+    setup_file: object = None
+
+    def close_fds(self) -> None:
+        """Close our copies once both processes hold theirs, so each side sees the other's end."""
+        while self.fds:
+            os.close(self.fds.pop())
+
+    def release(self) -> None:
+        if self.setup_file is not None:
+            self.setup_file.close()
+        for fd in self.fds:
+            os.close(fd)
+        for folder in self.folders:
+            remove_tree(folder)
+        if self.cgroup is not None:
+            self.cgroup.close()
+
+
+@dataclasses.dataclass
 class Ended:
     """How one process ended. `returncode`: its status, negative for a signal (bwrap's 128 + n too);
     `by_itself`: it exited before anyone killed it; `exited_at`: monotonic time it was seen to end."""
@@ -91,59 +117,21 @@ def run_pair(program: Launch, judge: Launch, deadline: float, cap: int, via_bwra
 
 
 def _drive(procs: list[subprocess.Popen], deadline: float, cap: int, via_bwrap: bool):
+    """Read both processes' output until the judge ends (plus GRACE_S), the deadline or an output cap; then kill
+    both groups and wait for them and their pipes. (program, judge, killed) as `run_pair` returns them."""
     bufs = {}
-    exited: dict[int, float] = {}  # index -> when its pidfd became readable (it ended, still unreaped)
-    killed = None
     with selectors.DefaultSelector() as sel:
         for i, proc in enumerate(procs):
             for stream in (proc.stdout, proc.stderr):
                 bufs[stream.fileno()] = bytearray()
                 sel.register(stream.fileno(), selectors.EVENT_READ, ("out", i))
             sel.register(os.pidfd_open(proc.pid), selectors.EVENT_READ, ("exit", i))
-        judge, end = len(procs) - 1, deadline
-        while killed is None:
-            left = end - time.monotonic()
-            if left <= 0:
-                if judge not in exited:
-                    killed = "timeout"
-                break
-            if judge in exited and len(exited) == len(procs) and not _has_output(sel):
-                break  # everyone ended and every pipe is closed
-            for key, _ in sel.select(left):
-                kind, i = key.data
-                if kind == "exit":
-                    exited[i] = time.monotonic()
-                    sel.unregister(key.fd)
-                    os.close(key.fd)
-                    if i == judge:  # the verdict is in: the rest may take GRACE_S more, deadline or not
-                        end = exited[i] + GRACE_S
-                    continue
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fd)
-                    continue
-                buf, room = bufs[key.fd], cap - len(bufs[key.fd])
-                buf += chunk[:room]
-                if len(chunk) > room:
-                    killed = "output_limit"
-                    break
+        exited, killed = _watch(sel, bufs, len(procs), deadline, cap)
         for proc in procs:
             _kill_group(proc.pid)
         for proc in procs:
             proc.wait()
-        # Under bwrap each side runs in its own session, killed as its pid namespace's init dies: the
-        # pipes close when its last process is gone, so return only then (bounded).
-        linger = time.monotonic() + LINGER_S
-        while _has_output(sel) and (left := linger - time.monotonic()) > 0:
-            for key, _ in sel.select(left):
-                if key.data[0] == "exit":
-                    sel.unregister(key.fd)
-                    os.close(key.fd)
-                elif not os.read(key.fd, 65536):
-                    sel.unregister(key.fd)
-        for key in list(sel.get_map().values()):
-            if key.data[0] == "exit":
-                os.close(key.fd)
+        _linger(sel)
     ended = []
     for i, proc in enumerate(procs):
         rc = proc.returncode
@@ -152,6 +140,61 @@ def _drive(procs: list[subprocess.Popen], deadline: float, cap: int, via_bwrap: 
         ended.append(Ended(rc, bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]),
                            i in exited and rc is not None, exited.get(i)))
     return ended[0], ended[1], killed
+
+
+def _watch(sel: selectors.BaseSelector, bufs: dict, count: int, deadline: float,
+           cap: int) -> tuple[dict[int, float], str | None]:
+    """The loop of `_drive` while the processes run: ({index: when its pidfd became readable (it ended, still
+    unreaped)}, killed: "timeout", "output_limit" or None). The last process is the judge."""
+    exited: dict[int, float] = {}
+    killed = None
+    judge, end = count - 1, deadline
+    while killed is None:
+        left = end - time.monotonic()
+        if left <= 0:
+            if judge not in exited:
+                killed = "timeout"
+            break
+        if judge in exited and len(exited) == count and not _has_output(sel):
+            break  # everyone ended and every pipe is closed
+        for key, _ in sel.select(left):
+            kind, i = key.data
+            if kind == "exit":
+                exited[i] = time.monotonic()
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                if i == judge:  # the verdict is in: the rest may take GRACE_S more, deadline or not
+                    end = exited[i] + GRACE_S
+                continue
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                sel.unregister(key.fd)
+                continue
+            buf, room = bufs[key.fd], cap - len(bufs[key.fd])
+            buf += chunk[:room]
+            if len(chunk) > room:
+                killed = "output_limit"
+                break
+    return exited, killed
+
+
+def _linger(sel: selectors.BaseSelector) -> None:
+    """After the kill: drain the pipes until they close (bounded by LINGER_S), then close the pidfds left.
+
+    Under bwrap each side runs in its own session, killed as its pid namespace's init dies: the
+    pipes close when its last process is gone, so return only then.
+    """
+    linger = time.monotonic() + LINGER_S
+    while _has_output(sel) and (left := linger - time.monotonic()) > 0:
+        for key, _ in sel.select(left):
+            if key.data[0] == "exit":
+                sel.unregister(key.fd)
+                os.close(key.fd)
+            elif not os.read(key.fd, 65536):
+                sel.unregister(key.fd)
+    for key in list(sel.get_map().values()):
+        if key.data[0] == "exit":
+            os.close(key.fd)
 
 
 def _has_output(sel: selectors.BaseSelector) -> bool:

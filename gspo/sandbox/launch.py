@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -83,6 +84,31 @@ def bwrap_argv(box: Bwrap, tmp: str, size: int, files: list[tuple[int, str]]) ->
     for fd, name in files:
         argv += ["--perms", "0644", "--file", str(fd), f"{tmp}/{name}"]
     return argv + ["--chdir", tmp, "--remount-ro", "/dev", "--remount-ro", "/", "--", *box.drop]
+
+
+def bwrap_commands(box: Bwrap, source: bytes, max_file_mb: float,
+                   fds: list[int]) -> tuple[list[str], list[str], str, str, int]:
+    """sandbox="os": (the program's bwrap command, the judge's, their working dirs, the memfd holding the program's
+    source, added to `fds`, which the caller closes)."""
+    size, tag = tmpfs_bytes(max_file_mb), secrets.token_hex(6)
+    ptmp, jtmp = f"/tmp/gspo-sandbox-{tag}", f"/tmp/gspo-judge-{tag}"  # each only in its own namespace
+    fds.append(source_fd := memfd("source", source))
+    return (bwrap_argv(box, ptmp, size, [(source_fd, "solution.py")]), bwrap_argv(box, jtmp, size, []), ptmp, jtmp,
+            source_fd)
+
+
+def weak_commands(prefix, who: str, source: bytes, folders: list[str]) -> tuple[list[str], list[str], str, str]:
+    """sandbox="weak": (the program's launcher command, the judge's, their working dirs), the dirs made in the
+    host's temp dir (added to `folders`, which the caller deletes) with the program's source as solution.py."""
+    ptmp = os.path.realpath(tempfile.mkdtemp(prefix="gspo-sandbox-"))
+    jtmp = os.path.realpath(tempfile.mkdtemp(prefix="gspo-judge-"))
+    folders += [ptmp, jtmp]
+    with open(os.path.join(ptmp, "solution.py"), "wb") as f:
+        f.write(source)
+    if who.startswith(f"uid {NOBODY}"):
+        for folder in folders:
+            os.chown(folder, NOBODY, NOBODY)
+    return list(prefix), list(prefix), ptmp, jtmp
 
 
 def memfd(name: str, data: bytes) -> int:

@@ -100,14 +100,12 @@ import dataclasses
 import math
 import os
 import re
-import secrets
-import tempfile
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gspo.sandbox.execute import Launch, judged, remove_tree, run_pair
+from gspo.sandbox.execute import Ended, Held, Launch, judged, run_pair
 from gspo.sandbox.kernel import HEADROOM_MB, RunCgroup, cgroup_parent, seccomp_filter
 from gspo.sandbox.kernel import describe as describe_kernel
 from gspo.sandbox.launch import (
@@ -116,11 +114,12 @@ from gspo.sandbox.launch import (
     TMPFS_MIN_MB,
     Bwrap,
     boundary,
-    bwrap_argv,
+    bwrap_commands,
     child_env,
     memfd,
     python_path,
     tmpfs_bytes,
+    weak_commands,
     weak_launcher,
 )
 
@@ -286,78 +285,70 @@ def run_sandboxed(
     filt = seccomp_filter()
     interpreter = [python_path(), "-I", "-S", "-B", "-X", "utf8", "-c"]
     start = time.monotonic()
-    fds: list[int] = []  # ours to close once both processes hold their copies
-    folders: list[str] = []
-    cgroup = None
+    held = Held()
     try:
-        requests_r, requests_w = os.pipe()
-        replies_r, replies_w = os.pipe()
-        setup_r, setup_w = os.pipe()  # one byte once the program's process is set up (see child)
-        fds += [requests_r, requests_w, replies_r, replies_w, setup_w]
-        setup_file = os.fdopen(setup_r, "rb")
-        tests_fd = memfd("tests", tests.encode("utf-8", "surrogatepass"))  # the judge's stdin: never a file
-        fds.append(tests_fd)
-        source = code.encode("utf-8", "surrogatepass")
-        program_args = [*limits, int(audit_hook), _SETUP_RC, requests_r, replies_w, _FRAME_CAP, setup_w]
-        judge_args = [*limits, _FAIL_RC, _SETUP_RC, requests_w, replies_r, _FRAME_CAP]
-        if box is not None:
-            size, tag = tmpfs_bytes(max_file_mb), secrets.token_hex(6)
-            ptmp, jtmp = f"/tmp/gspo-sandbox-{tag}", f"/tmp/gspo-judge-{tag}"  # each only in its own namespace
-            fds.append(source_fd := memfd("source", source))
-            program_cmd = bwrap_argv(box, ptmp, size, [(source_fd, "solution.py")])
-            judge_cmd = bwrap_argv(box, jtmp, size, [])
-            cwd, program_fds = "/", (source_fd, requests_r, replies_w, setup_w)
-        else:
-            ptmp = os.path.realpath(tempfile.mkdtemp(prefix="gspo-sandbox-"))
-            jtmp = os.path.realpath(tempfile.mkdtemp(prefix="gspo-judge-"))
-            folders += [ptmp, jtmp]
-            with open(os.path.join(ptmp, "solution.py"), "wb") as f:
-                f.write(source)
-            if who.startswith(f"uid {NOBODY}"):
-                for folder in folders:
-                    os.chown(folder, NOBODY, NOBODY)
-            program_cmd = judge_cmd = list(prefix)
-            cwd, program_fds = None, (requests_r, replies_w, setup_w)
-        program_argv = [*program_cmd, *interpreter, _CHILD, ptmp, *map(str, program_args), filt.hex() if filt else "-"]
-        if cgroup_parent()[0] is not None:
-            cgroup = RunCgroup((memory_mb + HEADROOM_MB) * 2**20 + tmpfs_bytes(max_file_mb))
-            program_argv = cgroup.wrap(program_argv)
-        program = Launch(program_argv, cwd or ptmp, child_env(ptmp), program_fds)
-        judge = Launch([*judge_cmd, *interpreter, _JUDGE, *map(str, judge_args)], cwd or jtmp, child_env(jtmp),
-                       (requests_w, replies_r), stdin=tests_fd)
-
-        def close_ours():
-            while fds:
-                os.close(fds.pop())
-
-        outcome = run_pair(program, judge, start + timeout_s, max_output_bytes, box is not None, close_ours)
+        program, judge = _launches(code, tests, held, box=box, prefix=prefix, who=who, limits=limits, filt=filt,
+                                   interpreter=interpreter, audit_hook=audit_hook, memory_mb=memory_mb,
+                                   max_file_mb=max_file_mb)
+        outcome = run_pair(program, judge, start + timeout_s, max_output_bytes, box is not None, held.close_fds)
         duration = time.monotonic() - start
         if isinstance(outcome, str):
             return SandboxResult(None, "", "", False, None, duration, outcome)
         ended_program, ended_judge, killed = outcome
-        killed = judged(ended_program, ended_judge, killed, cgroup)
-        program_set_up = setup_file.read(1) == b"1"  # every writer has ended: this cannot block
+        killed = judged(ended_program, ended_judge, killed, held.cgroup)
+        program_set_up = held.setup_file.read(1) == b"1"  # every writer has ended: this cannot block
     finally:
-        if "setup_file" in locals():
-            setup_file.close()
-        for fd in fds:
-            os.close(fd)
-        for folder in folders:
-            remove_tree(folder)
-        if cgroup is not None:
-            cgroup.close()
+        held.release()
     stdout = (ended_program.stdout + ended_judge.stdout).decode("utf-8", "replace")
     stderr = (ended_program.stderr + ended_judge.stderr).decode("utf-8", "replace")
-    error = None
-    # The program's own exit status is the program's to choose: it says "set-up failed" only from a
-    # process that never got as far as the program
+    error = None if killed is not None else _setup_error(ended_program, ended_judge, program_set_up)
+    return SandboxResult(ended_judge.returncode, stdout, stderr, killed == "timeout", killed, duration, error,
+                         ended_program.returncode)
+
+
+def _launches(code: str, tests: str, held: Held, *, box: Bwrap | None, prefix, who: str, limits: list[int],
+              filt: bytes | None, interpreter: list[str], audit_hook: bool, memory_mb: int,
+              max_file_mb: float) -> tuple[Launch, Launch]:
+    """The program's process and the judge, ready to start: their channel's pipes, the tests (the judge's stdin)
+    and the program's source made here, each kept in `held`."""
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    setup_r, setup_w = os.pipe()  # one byte once the program's process is set up (see child)
+    held.fds += [requests_r, requests_w, replies_r, replies_w, setup_w]
+    held.setup_file = os.fdopen(setup_r, "rb")
+    tests_fd = memfd("tests", tests.encode("utf-8", "surrogatepass"))  # the judge's stdin: never a file
+    held.fds.append(tests_fd)
+    source = code.encode("utf-8", "surrogatepass")
+    program_args = [*limits, int(audit_hook), _SETUP_RC, requests_r, replies_w, _FRAME_CAP, setup_w]
+    judge_args = [*limits, _FAIL_RC, _SETUP_RC, requests_w, replies_r, _FRAME_CAP]
+    if box is not None:
+        program_cmd, judge_cmd, ptmp, jtmp, source_fd = bwrap_commands(box, source, max_file_mb, held.fds)
+        cwd, program_fds = "/", (source_fd, requests_r, replies_w, setup_w)
+    else:
+        program_cmd, judge_cmd, ptmp, jtmp = weak_commands(prefix, who, source, held.folders)
+        cwd, program_fds = None, (requests_r, replies_w, setup_w)
+    program_argv = [*program_cmd, *interpreter, _CHILD, ptmp, *map(str, program_args), filt.hex() if filt else "-"]
+    if cgroup_parent()[0] is not None:
+        held.cgroup = RunCgroup((memory_mb + HEADROOM_MB) * 2**20 + tmpfs_bytes(max_file_mb))
+        program_argv = held.cgroup.wrap(program_argv)
+    program = Launch(program_argv, cwd or ptmp, child_env(ptmp), program_fds)
+    judge = Launch([*judge_cmd, *interpreter, _JUDGE, *map(str, judge_args)], cwd or jtmp, child_env(jtmp),
+                   (requests_w, replies_r), stdin=tests_fd)
+    return program, judge
+
+
+def _setup_error(ended_program: Ended, ended_judge: Ended, program_set_up: bool) -> str | None:
+    """Why the sandbox's own set-up failed (its status, or a launcher's complaint), or None.
+
+    The program's own exit status is the program's to choose: it says "set-up failed" only from a
+    process that never got as far as the program.
+    """
     for ended in (ended_judge,) if program_set_up else (ended_program, ended_judge):
         text = ended.stderr.decode("utf-8", "replace")
         launcher = ended.returncode not in (0, _FAIL_RC) and text.startswith(("bwrap:", "unshare:", "setpriv:", "sh:"))
-        if killed is None and error is None and (ended.returncode == _SETUP_RC or launcher):
-            error = f"sandbox setup failed (exit {ended.returncode}): {text[-2000:]}"
-    return SandboxResult(ended_judge.returncode, stdout, stderr, killed == "timeout", killed, duration, error,
-                         ended_program.returncode)
+        if ended.returncode == _SETUP_RC or launcher:
+            return f"sandbox setup failed (exit {ended.returncode}): {text[-2000:]}"
+    return None
 
 
 # ---- the reward -------------------------------------------------------------------------------

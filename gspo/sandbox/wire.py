@@ -154,6 +154,10 @@ def _hex_bytes(text) -> bytes:
         raise WireError("bytes that are not hex") from None
 
 
+# Fields each fixed-width tag takes; the others (containers) take any number
+_FIELDS = {"i": 1, "f": 1, "c": 2, "s": 1, "D": 1, "y": 1, "Y": 1, "r": 3, "z": 3, "E": 0, "Q": 2, "q": 2}
+
+
 def decode(tree, handle, depth: int = 0):
     """The value `tree` stands for; `handle(tag, args)` builds "h" and "X" values. WireError if malformed."""
     if tree is None or tree is True or tree is False:
@@ -162,26 +166,31 @@ def decode(tree, handle, depth: int = 0):
         raise WireError(f"a value nested more than {MAX_DEPTH} deep")
     if type(tree) is not list or not tree or type(tree[0]) is not str:
         raise WireError(f"a value must be null, a bool or a tagged list, got {type(tree).__name__}")
-    tag, args, d = tree[0], tree[1:], depth + 1
+    tag, args = tree[0], tree[1:]
+    if tag in _FIELDS and len(args) != _FIELDS[tag]:
+        raise WireError(f"tag {tag!r} takes {_FIELDS[tag]} fields, got {len(args)}")
 
     def many(items):
-        return [decode(v, handle, d) for v in items]
+        return [decode(v, handle, depth + 1) for v in items]
 
-    def count(n):
-        if len(args) != n:
-            raise WireError(f"tag {tag!r} takes {n} fields, got {len(args)}")
+    if tag in ("i", "f", "c", "s", "D", "y", "Y", "E", "Q"):
+        return _decode_atom(tag, args)
+    if tag in ("l", "t", "d", "O", "C", "S", "F", "r", "z", "q"):
+        return _decode_container(tag, args, many)
+    if tag == "h" or tag == "X":
+        return handle(tag, args)
+    raise WireError(f"unknown tag {tag[:20]!r}")
 
+
+def _decode_atom(tag: str, args: list):
+    """A number, a str, bytes, a Decimal, a Fraction or Ellipsis (its fields already counted)."""
     if tag == "i":
-        count(1)
         return _int(args[0])
     if tag == "f":
-        count(1)
         return _float(args[0])
     if tag == "c":
-        count(2)
         return complex(_float(args[0]), _float(args[1]))
     if tag == "s" or tag == "D":
-        count(1)
         if type(args[0]) is not str:
             raise WireError(f"tag {tag!r} holds a str")
         if tag == "s":
@@ -193,9 +202,21 @@ def decode(tree, handle, depth: int = 0):
         except decimal.InvalidOperation:
             raise WireError(f"{args[0][:40]!r} is not a Decimal") from None
     if tag == "y" or tag == "Y":
-        count(1)
         data = _hex_bytes(args[0])
         return data if tag == "y" else bytearray(data)
+    if tag == "E":
+        return Ellipsis
+    num, den = _int(args[0]), _int(args[1])  # "Q"
+    if den == 0:
+        raise WireError("a Fraction with denominator 0")
+    import fractions
+
+    return fractions.Fraction(num, den)
+
+
+def _decode_container(tag: str, args: list, many):
+    """A list, tuple, dict (plain, Ordered, Counter), set, frozenset, range, slice or deque; `many(items)` decodes
+    the items one level deeper."""
     if tag == "l":
         return many(args)
     if tag == "t":
@@ -205,7 +226,7 @@ def decode(tree, handle, depth: int = 0):
         for pair in args:
             if type(pair) is not list or len(pair) != 2:
                 raise WireError("a dict item must be a [key, value] pair")
-            key, value = decode(pair[0], handle, d), decode(pair[1], handle, d)
+            key, value = many(pair)
             try:
                 out[key] = value
             except TypeError as exc:  # an unhashable key: a dict of the program's could not hold it either
@@ -217,32 +238,15 @@ def decode(tree, handle, depth: int = 0):
         except TypeError as exc:
             raise WireError(f"a set member that cannot be hashed: {exc}") from None
     if tag == "r" or tag == "z":
-        count(3)
         start, stop, step = many(args)
         if tag == "z":
             return slice(start, stop, step)
         if not all(type(v) is int for v in (start, stop, step)) or step == 0:
             raise WireError("a range takes three ints, the step not 0")
         return range(start, stop, step)
-    if tag == "E":
-        count(0)
-        return Ellipsis
-    if tag == "Q":
-        count(2)
-        num, den = _int(args[0]), _int(args[1])
-        if den == 0:
-            raise WireError("a Fraction with denominator 0")
-        import fractions
-
-        return fractions.Fraction(num, den)
-    if tag == "q":
-        count(2)
-        if type(args[0]) is not list or not (args[1] is None or type(args[1]) is int and args[1] >= 0):
-            raise WireError("a deque takes [items] and a maxlen (null or an int >= 0)")
-        return collections.deque(many(args[0]), args[1])
-    if tag == "h" or tag == "X":
-        return handle(tag, args)
-    raise WireError(f"unknown tag {tag[:20]!r}")
+    if type(args[0]) is not list or not (args[1] is None or type(args[1]) is int and args[1] >= 0):  # "q"
+        raise WireError("a deque takes [items] and a maxlen (null or an int >= 0)")
+    return collections.deque(many(args[0]), args[1])
 
 
 def set_limits(mem: int, cpu: int, fsize: int, nofile: int) -> None:

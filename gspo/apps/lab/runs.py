@@ -19,14 +19,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gspo.apps.lab.regimes import check_regimes, regime_runs, train_settings
+from gspo.apps.lab.workers import as_completed, one_thread, pool
 from gspo.config import SFTConfig, TrainConfig, check_choice, check_positive, load_config, make_config, to_dict
 
 PRESETS = {"dense": "tiny-dense", "moe": "tiny-moe"}
@@ -317,10 +315,13 @@ def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
 
     Runs go to `cfg.workers` processes, each on one CPU thread: small models use a core best
     this way, and one thread makes every run's numbers independent of how many cores there are.
+    Without matplotlib (the `lab` extra, which the report's plots need) it refuses before anything runs.
     """
     from gspo.apps.lab.report import write_report
+    from gspo.report import check_plotting
     from gspo.runtime import run_lock
 
+    check_plotting()
     started = time.perf_counter()
     lab_dir = Path(cfg.output_dir)
     specs = expand_grid(cfg)
@@ -330,64 +331,68 @@ def run_lab(cfg: LabConfig, *, log=print, command: str | None = None) -> dict:
             _check_same_settings(spec, run_dir(lab_dir, spec), configs[spec.name])
     workers = cfg.workers or os.cpu_count() or 1
 
-    with run_lock(lab_dir), _pool(workers) as pool:  # one lab per folder at a time (the lock creates it)
+    with run_lock(lab_dir), pool(workers) as executor:  # one lab per folder at a time (the lock creates it)
         (lab_dir / "lab.json").write_text(json.dumps({"command": command, "config": to_dict(cfg)}, indent=2))
-        # Cold starts, one per architecture and task the runs use; long-answer tasks and deep models first.
-        # A run is queued as soon as its cold start exists, so the other workers do not wait for the slowest.
-        colds = sorted({s.cold_key for s in specs}, key=lambda key: (key[4] or 0, key[1]), reverse=True)
-        colds = [key for key in colds if not is_done(coldstart_dir(lab_dir, *key))]
-        todo = [s for s in specs if not is_done(run_dir(lab_dir, s))]
-        for path in [*(coldstart_dir(lab_dir, *key) for key in colds), *(run_dir(lab_dir, s) for s in todo)]:
-            _check_not_in_use(path)  # all of them before anything runs
-        for key in colds:
-            log(f"cold start {coldstart_dir(lab_dir, *key).name}: SFT until greedy accuracy "
-                f"{cfg.sft_target_accuracy:.0%}")
-        clock = _Clock()
+        colds, todo = _pending(cfg, specs, log)
         skipped = len(specs) - len(todo)
-        if skipped:
-            log(f"{skipped} of {len(specs)} runs already complete: skipped")
-        for spec in todo:
-            if run_dir(lab_dir, spec).exists():
-                log(f"  {spec.name}: interrupted earlier, restarting it")
-        units_left = sum(clock.cost(s, configs[s.name]) for s in todo)
-        cold_futures, futures = {}, {}
-
-        def queue(ready):
-            futures.update({pool.submit(_run_one, configs[s.name], asdict(s)): s for s in todo if ready(s.cold_key)})
-
-        try:
-            cold_futures = {pool.submit(_cold_start, sft_config(cfg, *key)): key for key in colds}
-            queue(lambda key: key not in colds)
-            for future in _as_completed(cold_futures):
-                future.result()
-                queue(lambda key, done=cold_futures[future]: key == done)
-            for i, future in enumerate(_as_completed(futures), 1):
-                spec, done = futures[future], future.result()
-                units = clock.cost(spec, configs[spec.name])
-                clock.add(units, done["seconds"] / min(workers, len(todo)))  # wall time per unit, runs in parallel
-                units_left -= units
-                log(f"[{skipped + i}/{len(specs)}] {spec.name}: {done['seconds']:.0f} s, held-out mean@{cfg.eval_k} "
-                    f"{done['first']:.1%} -> {done['last']:.1%}   ETA {clock.eta(units_left)}")
-        except BaseException:
-            for future in [*cold_futures, *futures]:  # a failure stops the lab: nothing queued runs after it
-                future.cancel()
-            raise
+        _run_all(executor, cfg, colds, todo, configs, log=log, workers=workers, skipped=skipped)
     report = write_report(lab_dir)
     seconds = time.perf_counter() - started
     log(f"report: {report}  ({len(todo)} runs in {seconds / 60:.1f} min, {workers} at a time)")
     return {"report": str(report), "runs": len(specs), "ran": len(todo), "skipped": skipped, "seconds": seconds}
 
 
-def _one_thread(fn, *args):
-    """Run fn on one intra-op thread (restored after): lab numbers must not depend on the core count."""
-    import torch
+def _pending(cfg: LabConfig, specs: list[RunSpec], log) -> tuple[list[tuple], list[RunSpec]]:
+    """(cold starts to make, runs to run): those not done yet, their folders checked free of live processes
+    before anything runs, and what is made, skipped or restarted said in `log`."""
+    lab_dir = Path(cfg.output_dir)
+    # Cold starts, one per architecture and task the runs use; long-answer tasks and deep models first.
+    colds = sorted({s.cold_key for s in specs}, key=lambda key: (key[4] or 0, key[1]), reverse=True)
+    colds = [key for key in colds if not is_done(coldstart_dir(lab_dir, *key))]
+    todo = [s for s in specs if not is_done(run_dir(lab_dir, s))]
+    for path in [*(coldstart_dir(lab_dir, *key) for key in colds), *(run_dir(lab_dir, s) for s in todo)]:
+        _check_not_in_use(path)  # all of them before anything runs
+    for key in colds:
+        log(f"cold start {coldstart_dir(lab_dir, *key).name}: SFT until greedy accuracy "
+            f"{cfg.sft_target_accuracy:.0%}")
+    skipped = len(specs) - len(todo)
+    if skipped:
+        log(f"{skipped} of {len(specs)} runs already complete: skipped")
+    for spec in todo:
+        if run_dir(lab_dir, spec).exists():
+            log(f"  {spec.name}: interrupted earlier, restarting it")
+    return colds, todo
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+
+def _run_all(executor, cfg: LabConfig, colds: list[tuple], todo: list[RunSpec], configs: dict, *, log,
+             workers: int, skipped: int) -> None:
+    """The cold starts, then the runs: a run is queued as soon as its cold start exists, so the other workers do
+    not wait for the slowest; one line with an ETA per finished run. A failure cancels everything queued."""
+    total = skipped + len(todo)
+    clock = _Clock()
+    units_left = sum(clock.cost(s, configs[s.name]) for s in todo)
+    cold_futures, futures = {}, {}
+
+    def queue(ready):
+        futures.update({executor.submit(_run_one, configs[s.name], asdict(s)): s for s in todo if ready(s.cold_key)})
+
     try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(before)
+        cold_futures = {executor.submit(_cold_start, sft_config(cfg, *key)): key for key in colds}
+        queue(lambda key: key not in colds)
+        for future in as_completed(cold_futures):
+            future.result()
+            queue(lambda key, done=cold_futures[future]: key == done)
+        for i, future in enumerate(as_completed(futures), 1):
+            spec, done = futures[future], future.result()
+            units = clock.cost(spec, configs[spec.name])
+            clock.add(units, done["seconds"] / min(workers, len(todo)))  # wall time per unit, runs in parallel
+            units_left -= units
+            log(f"[{skipped + i}/{total}] {spec.name}: {done['seconds']:.0f} s, held-out mean@{cfg.eval_k} "
+                f"{done['first']:.1%} -> {done['last']:.1%}   ETA {clock.eta(units_left)}")
+    except BaseException:
+        for future in [*cold_futures, *futures]:  # a failure stops the lab: nothing queued runs after it
+            future.cancel()
+        raise
 
 
 def _cold_start(scfg: SFTConfig) -> None:
@@ -395,7 +400,7 @@ def _cold_start(scfg: SFTConfig) -> None:
 
     out = Path(scfg.output_dir)
     _clear(out)  # an interrupted cold start is redone from scratch
-    summary = _one_thread(sft, scfg)
+    summary = one_thread(sft, scfg)
     (out / DONE).write_text(json.dumps(summary, indent=2, default=str))
 
 
@@ -406,7 +411,7 @@ def _run_one(tcfg: TrainConfig, spec: dict) -> dict:
     out = Path(tcfg.output_dir)
     _clear(out)
     t0 = time.perf_counter()
-    result = _one_thread(trainer.train, tcfg)
+    result = one_thread(trainer.train, tcfg)
     seconds = time.perf_counter() - t0
     (out / DONE).write_text(json.dumps({"spec": spec, "config": to_dict(tcfg), "seconds": seconds,
                                         "evals": {str(k): v for k, v in result["evals"].items()}}, indent=2))
@@ -414,72 +419,6 @@ def _run_one(tcfg: TrainConfig, spec: dict) -> dict:
         shutil.rmtree(path, ignore_errors=True)
     evals = result["evals"]
     return {"seconds": seconds, "first": evals[0]["eval/mean_at_k"], "last": evals[max(evals)]["eval/mean_at_k"]}
-
-
-class _Inline:
-    """A one-worker pool that runs tasks in this process (no start-up cost; monkeypatching works)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def submit(self, fn, *args):
-        from concurrent.futures import Future
-
-        future = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
-            if not isinstance(err, Exception):
-                raise
-            future.set_exception(err)
-        return future
-
-
-def _pool(workers: int):
-    if workers == 1:
-        return _Inline()
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    # Workers are spawned by the thread that submits (run_lab's): PR_SET_PDEATHSIG fires when that thread ends.
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_die_with_parent, initargs=(os.getpid(),))
-
-
-def _die_with_parent(parent: int) -> None:
-    """Worker initializer: the worker ends when the lab process ends, however it ends (SIGKILL too).
-
-    An orphaned worker would train on, then block for good on the pipe of results no one reads,
-    holding its memory. Linux: the kernel SIGKILLs the worker when its parent dies (prctl
-    PR_SET_PDEATHSIG; SIGKILL, not SIGTERM, which the trainer would turn into finishing the step and
-    a checkpoint the lab never resumes from: it redoes an interrupted run). A parent that died
-    before the prctl is seen by getppid() no longer being `parent`. Elsewhere (macOS, Windows: no
-    prctl) a daemon thread checks getppid() every second and ends the worker, within a second.
-    """
-    if not (sys.platform.startswith("linux") and _parent_death_signal(signal.SIGKILL)):
-        threading.Thread(target=_watch_parent, args=(parent,), name="lab-parent-watch", daemon=True).start()
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-def _parent_death_signal(signum: int) -> bool:
-    """prctl(PR_SET_PDEATHSIG, signum) through libc; False where it fails."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
-    except (OSError, AttributeError):  # no libc, or no prctl in it
-        return False
-
-
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
 
 
 def _check_not_in_use(path: Path) -> None:
@@ -496,12 +435,6 @@ def _clear(path: Path) -> None:
     """Delete an interrupted run's folder to redo it (refused while a live process holds its lock)."""
     _check_not_in_use(path)
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _as_completed(futures):
-    from concurrent.futures import as_completed
-
-    return as_completed(futures)
 
 
 def load_lab_config(quick: bool = False, path=None, overrides: list[str] | None = None) -> LabConfig:

@@ -11,7 +11,7 @@ acc_final, collapse_step). Its outcome, by rule:
              and at least `min_gain` (5 points: a cell that hardly moved did not learn, alone or not)
   slowed     otherwise (it kept learning, but clearly less than the best method of the regime)
 A regime's column also says whether anything in it separates: some two cells that did not collapse
-differ in gain by more than 2 standard errors (`gspo.apps.lab.report.compare`), or some cells collapsed
+differ in gain by more than 2 standard errors (`gspo.apps.lab.stats.compare`), or some cells collapsed
 and others did not. A regime where nothing separates is reported as such, not ranked.
 """
 

@@ -1,11 +1,16 @@
-"""Statistics over seeds for the lab's report and its stability map: mean and std, when two differ,
-how one is written, and the markdown table both reports are made of."""
+"""Statistics over seeds for the lab's report and its stability map: the runs a statistic is over, mean and
+std, when two differ, how one is written, and the markdown table both reports are made of."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+
+def select(runs: list[dict], **spec) -> list[dict]:
+    """The run summaries whose spec has every given value, e.g. `select(runs, group="main", model="moe")`."""
+    return [r for r in runs if all(r["spec"][k] == v for k, v in spec.items())]
 
 
 def stat(values) -> dict:

@@ -42,10 +42,27 @@ from gspo.rollout.remote.worker import (
     flat_weights,
     on_device,
     probe_logprobs,
-    sampler_settings,
+    sections_message,
 )
 
 KEEP_RNG_STATES = 16  # the workers' random state after each of this many latest rollouts (for checkpoints)
+
+
+def _endpoint(sampling, address: str | None, trainer_rank: int) -> tuple[str, int, bytes, str]:
+    """(host, port, secret, a name for errors) where the trainer waits for its workers: `address` (rollout servers,
+    which must prove the run's secret; under torchrun trainer rank r waits at port + r), or loopback at a port the
+    kernel picks with a secret only this process and its children know."""
+    from gspo.config import rollout_secret, split_address
+
+    if not address:
+        return "127.0.0.1", 0, secrets.token_bytes(32), "rollout workers"
+    (host, port), secret = split_address(address), rollout_secret(sampling)
+    port += trainer_rank
+    where = f"rollout_address={host}:{port}"
+    if secret is None:
+        raise ValueError(f"{where}: rollout servers must prove the run's secret; set GSPO_ROLLOUT_SECRET (or "
+                         "rollout_secret_file) for the trainer and every server")
+    return host, port, secret, where
 
 
 class RolloutWorkerLost(ValueError):
@@ -58,28 +75,29 @@ class RemoteSampler:
     Built from the policy as training starts (or resumes: `version`, the workers' random states `rng`): it listens
     on loopback and starts the workers with a copy of the policy each and a secret of this run's, or (`address`,
     "host:port") listens there for rollout servers started elsewhere (`gspo rollout-server`, the secret from the
-    config: `rollout_secret(cfg)`); a peer that cannot prove the secret is dropped and counted (`refused`). It sends
-    every worker the run's sampling settings and the policy's weights; then every `sync(policy)` sends the updated
-    weights to all of them (`time/sync_s`, `async/sync_bytes`) and checks each on a probe. `request` hands each
+    config: `rollout_secret`); a peer that cannot prove the secret is dropped and counted (`refused`). It sends
+    every worker the sections its Sampler is built from and the policy's weights; then every `sync(policy)` sends the
+    updated weights to all of them (`time/sync_s`, `async/sync_bytes`) and checks each on a probe. `request` hands each
     worker a contiguous share of a step's prompts (whole groups, row numbers kept: with seeded sampling the tokens
     are those one sampler draws) and returns at once; `receive` waits for every share, checks it against what was
     asked (gspo/rollout/remote/protocol.py) and joins them into one padded Rollout, so the trainer can train while the
     workers sample (gspo/rollout/feed.py).
     """
 
-    def __init__(self, model, tokenizer, cfg, *, seeded: bool, workers: int, timeout_s: float = 300.0,
-                 version: int = 0, rng: list | None = None, address: str | None = None, records: bool = False,
-                 trainer_rank: int = 0):
+    def __init__(self, model, tokenizer, sampling, episodes, shape, *, seeded: bool, workers: int,
+                 timeout_s: float = 300.0, version: int = 0, rng: list | None = None, address: str | None = None,
+                 records: bool = False, trainer_rank: int = 0, load: tuple | None = None):
+        """`sampling`, `episodes`, `shape`: what every worker builds its Sampler from (gspo.rollout.sampler_sections);
+        `load`: the run's (ModelSettings, LoraSettings), which each worker of an fsdp trainer loads the model by."""
         from gspo.algo.logprobs import is_fsdp2
-        from gspo.config import LoraSettings, ModelSettings, rollout_secret, section, split_address
         from gspo.given import is_marker
         from gspo.rollout.batch import pad_id
 
         self.name = "workers"
         self.reason = (f"sampler: {workers} rollout worker process(es), weights over authenticated sockets, rollouts "
-                       f"asked for {cfg.max_staleness} step(s) ahead")
+                       f"asked for {sampling.max_staleness} step(s) ahead")
         self.workers, self.timeout_s, self.version, self.synced = workers, timeout_s, version, False
-        self.group_size, self.pad = cfg.num_generations, pad_id(tokenizer, model)
+        self.group_size, self.pad = shape.num_generations, pad_id(tokenizer, model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
         # the workers' random states after their latest rollouts (a checkpoint's, resuming; None: seeded afresh)
@@ -90,19 +108,15 @@ class RemoteSampler:
                              f"worker(s), this run has rollout_workers={workers}")
         # the trainer's thread count: the same kernels split the same way, so mu is bitwise the in-process one
         options = {"threads": torch.get_num_threads(), "seeded": seeded, "version": version, "records": records,
-                   "device": str(self.device), "vocab_size": self.vocab_size, "settings": sampler_settings(cfg)}
-        if address:  # under torchrun each trainer rank has servers of its own: rank r waits at port + r
-            (host, port), secret = split_address(address), rollout_secret(cfg)
-            port += trainer_rank
-            where = f"rollout_address={host}:{port}"
-            if secret is None:
-                raise ValueError(f"{where}: rollout servers must prove the run's secret; set GSPO_ROLLOUT_SECRET (or "
-                                 "rollout_secret_file) for the trainer and every server")
-        else:  # loopback, a port the kernel picks, a secret only this process and its children know
-            host, port, secret, where = "127.0.0.1", 0, secrets.token_bytes(32), "rollout workers"
+                   "device": str(self.device), "vocab_size": self.vocab_size,
+                   "settings": sections_message(sampling, episodes, shape)}
+        host, port, secret, where = _endpoint(sampling, address, trainer_rank)
         # fsdp: the trainer holds a shard only, so each worker loads the model as the config names it
-        load = (section(cfg, ModelSettings), section(cfg, LoraSettings)) if is_fsdp2(model) else None
-        if load and is_marker(cfg.model):
+        load = load if is_fsdp2(model) else None
+        if is_fsdp2(model) and load is None:
+            raise ValueError("rollout_workers under distributed=fsdp: build_sampler needs load=(ModelSettings, "
+                             "LoraSettings), which each worker loads the model by (the trainer's copy is sharded)")
+        if load and is_marker(load[0].model):
             raise ValueError("rollout_workers under distributed=fsdp: each worker loads the model the config names "
                              "(the trainer's copy is sharded), and a model object given from Python cannot be "
                              "loaded there; name the model by path, or use distributed=ddp")
@@ -350,18 +364,4 @@ class RemoteSampler:
                 process.kill()
 
 
-def build_sampler(model, tokenizer, cfg, *, seeded: bool, rank: int = 0, recorder=lambda model: None,
-                  records: bool = False, version: int = 0, rng: torch.Tensor | None = None):
-    """The run's Sampler plug: in the trainer's process (`gspo.rollout.Sampler`), or `RemoteSampler` with
-    rollout_workers > 0: under torchrun each trainer rank (`rank`) has workers of its own for its share of the
-    batch. `version`: the steps the weights have taken (a resumed run's); `rng`: a resumed worker's random state."""
-    from gspo.rollout.sampling import Sampler
-
-    if not cfg.rollout_workers:
-        return Sampler(model, tokenizer, cfg, seeded=seeded, recorder=recorder, records=records)
-    return RemoteSampler(model, tokenizer, cfg, seeded=seeded, workers=cfg.rollout_workers,
-                         timeout_s=cfg.rollout_timeout_s, version=version, rng=rng, address=cfg.rollout_address,
-                         records=records, trainer_rank=rank)
-
-
-__all__ = ["RemoteSampler", "RolloutWorkerLost", "build_sampler"]
+__all__ = ["RemoteSampler", "RolloutWorkerLost"]

@@ -2,9 +2,9 @@
 what a worker answers, each kind with its schema, and the Rollout's translation into one message and back, every
 field checked against what the trainer asked for before it reaches training.
 
-trainer -> worker: setup (the run's sampling settings, once), weights (one flat tensor per dtype), sample (a
-share of a step's prompts), stop. worker -> trainer: ready or error (once its sampler is built; error also for a
-request it failed), probe (the log-probs that check a weight broadcast), rollout.
+trainer -> worker: setup (the sections the worker's Sampler is built from, once), weights (one flat tensor per
+dtype), sample (a share of a step's prompts), stop. worker -> trainer: ready or error (once its sampler is built;
+error also for a request it failed), probe (the log-probs that check a weight broadcast), rollout.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The worker's side of the rollout channel: one process that samples for the trainer (a spawned rollout worker, or
 `gspo rollout-server` started on its own), and what both sides share of a weight broadcast (docs/samplers.md).
 
-A worker joins the trainer over gspo/rollout/remote/wire.py (both prove the run's secret), takes the run's sampling
-settings, then answers the trainer's messages (gspo/rollout/remote/protocol.py) in the order they were sent: weights
-(loaded, then checked on a probe: the log-probs of a fixed sequence, which must match the trainer's) and prompts
-(sampled with the trainer's own Sampler plug). So which weights sample which step is fixed by the order of the
+A worker joins the trainer over gspo/rollout/remote/wire.py (both prove the run's secret), takes the sections its
+Sampler is built from (SamplingSettings, EpisodeSettings, SamplerShape: JSON in the setup message), then answers
+the trainer's messages (gspo/rollout/remote/protocol.py) in the order they were sent: weights (loaded, then checked
+on a probe: the log-probs of a fixed sequence, which must match the trainer's) and prompts (sampled with the
+trainer's own Sampler plug). So which weights sample which step is fixed by the order of the
 trainer's calls, never by timing. A spawned worker ends when the trainer's connection closes.
 """
 
@@ -14,8 +15,7 @@ import math
 import os
 import time
 import traceback
-from dataclasses import fields
-from types import SimpleNamespace
+from dataclasses import fields, replace
 
 import torch
 
@@ -26,12 +26,13 @@ START_TIMEOUT_S = 120.0  # the least time a worker is given to start and join th
 # what torchrun sets in its ranks' environment, which a spawned worker inherits and must not read as its own
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-# the fields outside SamplingSettings that gspo.rollout.Sampler reads (its batch size, seed, and whether mu is kept)
-SAMPLER_READS = ("num_generations", "seed", "per_device_batch_size", "use_sampler_logprobs", "rollout_correction",
-                 "log_mismatch", "chat_template_kwargs", "sandbox")
+# the sections a worker's Sampler is built from, as the setup message names them (gspo.rollout.sampler)
+SECTIONS = ("sampling", "episodes", "shape")
 # settings of the channel itself, which a rollout server's config need not share with the trainer's
 SECRETS = ("rollout_secret", "rollout_secret_file")  # never sent: a worker has its own, or was handed it
 PLUMBING = ("rollout_workers", "rollout_timeout_s", "max_staleness", "rollout_address", *SECRETS)
+# the trainer's to decide (whether it needs mu: its corrections, its staleness): a server takes the trainer's
+DECIDED_BY_TRAINER = ("keep_logprobs",)
 
 
 def sent_parameters(model, trained_only: bool) -> list:
@@ -53,8 +54,6 @@ def flat_weights(model, trained_only: bool = False) -> dict[torch.dtype, torch.T
 
 def on_device(rollout, device):
     """`rollout` with its tensors (and routing record) on `device` (a worker's rollout travels through the CPU)."""
-    from dataclasses import fields, replace
-
     return replace(rollout, **{f.name: getattr(rollout, f.name).to(device) for f in fields(rollout)
                                if isinstance(getattr(rollout, f.name), torch.Tensor) or f.name == "routing"
                                and rollout.routing is not None})
@@ -104,24 +103,25 @@ def load_worker_model(model_settings, lora_settings) -> tuple:
 
 def _worker_main(rank: int, host: str, port: int, secret: bytes, model, tokenizer, device: str | None = None,
                  load: tuple | None = None, start_timeout_s: float = START_TIMEOUT_S,
-                 own_settings: dict | None = None) -> None:
-    """A rollout worker: join the trainer at host:port as `rank` (both prove `secret`), take the run's sampling
-    settings, then sample on request and load broadcast weights, in the order asked, until told to stop.
+                 own_sections: tuple | None = None) -> None:
+    """A rollout worker: join the trainer at host:port as `rank` (both prove `secret`), take the sections its sampler
+    is built from, then sample on request and load broadcast weights, in the order asked, until told to stop.
 
-    It samples with the trainer's own Sampler plug, built from the run's sampling settings: the policy copy itself,
-    a low-precision copy of it (sampler_dtype) or an engine (vllm), as in the trainer's process. `device`: where it
-    samples (a rollout server's own); None: the trainer's. `load`: (ModelSettings, LoraSettings) to load the model
-    from (`load_worker_model`) when `model` is None. `own_settings`: a rollout server's sampling settings, from its
-    own config: the trainer's must equal them, so a server runs only code its own config names (an environment,
-    tools); None: the trainer's (a spawned worker, the trainer's child).
+    It samples with the trainer's own Sampler plug, built from the trainer's SamplingSettings, EpisodeSettings and
+    SamplerShape: the policy copy itself, a low-precision copy of it (sampler_dtype) or an engine (vllm), as in the
+    trainer's process. `device`: where it samples (a rollout server's own); None: the trainer's. `load`:
+    (ModelSettings, LoraSettings) to load the model from (`load_worker_model`) when `model` is None.
+    `own_sections`: a rollout server's (SamplingSettings, EpisodeSettings, SamplerShape), from its own config: the
+    trainer's must equal them, so a server runs only code its own config names (an environment, tools); None: the
+    trainer's (a spawned worker, the trainer's child).
     """
     for name in TORCHRUN_ENV:  # spawned by a torchrun rank: a process on its own, not one of its ranks
         os.environ.pop(name, None)
     sock = connect(host, port, secret, rank, start_timeout_s)
     try:
-        _serve(sock, rank, model, tokenizer, device, load, own_settings)
+        _serve(sock, rank, model, tokenizer, device, load, own_sections)
     except Closed:
-        if own_settings is not None:  # a rollout server says so; a spawned worker's trainer is gone: it ends
+        if own_sections is not None:  # a rollout server says so; a spawned worker's trainer is gone: it ends
             raise
     except WireError as err:  # the trainer broke the protocol: say so to it (if it listens), then stop
         try:
@@ -133,25 +133,39 @@ def _worker_main(rank: int, host: str, port: int, secret: bytes, model, tokenize
         sock.close()
 
 
-def _serve(sock, rank: int, model, tokenizer, device: str | None, load: tuple | None,
-           own_settings: dict | None) -> None:
-    """`_worker_main` once connected: set up, then answer the trainer's requests until it says stop."""
-    from gspo.plugs.moe import record_routing
-    from gspo.rollout.sampling import Sampler
-
-    setup = recv(sock, TO_WORKER)
-    if setup.kind != "setup":
-        raise WireError(f"a {setup.kind!r} message before the setup")
-    options = setup.fields
-    names = set(setting_names())
-    if set(options["settings"]) != names:
-        raise WireError(f"setup settings {sorted(set(options['settings']) ^ names)[:6]} are not this version's")
-    differ = [] if own_settings is None else same_settings(options["settings"], own_settings, PLUMBING)
+def _sections(sock, settings: dict, own_sections: tuple | None) -> tuple:
+    """The (SamplingSettings, EpisodeSettings, SamplerShape) this worker samples with: the trainer's `settings`, or
+    a rollout server's own once the trainer's equal them (the channel's settings aside; whether mu is kept is the
+    trainer's to say); else the server says how they differ, to the trainer and in a ValueError."""
+    theirs = sections_of(settings)
+    if own_sections is None:
+        return theirs
+    differ = same_settings(_flat(settings), _flat(sections_message(*own_sections)), PLUMBING + DECIDED_BY_TRAINER)
     if differ:
         text = (f"the trainer's sampling settings differ from this rollout server's config ({'; '.join(differ[:4])}): "
                 "start the server with the trainer's config")
         send(sock, "error", {"text": text})
         raise ValueError(text)
+    sampling, episodes, shape = own_sections
+    return sampling, episodes, replace(shape, keep_logprobs=theirs[2].keep_logprobs)
+
+
+def _flat(settings: dict) -> dict:
+    """One mapping of every setting in a setup message's sections (their names do not repeat across sections)."""
+    return {name: value for part in SECTIONS for name, value in settings[part].items()}
+
+
+def _serve(sock, rank: int, model, tokenizer, device: str | None, load: tuple | None,
+           own_sections: tuple | None) -> None:
+    """`_worker_main` once connected: set up, then answer the trainer's requests until it says stop."""
+    from gspo.plugs.moe import record_routing
+    from gspo.rollout.sampler import Sampler
+
+    setup = recv(sock, TO_WORKER)
+    if setup.kind != "setup":
+        raise WireError(f"a {setup.kind!r} message before the setup")
+    options = setup.fields
+    sampling, episodes, shape = _sections(sock, options["settings"], own_sections)
     try:
         torch.set_num_threads(options["threads"])
         if model is None:
@@ -159,23 +173,26 @@ def _serve(sock, rank: int, model, tokenizer, device: str | None, load: tuple | 
         model = model.to(device or options["device"]).eval()  # one GPU: shared by the trainer and its workers
         # routing_replay=rollout: the experts this worker's sampler chose travel in the rollout (Rollout.routing)
         recorder = record_routing if options["records"] else lambda sampler: None
-        settings = own_settings or options["settings"]
-        sampler = Sampler(model, tokenizer, SimpleNamespace(**settings), seeded=options["seeded"], recorder=recorder,
+        sampler = Sampler(model, tokenizer, sampling, episodes, shape, seeded=options["seeded"], recorder=recorder,
                           records=options["records"])
         if "rng" in setup.tensors:  # resumed: where the checkpointed run's worker stood
             torch.set_rng_state(setup.tensors["rng"])
         elif not options["seeded"]:  # its own stream, reproducible for a given seed
-            torch.manual_seed(settings["seed"] + 1000 * rank)
+            torch.manual_seed(shape.seed + 1000 * rank)
     except Exception:  # noqa: BLE001  (no engine, a model it cannot run): the trainer reports it and stops
         send(sock, "error", {"text": traceback.format_exc(limit=4)})
         return
     send(sock, "ready")
+    _answer(sock, model, sampler, options)
 
-    def fits(kind, fields, specs):  # weights are checked against this model before a byte of them is read
+
+def _answer(sock, model, sampler, options: dict) -> None:
+    """Answer the trainer's weights and sample requests, in the order they come, until it says stop."""
+    def fits(kind, header, specs):  # weights are checked against this model before a byte of them is read
         if kind == "weights":
             try:
                 check_fit(model, {DTYPE_NAMES[dtype]: math.prod(shape) for _, dtype, shape in specs},
-                          fields["trained_only"])
+                          header["trained_only"])
             except ValueError as err:
                 raise WireError(str(err)) from None
 
@@ -211,18 +228,31 @@ def _serve(sock, rank: int, model, tokenizer, device: str | None, load: tuple | 
         send(sock, *reply)
 
 
-def setting_names() -> list[str]:
-    """The config fields a worker's Sampler reads: SamplingSettings, EpisodeSettings and SAMPLER_READS."""
+def sections_message(sampling, episodes, shape) -> dict:
+    """The sections a worker's Sampler is built from, as the setup message carries them: {"sampling": {...},
+    "episodes": {...}, "shape": {...}} of JSON values (the rollout channel carries nothing else; a value it cannot
+    carry is a ValueError naming the setting). The secret is never sent: null."""
+    return {part: {f.name: None if f.name in SECRETS else plain(getattr(section, f.name),
+                                                                f"rollout workers: setting {f.name}")
+                   for f in fields(section)}
+            for part, section in zip(SECTIONS, (sampling, episodes, shape))}
+
+
+def sections_of(settings: dict) -> tuple:
+    """(SamplingSettings, EpisodeSettings, SamplerShape) rebuilt from a setup message's `settings`
+    (`sections_message`); a WireError where they are not this version's sections."""
     from gspo.config import EpisodeSettings, SamplingSettings
+    from gspo.rollout.sampler import SamplerShape
 
-    return [f.name for f in fields(SamplingSettings) + fields(EpisodeSettings)] + list(SAMPLER_READS)
-
-
-def sampler_settings(cfg) -> dict:
-    """What a worker's Sampler reads of the run's config, as JSON values (the rollout channel carries nothing else;
-    a value it cannot carry is a ValueError naming the setting). The secret is never sent: null."""
-    return {name: None if name in SECRETS else plain(getattr(cfg, name), f"rollout workers: setting {name}")
-            for name in setting_names()}
+    classes = dict(zip(SECTIONS, (SamplingSettings, EpisodeSettings, SamplerShape)))
+    if set(settings) != set(classes):
+        raise WireError(f"setup settings of sections {sorted(settings)[:6]}, not this version's {list(SECTIONS)}")
+    for part, cls in classes.items():
+        names = {f.name for f in fields(cls)}
+        if not isinstance(settings[part], dict) or set(settings[part]) != names:
+            got = set(settings[part]) if isinstance(settings[part], dict) else set()
+            raise WireError(f"setup settings {sorted(got ^ names)[:6]} of {part!r} are not this version's")
+    return tuple(cls(**settings[part]) for part, cls in classes.items())
 
 
 def serve_rollouts(cfg, address: str, rank: int, start_timeout_s: float = START_TIMEOUT_S) -> None:
@@ -232,10 +262,13 @@ def serve_rollouts(cfg, address: str, rank: int, start_timeout_s: float = START_
     sampling settings; the weights come from the trainer) and samples on its own device (cfg.device) until the
     trainer stops it. Every failure is a ValueError in one line."""
     from gspo.config import LoraSettings, ModelSettings, rollout_secret, section, split_address
+    from gspo.rollout.sampler import sampler_sections
 
     if not 1 <= rank <= cfg.rollout_workers:
         raise ValueError(f"rollout-server: --rank {rank} must be in 1..rollout_workers={cfg.rollout_workers}")
-    secret = rollout_secret(cfg)
+    own = sampler_sections(cfg)  # what it samples with; the trainer's must be the same
+    sections_message(*own)  # a setting the channel cannot carry: said before joining
+    secret = rollout_secret(own[0])
     if secret is None:
         raise ValueError("rollout-server: the trainer asks for the run's secret; set GSPO_ROLLOUT_SECRET (or "
                          "rollout_secret_file in the config) to the trainer's")
@@ -243,7 +276,7 @@ def serve_rollouts(cfg, address: str, rank: int, start_timeout_s: float = START_
     load = (section(cfg, ModelSettings), section(cfg, LoraSettings))
     try:
         _worker_main(rank, host, port, secret, None, None, device=cfg.device, load=load,
-                     start_timeout_s=start_timeout_s, own_settings=sampler_settings(cfg))
+                     start_timeout_s=start_timeout_s, own_sections=own)
     except ValueError as err:  # the wire's, a config that differs from the trainer's, a model it cannot load
         raise ValueError(f"rollout-server: {err}") from err
     except OSError as err:  # the connection broke: the trainer ended without a stop, or its machine vanished
@@ -251,4 +284,4 @@ def serve_rollouts(cfg, address: str, rank: int, start_timeout_s: float = START_
 
 
 __all__ = ["START_TIMEOUT_S", "check_fit", "flat_weights", "load_flat_weights", "on_device", "probe_logprobs",
-           "sampler_settings", "serve_rollouts"]
+           "sections_message", "sections_of", "serve_rollouts"]
