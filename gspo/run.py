@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -86,22 +86,24 @@ class Run:
     baseline: object  # plugs.protocols.Baseline
     source: object  # plugs.protocols.PromptSource
     aux: object  # plugs.protocols.AuxiliaryTerm
-    learner: Learner
-    guard: NonFiniteGuard
-    scheduler: object
+    learner: Learner  # the policy's optimizer, its schedule and the non-finite guard with it
     shuffle: torch.Generator  # the minibatch plans
     logp_kwargs: dict  # every policy forward's options
     stop_ids: list[int]
     sampler: object  # plugs.protocols.Sampler
     feed: RolloutFeed
     logger: MetricsLogger
-    checkpoints: Checkpointer
     say: object  # a line as each long phase begins (rank 0, with progress on)
     plan: BatchSettings  # the minibatch plan's settings
     objective: ObjectiveSettings  # the policy loss's settings
     first: int  # the first step to run (1, or the resumed checkpoint's step + 1)
     resumed: bool  # from a checkpoint (perhaps checkpoint-0: first is 1 then too)
     evals: dict = field(default_factory=dict)
+
+    @cached_property
+    def checkpoints(self) -> Checkpointer:
+        """How the loop saves this run."""
+        return Checkpointer(self)
 
     @property
     def held_out(self) -> int:
@@ -197,11 +199,9 @@ def build_run(cfg: TrainConfig, topology: Topology, model=None, tokenizer=None, 
     logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
                            config=to_dict(cfg), truncate_after_step=None if checkpoint is None else first - 1,
                            enabled=topology.is_main)
-    run = Run(cfg, topology, out_dir, model, tokenizer, autocast, routing, reference, baseline, source, aux, learner,
-              guard, scheduler, shuffle, logp_kwargs, stop_ids, sampler, feed, logger, None, say,
-              section(cfg, BatchSettings), section(cfg, ObjectiveSettings), first, checkpoint is not None, evals)
-    run.checkpoints = Checkpointer(run, optimizer)
-    return run
+    return Run(cfg, topology, out_dir, model, tokenizer, autocast, routing, reference, baseline, source, aux,
+               learner, shuffle, logp_kwargs, stop_ids, sampler, feed, logger, say,
+               section(cfg, BatchSettings), section(cfg, ObjectiveSettings), first, checkpoint is not None, evals)
 
 
 def restore(checkpoint: Path, cfg, topology: Topology, out_dir: Path, learner: Learner, shuffle, source
@@ -245,8 +245,8 @@ class Checkpointer:
     (under fsdp every rank first helps gather it).
     """
 
-    def __init__(self, run: Run, optimizer):
-        self.run, self.optimizer = run, optimizer
+    def __init__(self, run: Run):
+        self.run = run
 
     def save(self, step: int, rng: dict | None = None, wait: bool = True) -> Path | None:
         """Checkpoint step `step`. `rng`: the RNG states taken when step `step` + 1 began (a step dropped unfinished
@@ -255,15 +255,15 @@ class Checkpointer:
         run, topology = self.run, self.run.topology
         source_state, pending = run.feed.resume_state(step, wait=wait)
         pending = topology.gather_object(pending)  # torchrun: each rank's workers sample its own share ahead
-        path, state = run.out_dir / f"checkpoint-{step}", topology.full_state(run.model, self.optimizer)
+        path, state = run.out_dir / f"checkpoint-{step}", topology.full_state(run.model, run.learner.optimizer)
         extra_states = run.baseline.checkpoint_states()  # a critic's state; below, the rollouts asked for ahead
         if topology.is_main:
             extra_states[PENDING_FILE] = all_ranks_pending(pending)
             path = save_checkpoint(run.out_dir, step, model=run.model, tokenizer=run.tokenizer,
-                                   scheduler=run.scheduler, config=saved_config(run.cfg, topology.world_size),
+                                   scheduler=run.learner.scheduler, config=saved_config(run.cfg, topology.world_size),
                                    rng_generators={"shuffle": run.shuffle}, rng_state=rng,
                                    keep=run.cfg.save_total_limit, trainer_state={
-                                       "sampler": source_state, "guard": run.guard.state_dict(),
+                                       "sampler": source_state, "guard": run.learner.guard.state_dict(),
                                        "evals": {str(k): v for k, v in run.evals.items()},
                                        "world_size": topology.world_size,
                                        "data": run.source.fingerprints},  # checked at resume (check_data)

@@ -122,9 +122,9 @@ def train_loop(run: Run, callbacks: Callbacks) -> dict:
             t_train = time.perf_counter() - t0 - t_rollout
             # 5. Metrics.
             metrics = step_metrics(scores, step_stats, {**task_metrics, **batch.stats, **sampler_stats}, group_size=G,
-                                   drop_bad=cfg.drop_bad_rewards, skipped=run.guard.skipped,
-                                   lr=run.scheduler.get_last_lr()[0], t_generate=t_generate, t_rollout=t_rollout,
-                                   t_train=t_train)
+                                   drop_bad=cfg.drop_bad_rewards, skipped=run.learner.guard.skipped,
+                                   lr=run.learner.scheduler.get_last_lr()[0], t_generate=t_generate,
+                                   t_rollout=t_rollout, t_train=t_train)
             # 6. Evaluate, call back, log, checkpoint.
             if end_of_step(run, callbacks, progress, stop, step, metrics, rollout):
                 break

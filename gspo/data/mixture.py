@@ -32,6 +32,7 @@ import torch
 from gspo.algo.advantages import group_stats
 from gspo.config import WEIGHTINGS, DataSettings, RewardSettings, TaskSettings, TaskSpec, parse_tasks
 from gspo.data.evaluation import Evaluation, evaluate
+from gspo.data.reward_scoring import reward_names
 from gspo.data.rewards import get_reward_fn, reward_options, reward_spec, score_completions
 from gspo.data.rows import (
     PromptSampler,
@@ -50,18 +51,6 @@ def saved_tasks(tasks: list | None) -> list | None:
         return None
     return [{**t, "reward_funcs": [reward_spec(f) for f in t["reward_funcs"]]}
             if isinstance(t.get("reward_funcs"), list) else t for t in tasks]
-
-
-def reward_names(fns: list) -> list[str]:
-    """The names `score_completions` gives these functions' values: `__name__`, then "_2", "_3" on a clash."""
-    names: list[str] = []
-    for fn in fns:
-        base = name = getattr(fn, "__name__", None) or type(fn).__name__
-        suffix = 2
-        while name in names:
-            name, suffix = f"{base}_{suffix}", suffix + 1
-        names.append(name)
-    return names
 
 
 # ------------------------------------------------------------------------------- the weight rule (pure)

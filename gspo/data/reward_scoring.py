@@ -21,7 +21,7 @@ import time
 import torch
 from torch import Tensor
 
-__all__ = ["RewardError", "score_completions"]
+__all__ = ["RewardError", "reward_names", "score_completions"]
 
 
 def _fn_name(fn) -> str:
@@ -136,8 +136,7 @@ def score_completions(
     raw: dict[str, Tensor] = {}
     weighted = []
     dropped = torch.zeros(n, dtype=torch.bool)  # (N,)
-    for fn, weight in zip(reward_fns, weights):
-        name = _unique_name(fn, raw)
+    for fn, weight, name in zip(reward_fns, weights, reward_names(reward_fns)):
         fn_prompts, fn_completions, fn_columns = _inputs(fn, prompts, completions, columns, chat, completion_ids)
         out, error = _call(fn, fn_prompts, fn_completions, fn_columns, timeout_s)
         if error is not None:
@@ -176,13 +175,18 @@ def _checked_inputs(reward_fns, weights, prompts, completions, columns, chat, co
     return weights
 
 
-def _unique_name(fn, taken) -> str:
-    """`fn`'s `__name__`, with "_2", "_3", ... added while a function before it holds the name."""
-    base = name = _fn_name(fn)
-    suffix = 2
-    while name in taken:
-        name, suffix = f"{base}_{suffix}", suffix + 1
-    return name
+def reward_names(reward_fns: list) -> list[str]:
+    """The names `score_completions` gives the functions' values (reward/<name>): each `__name__`, with "_2",
+    "_3", ... added while a function before it holds the name. Example: [math, format, math] -> math, format,
+    math_2."""
+    names: list[str] = []
+    for fn in reward_fns:
+        base = name = _fn_name(fn)
+        suffix = 2
+        while name in names:
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        names.append(name)
+    return names
 
 
 def _checked_values(name: str, out, dropped: Tensor, drop_bad: bool, prompts, completions) -> list[float]:
