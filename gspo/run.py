@@ -1,9 +1,10 @@
 """A run's setup, apart from its loop: `build_run(cfg, topology)` builds every plug once, in order, and returns
 them named in a `Run`; `Checkpointer` is how the loop saves (and how a resumed run restores) its state.
 
-The order of building is part of the behaviour: the policy is seeded and loaded first, a critic copies the full
-policy before LoRA's adapters go on, fsdp's weights are loaded before sharding, and the sampler starts from the
-weights training starts from (after a resume restored them). gspo/trainer.py runs the loop over a Run.
+The order of building is part of the behaviour: the data and the reward functions are checked first, reading no
+model (`preflight`: files, columns, what each reward needs); then the policy is seeded and loaded, a critic copies
+the full policy before LoRA's adapters go on, fsdp's weights are loaded before sharding, and the sampler starts from
+the weights training starts from (after a resume restored them). gspo/trainer.py runs the loop over a Run.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from gspo.config import (
     section,
     to_dict,
 )
-from gspo.data.source import prompt_source
+from gspo.data.source import preflight, prompt_source
 from gspo.model_card import write_model_card
 from gspo.models import seeded_model
 from gspo.plugs.auxiliary import auxiliary_term
@@ -140,6 +141,9 @@ def fused_adamw(params: list) -> dict:
 def build_run(cfg: TrainConfig, topology: Topology, model=None, tokenizer=None, data: dict | None = None) -> Run:
     """Build a run's plugs from its config (`model`, `tokenizer`, `data`: objects standing in for what the config
     names, gspo/apps/api.py); a resumed run's state is restored before the sampler copies the weights."""
+    preflight(section(cfg, DataSettings), section(cfg, RewardSettings), section(cfg, TaskSettings),
+              section(cfg, EpisodeSettings), evaluating=cfg.eval_num_prompts > 0, given=data,
+              note=stderr_printer(topology.is_main))  # data and rewards checked before any model loads
     resuming = cfg.resume_from_checkpoint is not None
     out = section(cfg, OutputSettings)
     out_dir = prepare_output_dir(out, resuming) if topology.is_main else Path(out.output_dir)  # earlier run: error

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import yaml
 
 from conftest import ROOT, TINY_MODEL, TINY_RUN, gspo_env, logged_steps, read_metrics, run_gspo
 from gspo.config import SFTConfig, TrainConfig, field_docs, load_config
+from gspo.models import PACKAGED
 from gspo.trainer import train
 
 TINY_OVERRIDES = "model_overrides=" + json.dumps(TINY_MODEL)  # JSON is YAML: one command-line override
@@ -103,16 +105,41 @@ def test_every_field_is_documented():
 
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("lab_")),
                          ids=lambda p: p.name)  # lab configs: tests/test_regimes.py
-def test_shipped_configs_validate_and_run_one_step(path, tmp_path):
+def test_shipped_configs_validate_and_run_one_step(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # their data and reward files are named relative to the repository's root
     cls = SFTConfig if "sft" in path.name else TrainConfig
     cfg = load_config(cls, path)
     if cls is TrainConfig:
-        assert cfg.model.startswith("runs/"), "RL configs start from a cold-start model"
+        assert cfg.model.startswith("runs/") or cfg.model in PACKAGED, "RL configs start from a cold-start model " \
+                                                                       "or a real pretrained one"
         # Same config, with a tiny preset standing in for the cold-start model, runs a step.
         small = dataclasses.replace(cfg, **{**TINY_RUN, "per_device_batch_size": cfg.num_minibatches, "max_steps": 1,
                                             "output_dir": str(tmp_path / "run")})
         train(small)
         assert logged_steps(tmp_path / "run") == [0, 1]
+
+
+@pytest.mark.slow
+def test_the_own_task_config_resolves_its_data_and_reward_and_runs_with_a_tiny_model_in_its_place(tmp_path,
+                                                                                                 monkeypatch):
+    from gspo.config import DataSettings, EpisodeSettings, RewardSettings, TaskSettings, section
+    from gspo.data.rewards import get_reward_fn
+    from gspo.data.source import preflight
+
+    monkeypatch.chdir(ROOT)  # as the config says to run it
+    cfg = load_config(TrainConfig, "configs/own_task_smollm2.yaml")
+    assert cfg.model == "smollm2" and cfg.model in PACKAGED and (cfg.max_steps, cfg.per_device_batch_size) == (2, 2)
+    preflight(*(section(cfg, cls) for cls in (DataSettings, RewardSettings, TaskSettings, EpisodeSettings)),
+              note=pytest.fail)  # the file is there, the reward's `capital` column too; no note of a default reward
+    reward = get_reward_fn(cfg.reward_funcs[0])
+    said = [[{"role": "assistant", "content": text}] for text in ("It is paris.", "Lyon", "Buenos Aires!")]
+    assert reward(prompts=[[]] * 3, completions=said, capital=["Paris", "Paris", "Buenos Aires"]) == [1.0, 0.0, 1.0]
+    done = run_gspo("train", "--config", "configs/own_task_smollm2.yaml", "model=tiny-dense", TINY_OVERRIDES,
+                    f"output_dir={tmp_path / 'run'}", "progress=false", "device=cpu", cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "eval: holding out 4 of 24 rows of examples/own_task/capitals.jsonl (eval_holdout=4)" in done.stderr
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [0, 1, 2] and "reward/names_the_capital" in records[1]
 
 
 @pytest.mark.parametrize(
@@ -121,6 +148,9 @@ def test_shipped_configs_validate_and_run_one_step(path, tmp_path):
         (["objective=ppo"], "objective='ppo' is not one of gspo, grpo"),
         (["learning_rate=abc"], "learning_rate='abc' has the wrong type: expected float"),
         (["num_generations=1"], "num_generations must be >= 2"),
+        (["per_device_batch_size=1", "num_generations=2"], "per_device_batch_size * num_generations = 2 is not "
+         "divisible by num_minibatches=4: set num_minibatches=2 (or another divisor of 2), or per_device_batch_size "
+         "to a multiple of 2"),
         (["reward_funcs=[a, b]", "reward_weights=[1.0]"], "reward_weights has 1 entries but reward_funcs has 2"),
         (["objective=gspo", "aggregation=token_mean"], "would weight gspo sequences by length"),
         (["top_p=0.9", "use_sampler_logprobs=true"], "use_sampler_logprobs with top_p=0.9 would train on the "
@@ -134,7 +164,7 @@ def test_shipped_configs_validate_and_run_one_step(path, tmp_path):
     ],
 )
 def test_config_errors(overrides, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         load_config(TrainConfig, None, overrides)
 
 
@@ -166,6 +196,81 @@ def test_demo_flags_of_the_real_model_are_refused_without_it_and_unknown_models_
     assert main(["demo", "--tools", "--objective", "grpo", "--output-dir", str(tmp_path / "c")]) == 2
     assert "--tools runs its own tiny model with GSPO" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # refused before anything was written
+
+
+# ------------------------------------------------------------------------------- gspo eval
+EVAL_REWARDS = '''
+CALLS = []
+
+
+def counted(prompts, completions, target, **_):
+    CALLS.append(len(completions))
+    return [float(t in c) for c, t in zip(completions, target)]
+
+
+def fails_on_bad(prompts, completions, target, **_):
+    if "bad" in target:
+        raise ValueError("a bad target")
+    return [0.0] * len(completions)
+'''
+
+
+@pytest.fixture
+def eval_run(tmp_path, monkeypatch):
+    """A run's config (tiny model, a reward reading the `target` column) and a 7-row data file, in the working
+    directory; yields the reward module's record of how many completions each call scored."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the reward file's folder is added: taken back after
+    (tmp_path / "eval_rewards.py").write_text(EVAL_REWARDS)
+    rows = [{"prompt": f"{i}+{i}=", "target": "bad" if i == 5 else str(2 * i)} for i in range(7)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {**TINY_RUN, "task": None, "dataset": "d.jsonl", "reward_funcs": ["eval_rewards.py:counted"]}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    yield lambda: sys.modules["eval_rewards"].CALLS
+    sys.modules.pop("eval_rewards", None)
+
+
+def gspo_eval(capsys, *args) -> tuple[int, dict, str]:
+    """`gspo eval --config run.yaml <args>` in this process: (exit status, the scores printed, stderr)."""
+    from gspo.apps.cli import main
+
+    capsys.readouterr()
+    status = main(["eval", "--config", "run.yaml", *args])
+    out, err = capsys.readouterr()
+    return status, json.loads(out) if status == 0 else {}, err
+
+
+def test_eval_scores_every_row_of_the_file_it_is_given_with_the_run_s_rewards(capsys, eval_run):
+    status, scores, err = gspo_eval(capsys, "--dataset", "d.jsonl")
+    assert status == 0, err
+    assert eval_run() == [7, 14]  # every row, greedy then the config's eval_k=2 samples each: none held out
+    assert "eval: every one of the 7 rows of d.jsonl" in err and 0 <= scores["eval/pass_at_k"] <= 1
+    status, _, err = gspo_eval(capsys, "--dataset", "d.jsonl", "--num-prompts", "3", "--k", "2")
+    assert status == 0 and eval_run()[2:] == [3, 6] and "eval: the first 3 of the 7 rows of d.jsonl" in err
+    status, _, err = gspo_eval(capsys)  # no file given: the held-out rows the run evaluates, and which
+    assert status == 0 and eval_run()[4:] == [1, 2]
+    assert "eval: holding out 1 of 7 rows of d.jsonl (eval_holdout=0.1)" in err
+
+
+def test_eval_takes_overrides_and_checks_the_rewards_before_loading_the_model(capsys, eval_run):
+    status, _, err = gspo_eval(capsys, "--dataset", "d.jsonl", "--model", "runs/no/such/model",
+                               "reward_funcs=[answer_match]")
+    assert status == 2 and err.splitlines()[-1] == ("gspo eval: error: dataset: d.jsonl: reward 'answer_match' "
+                                                    "needs column 'answer'; columns: prompt, target")
+    assert "d.jsonl is scored by answer_match, the default reward_funcs" in err
+    status, _, err = gspo_eval(capsys, "--dataset", "d.jsonl", "reward_funcs=[eval_rewards.py:fails_on_bad]")
+    assert status == 2 and "raised ValueError: a bad target on sample 5" in err and "drop_bad_rewards=true" in err
+    status, scores, err = gspo_eval(capsys, "--dataset", "d.jsonl", "reward_funcs=[eval_rewards.py:fails_on_bad]",
+                                    "drop_bad_rewards=true")  # what the message says to set
+    assert status == 0 and scores["eval/reward"] == 0.0, err
+
+
+def test_eval_needs_a_model_or_a_config(capsys):
+    from gspo.apps.cli import main
+
+    assert main(["eval", "--task", "add3"]) == 2
+    assert "give --model (a saved model directory, a preset or a packaged model) or --config" in \
+        capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------- the lab extra (matplotlib)

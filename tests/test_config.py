@@ -1,6 +1,7 @@
 """Configs made of sections: flat names outside, a section per plug inside, checks once at the boundary."""
 
 import dataclasses
+import inspect
 import json
 
 import pytest
@@ -26,7 +27,7 @@ from gspo.step import loss_options
 def test_train_config_is_its_sections_and_nothing_else():
     own = [f.name for f in dataclasses.fields(TrainConfig)]
     by_section = [f.name for s in TRAIN_SECTIONS for f in dataclasses.fields(s)]
-    assert own == by_section and len(own) == len(set(own)) == 124  # each field in exactly one section, in order
+    assert own == by_section and len(own) == len(set(own)) == 125  # each field in exactly one section, in order
     assert sections(TrainConfig)[:-1] == list(TRAIN_SECTIONS)  # the last is TrainConfig itself (no fields of its own)
     assert all(s in CHECKS for s in TRAIN_SECTIONS if s.__name__ not in ("OutputSettings",))
 
@@ -156,3 +157,23 @@ def test_the_split_config_keeps_every_name_where_it_was():
     with pytest.raises(ValueError) as refused:
         config.utf8_text(b"ok\n\xff", "config: x.yaml")
     assert str(refused.value) == "config: x.yaml line 2: not UTF-8 text (byte 0xff at column 1)"
+
+
+def test_train_config_takes_other_names_and_names_an_unknown_key_as_make_config_does():
+    # TrainConfig(beta=0.04) was a bare TypeError while GRPOTrainer(beta=0.04) worked: both read gspo.aliases now
+    assert TrainConfig(beta=0.04) == TrainConfig(kl_coef=0.04) == make_config(TrainConfig, {"beta": 0.04})
+    assert TrainConfig(importance_sampling_level="token", num_iterations=2).objective == "grpo"
+    assert TrainConfig(optim="adamw_torch") == TrainConfig()  # a TRL value that means what gspo does
+    for values, message in [({"kl_coeff": 0.1}, "config: unknown key 'kl_coeff'; did you mean 'kl_coef'?"),
+                            ({"beta": 0.1, "kl_coef": 0.1}, "config: 'beta' is TRL's name for 'kl_coef', which is "
+                                                            "given too; give only one of them"),
+                            ({"use_liger_loss": True}, "config: use_liger_loss=True is TRL's, and gspo takes it only "
+                                                       "as False")]:
+        with pytest.raises(ValueError) as refused:
+            TrainConfig(**values)
+        assert str(refused.value).startswith(message)
+    cfg = dataclasses.replace(TrainConfig(beta=0.04), max_steps=3)  # replace() rebuilds through __init__ too
+    assert (cfg.kl_coef, cfg.max_steps) == (0.04, 3)
+    assert "kl_coef" in inspect.signature(TrainConfig).parameters  # the fields still show as its signature
+    with pytest.raises(ValueError, match="learning_rate='abc' has the wrong type"):  # types checked as before
+        TrainConfig(learning_rate="abc")

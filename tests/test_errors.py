@@ -119,6 +119,14 @@ def huge_on_marked(prompts, completions, **_):
 
 def ten_billion(prompts, completions, **_):
     return [1e10] * len(completions)
+
+
+def needs_target(prompts, completions, target, **_):
+    return [float(str(t) in c) for c, t in zip(completions, target)]
+
+
+def positional_target(p, c, target, **_):  # called positionally: p and c are the prompts and completions
+    return [float(str(t) in x) for x, t in zip(c, target)]
 '''
 
 BROKEN_REWARDS = '''
@@ -264,6 +272,68 @@ def test_every_task_of_a_mixture_is_checked_before_training(capsys, tmp_path):
     status, err = run_cli(capsys, tmp_path, config={"tasks": tasks, "max_prompt_length": 30, "eval_num_prompts": 10})
     one_line_error(err, r"held.jsonl line 5: the prompt has 4\d tokens > max_prompt_length=30")  # a held-out prompt
     assert status == 2 and logged_steps(tmp_path / "run") == []
+
+
+TARGET_ROWS = [{"prompt": f"{i}+{i}=", "target": str(2 * i)} for i in range(1, 12)]
+NO_MODEL = {"model": "runs/no/such/model", "model_overrides": None}  # reached only if the checks did not stop it
+PREFLIGHT_CASES = [  # (files in the working directory, config, the message); each run stops before the model loads
+    ("missing_column", {"d.jsonl": GOOD_ROWS}, {"reward_funcs": ["errors_rewards:needs_target"]},
+     r"error: dataset: d.jsonl: reward 'needs_target' needs column 'target'; columns: prompt, answer$"),
+    ("called_positionally", {"d.jsonl": GOOD_ROWS}, {"reward_funcs": ["errors_rewards:positional_target"]},
+     r"dataset: d.jsonl: reward 'positional_target' needs column 'target'; columns: prompt, answer$"),
+    ("the_default_reward", {"d.jsonl": TARGET_ROWS}, {},
+     r"dataset: d.jsonl: reward 'answer_match' needs column 'answer'; columns: prompt, target$"),
+    ("held_out_file", {"d.jsonl": TARGET_ROWS, "held.jsonl": GOOD_ROWS},
+     {"eval_dataset": "held.jsonl", "reward_funcs": ["errors_rewards:needs_target"]},
+     r"dataset: held.jsonl: reward 'needs_target' needs column 'target'"),
+    ("no_such_file", {}, {"reward_funcs": ["errors_rewards:needs_target"]}, r"dataset: d.jsonl does not exist"),
+    ("no_prompt_column", {"d.jsonl": [{"question": "1+1=", "target": "2"}]},
+     {"reward_funcs": ["errors_rewards:needs_target"]},
+     r"d.jsonl has no 'prompt' column \(columns: question, target\)"),
+    ("clash", {"d.jsonl": [{**r, "completions": "x"} for r in TARGET_ROWS]},
+     {"reward_funcs": ["errors_rewards:needs_target"]},
+     r"d.jsonl: column\(s\) \['completions'\] clash with the reward call's own arguments; rename them"),
+    ("a_task_of_a_mixture", {"d.jsonl": GOOD_ROWS},
+     {"tasks": [{"task": "add2"}, {"dataset": "d.jsonl"}], "dataset": None,
+      "reward_funcs": ["errors_rewards:needs_target"]},
+     r"error: task add2: reward 'needs_target' needs column 'target'; columns: prompt, answer, solution$"),
+]
+
+
+@pytest.mark.parametrize("name, files, config, message", PREFLIGHT_CASES, ids=[c[0] for c in PREFLIGHT_CASES])
+def test_data_and_rewards_are_checked_before_the_model_loads(capsys, tmp_path, monkeypatch, reward_module, name,
+                                                              files, config, message):
+    monkeypatch.chdir(tmp_path)
+    for file, rows in files.items():
+        write(tmp_path, file, jsonl(rows))
+    status, err = run_cli(capsys, tmp_path, config={"task": None, "dataset": "d.jsonl", **NO_MODEL, **config})
+    one_line_error(err, message)  # not the model's "no such directory": the checks ran first
+    assert status == 2 and [p.name for p in (tmp_path / "run").iterdir()] == [LOCK_FILE]  # nor anything written
+
+
+def test_in_memory_data_and_a_reward_object_are_checked_before_the_model_loads(tmp_path):
+    from gspo.apps.api import Trainer
+
+    def needs_target(prompts, completions, target, **_):
+        return [0.0] * len(completions)
+
+    trainer = Trainer("runs/no/such/model", needs_target, train_dataset=GOOD_ROWS, output_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match=r"^dataset: object:train_dataset: reward 'needs_target' needs column "
+                                         r"'target'; columns: prompt, answer$"):
+        trainer.train()
+
+
+def test_a_dataset_scored_by_the_default_reward_is_said_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "d.jsonl", jsonl(GOOD_ROWS))
+    note = ("rewards: d.jsonl is scored by answer_match, the default reward_funcs (1 where the text after the last "
+            "'####' equals the answer column); set reward_funcs to score it otherwise")
+    for config, said in (({"task": None, "dataset": "d.jsonl"}, True),
+                         ({"task": None, "dataset": "d.jsonl", "reward_funcs": ["format"]}, False),
+                         ({}, False)):  # a built-in task's answers are written for answer_match
+        status, err = run_cli(capsys, tmp_path, config={**NO_MODEL, **config})
+        assert status == 2 and "no such directory" in err.splitlines()[-1], err  # the checks passed: the model next
+        assert (note in err.splitlines()) is said, err
 
 
 BAD_TYPE, TOO_LONG = {"prompt": 5, "answer": "1"}, {"prompt": "1" * 40 + "+1=", "answer": "2"}

@@ -88,15 +88,43 @@ def test_rows_with_an_answer_are_scored_by_the_configured_reward(tiny):
 
 def test_accuracy_is_the_share_of_prompts_at_the_threshold(tiny):
     model, tokenizer, rows = tiny
-    # always_one + answer_match (0 for a random model): total reward 1 of the full marks 2.
-    out = evaluate(model, tokenizer, rows, plan(reward_funcs=[always_one, "answer_match"], eval_k=2))
+    # the total, as before eval_accuracy_reward: always_one + answer_match (0 for a random model) is 1 of full marks 2
+    total = dict(reward_funcs=[always_one, "answer_match"], eval_k=2, eval_accuracy_reward="total")
+    out = evaluate(model, tokenizer, rows, plan(**total))
     assert out == {"eval/accuracy": 0.0, "eval/reward": 1.0, "eval/mean_at_k": 0.0, "eval/pass_at_k": 0.0,
                    "eval/sampled_reward": 1.0}
-    out = evaluate(model, tokenizer, rows, plan(reward_funcs=[always_one, "answer_match"], eval_k=2,
-                                                    eval_success_threshold=1.0))
+    out = evaluate(model, tokenizer, rows, plan(**total, eval_success_threshold=1.0))
     assert (out["eval/accuracy"], out["eval/mean_at_k"], out["eval/pass_at_k"]) == (1.0, 1.0, 1.0)
+    # by default the first reward decides, at 1: always_one succeeds, answer_match never does
+    out = evaluate(model, tokenizer, rows, plan(reward_funcs=[always_one, "answer_match"], eval_k=2))
+    assert (out["eval/accuracy"], out["eval/mean_at_k"], out["eval/pass_at_k"], out["eval/reward"]) == (1, 1, 1, 1)
+    out = evaluate(model, tokenizer, rows, plan(reward_funcs=[always_one, "answer_match"], eval_k=2,
+                                                eval_accuracy_reward="answer_match"))
+    assert (out["eval/accuracy"], out["eval/mean_at_k"], out["eval/pass_at_k"]) == (0, 0, 0)
     out = evaluate(model, tokenizer, rows, plan(reward_funcs=[always_one], reward_weights=[0.25], eval_k=2))
-    assert out["eval/reward"] == 0.25 and out["eval/accuracy"] == 1.0  # full marks of weight 0.25: 0.25
+    assert out["eval/reward"] == 0.25 and out["eval/accuracy"] == 1.0  # the reward's own value, 1, not 0.25 x 1
+
+
+def short_bonus(prompts, completions, **_):
+    """At most 0.5, as open-r1's length reward: a mix with it never reaches the full marks of its total."""
+    return [0.5 / (1 + len(c)) for c in completions]
+
+
+def test_accuracy_of_a_mix_with_a_length_reward_is_its_first_rewards(tiny):
+    # open-r1's mix: accuracy, format, length. Full marks of the total (3) are out of reach, so accuracy by the
+    # total read 0 whatever was right; by its first reward it is the share of right answers (4 of 6 rows even).
+    model, tokenizer, rows = tiny
+    mix = dict(reward_funcs=[even_answer, always_one, short_bonus], eval_k=2)
+    old = evaluate(model, tokenizer, rows, plan(**mix, eval_accuracy_reward="total"))
+    assert (old["eval/accuracy"], old["eval/mean_at_k"], old["eval/pass_at_k"]) == (0.0, 0.0, 0.0)
+    new = evaluate(model, tokenizer, rows, plan(**mix))
+    for key in ("eval/accuracy", "eval/mean_at_k", "eval/pass_at_k"):
+        assert new[key] == pytest.approx(4 / 6, abs=1e-6), key
+    assert new["eval/reward"] == old["eval/reward"]  # the mean total either way
+    assert evaluate(model, tokenizer, rows, plan(**mix, eval_accuracy_reward="always_one"))["eval/accuracy"] == 1.0
+    with pytest.raises(ValueError, match=r"eval_accuracy_reward='accuracy' names none of the reward functions "
+                                         r"evaluated \(even_answer, always_one, short_bonus\)"):
+        evaluate(model, tokenizer, rows, plan(**mix, eval_accuracy_reward="accuracy"))
 
 
 def test_chunked_evaluation_equals_one_call(tiny):

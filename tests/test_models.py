@@ -198,7 +198,8 @@ def test_bad_attn_implementation_names_the_field():
 
 
 def test_missing_local_path(tmp_path):
-    with pytest.raises(ValueError, match="no such directory"):
+    with pytest.raises(ValueError, match=r"no such directory \(and not a model gspo knows by name: presets: "
+                                         r"tiny-dense, tiny-moe; packaged: smollm2\)"):
         load_model(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="no such directory"):
         load_model("./not/a/checkpoint")

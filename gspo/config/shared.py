@@ -21,7 +21,8 @@ class ModelSettings:
     """The model: what is loaded, in which dtype, on which device."""
 
     model: str = "tiny-dense"
-    """Preset (tiny-dense, tiny-moe: random init) or a local path / hub name of a causal LM."""
+    """Preset (tiny-dense, tiny-moe: random init), packaged model (smollm2: make demo-real), or a local path / hub
+    name of a causal LM."""
     model_overrides: dict | None = None
     """Config fields patched into a preset before it is built, e.g. {num_hidden_layers: 2}."""
     dtype: str = "float32"
@@ -100,8 +101,10 @@ class EvalSettings:
     """Samples per held-out prompt for the sampled metrics mean@k and pass@k."""
     eval_temperature: float = 1.0
     """Temperature of the sampled evaluation."""
+    eval_accuracy_reward: str | None = None
+    """Reward deciding held-out success (its name, as in reward/<name>); null: the first; total: the weighted sum."""
     eval_success_threshold: float | None = None
-    """Total reward at which a held-out completion succeeds; null: full marks (sum of positive weights)."""
+    """Value at which a held-out completion succeeds; null: 1 (total: full marks, the sum of positive weights)."""
     eval_batch_size: int = 16
     """Held-out prompts per generate call of an evaluation (bounds its memory)."""
     eval_steps: int = 0
@@ -112,6 +115,10 @@ class EvalSettings:
 def _check_eval(s: EvalSettings) -> None:
     check_positive(s, "eval_k", "eval_temperature", "eval_batch_size")
     check_positive(s, "eval_num_prompts", "eval_steps", allow_zero=True)  # 0: evaluation off
+    if s.eval_accuracy_reward is not None and not (isinstance(s.eval_accuracy_reward, str)
+                                                   and s.eval_accuracy_reward.strip()):
+        raise ValueError(f"config: eval_accuracy_reward={s.eval_accuracy_reward!r} must be a reward function's name "
+                         "(as in reward/<name>), total, or null (the first reward function)")
 
 
 @dataclass

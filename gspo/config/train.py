@@ -9,10 +9,20 @@ The sampling and episode sections live in gspo/config/sampling.py, the multi-tas
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gspo.algo.schedules import SCHEDULES
-from gspo.config.machinery import check_choice, check_positive, checks, coerce_fields, own_names, prefixed, section
+from gspo.config.machinery import (
+    check_choice,
+    check_positive,
+    checks,
+    coerce_fields,
+    own_names,
+    prefixed,
+    section,
+    takes_other_names,
+)
 from gspo.config.sampling import (  # noqa: F401  (the secret and address helpers: importable from here too)
     MIN_SECRET_CHARS,
     SECRET_ENV,
@@ -55,10 +65,12 @@ def _check_batch(s: BatchSettings) -> None:
     check_positive(s, "max_steps", "per_device_batch_size", "num_generations", "num_minibatches", "num_epochs")
     if s.num_generations < 2:
         raise ValueError("config: num_generations must be >= 2: group advantages need at least two completions")
-    n = s.per_device_batch_size * s.num_generations
-    if n % s.num_minibatches:
+    n, m = s.per_device_batch_size * s.num_generations, s.num_minibatches
+    if n % m:  # each minibatch takes whole completions: change num_minibatches, or the batch to fit it
+        fits = max(d for d in range(1, m) if n % d == 0)
         raise ValueError(f"config: per_device_batch_size * num_generations = {n} is not divisible by "
-                         f"num_minibatches={s.num_minibatches}")
+                         f"num_minibatches={m}: set num_minibatches={fits} (or another divisor of {n}), or "
+                         f"per_device_batch_size to a multiple of {m // math.gcd(m, s.num_generations)}")
 
 
 @dataclass
@@ -354,6 +366,7 @@ TRAIN_SECTIONS = (ModelSettings, OutputSettings, DataSettings, EvalSettings, Rew
                   RoutingSettings, CheckpointSettings, LoggingSettings, ProgressSettings, DistributedSettings)
 
 
+@takes_other_names  # TrainConfig(beta=0.04): TRL's and former names, and a did-you-mean, as make_config
 @dataclass
 class TrainConfig(DistributedSettings, ProgressSettings, LoggingSettings, CheckpointSettings, RoutingSettings,
                   CorrectionSettings, PrecisionSettings, LoraSettings, OptimizerSettings, AdvantageSettings,

@@ -1,25 +1,25 @@
 """Batch scoring: every reward function run on a batch, their weighted total, and their failures.
 
-`score_completions` calls each function (in a thread of its own under a time limit, on copies of
-its inputs), checks its values (None, NaN, inf, beyond float32), and reruns it sample by sample
-after a failure to name the offending sample; `RewardError` is what it raises. Re-exported by
-gspo.data.rewards, which holds the protocol the functions follow.
+`score_completions` calls each function (on copies of its inputs, under a time limit: on the main
+thread, interrupted there when its time is up, see gspo.data.reward_timeout), checks its values
+(None, NaN, inf, beyond float32), and reruns it sample by sample after a failure to name the
+offending sample; `RewardError` is what it raises. Re-exported by gspo.data.rewards, which holds
+the protocol the functions follow.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import faulthandler
 import inspect
 import math
 import numbers
-import sys
 import threading
 import time
 
 import torch
 from torch import Tensor
+
+from gspo.data.reward_timeout import TimeUp, call_limited, gil_watchdog, interruptible
 
 __all__ = ["RewardError", "reward_names", "score_completions"]
 
@@ -47,10 +47,9 @@ def _call(fn, prompts, completions, columns, timeout_s):
     """`fn` on deep copies of its inputs (a reward cannot alter the rollout): (value, error).
 
     error is None, the BaseException it raised (SystemExit and KeyboardInterrupt included), or
-    `_TIMED_OUT`. With a timeout the call runs in a daemon thread, so a hung function can be left
-    behind (Python cannot stop a thread: it keeps running in the background); without one it runs
-    here, in the caller's thread. A function stuck in C code that holds the GIL cannot be left
-    behind either way (see `score_completions`).
+    `_TIMED_OUT`. Without a timeout the call runs here, in the caller's thread; with one it runs here
+    too on the main thread, interrupted when its time is up, and elsewhere in a daemon thread that is
+    left behind then (gspo.data.reward_timeout.call_limited).
     """
     args = copy.deepcopy((prompts, completions, columns))
     box: dict = {}
@@ -62,39 +61,15 @@ def _call(fn, prompts, completions, columns, timeout_s):
             else:  # a function with its own names for the two, e.g. `lambda p, c, **_`
                 box["value"] = fn(args[0], args[1], **args[2])
         except BaseException as exc:  # noqa: B036 - reported to the trainer, which decides
-            if getattr(exc, "stops_the_run", False):  # the trainer's own signal handling (gspo.runtime), not fn's
+            if getattr(exc, "stops_the_run", False) or isinstance(exc, TimeUp):  # the trainer's signals, the deadline
                 raise
             box["error"] = exc
 
     if not timeout_s:
         target()
-    else:
-        worker = threading.Thread(target=target, name=f"gspo-reward-{_fn_name(fn)}", daemon=True)
-        with _gil_watchdog(timeout_s):  # armed first: even start() waits for the GIL
-            worker.start()
-            worker.join(timeout_s)  # interruptible: a signal handler that raises ends the wait
-        if worker.is_alive():
-            return None, _TIMED_OUT
+    elif call_limited(target, timeout_s, _fn_name(fn)):
+        return None, _TIMED_OUT
     return box.get("value"), box.get("error")
-
-
-@contextlib.contextmanager
-def _gil_watchdog(timeout_s: float):
-    """Last resort for a function stuck in C code that holds the GIL (a catastrophic regex, say):
-    no Python thread, signal handler included, runs again, so the wait above never returns.
-    faulthandler's watchdog is a C thread: past 2 x timeout_s + 5 s it prints every thread's
-    stack and ends the process with status 1. Disarmed as soon as the wait returns."""
-    try:
-        stream = sys.__stderr__
-        stream.fileno()  # faulthandler writes to a file descriptor
-    except (AttributeError, OSError, ValueError):  # no real stderr (pythonw, some embedders): no watchdog
-        yield
-        return
-    faulthandler.dump_traceback_later(2 * timeout_s + 5, exit=True, file=stream)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 def score_completions(
@@ -117,9 +92,12 @@ def score_completions(
     prompts, completions and columns, so editing them in place changes nothing here.
 
     `timeout_s` (None or 0: no limit) bounds each call: a function that has not returned by then
-    is abandoned. A function that raises is rerun sample by sample, one after another, to find the
-    offending prompt/completion; one that times out is rerun on every sample at once (up to 8
-    threads, one shared deadline), to find the samples it hangs on. By default a failing sample,
+    is stopped (on the main thread, where it runs: rewards that set signal handlers, as math-verify
+    does, work there) or abandoned in its own thread (called from another thread). A function that
+    raises is rerun sample by sample, one after another, to find the offending prompt/completion;
+    one that times out is rerun on every sample at once (up to 8 threads, one shared deadline), to
+    find the samples it hangs on (those that fail in a thread for want of the main thread are rerun
+    on it, one after another). By default a failing sample,
     or a value float32 cannot hold (NaN, inf, 1e39, 10**400; or a weighted total beyond it), is a
     `RewardError`/ValueError naming the function and the sample; with
     `drop_bad` the sample's total is NaN instead (the trainer leaves it out, and counts it). Always
@@ -366,12 +344,12 @@ def _one_by_one(fn, batch: _Failure, prompts, completions, columns, drop_bad: bo
         if not drop_bad:
             cause = None if error is _TIMED_OUT else error
             raise RewardError(failure.message() + "; fix the function, or set drop_bad_rewards=true to drop such "
-                              "samples" + _ABANDONED * (error is _TIMED_OUT)) from cause
+                              "samples" + _ABANDONED * (error is _TIMED_OUT) + _main_thread_hint(error)) from cause
         out.append(failure)
     if all(isinstance(v, _Failure) for v in out):
         raise RewardError(f"{batch.message()}, and on every one of the {n} samples alone (first: "
                           f"{out[0].message()}): a bug in the function rather than bad samples"
-                          + _ABANDONED * (batch.error is _TIMED_OUT)) from None
+                          + _ABANDONED * (batch.error is _TIMED_OUT) + _main_thread_hint(out[0].error)) from None
     if not any(isinstance(v, _Failure) for v in out):
         hint = "; raise reward_timeout_s" + _ABANDONED if batch.error is _TIMED_OUT else ""
         raise RewardError(f"{batch.message()}, but on no sample alone{hint}") from (
@@ -379,13 +357,27 @@ def _one_by_one(fn, batch: _Failure, prompts, completions, columns, drop_bad: bo
     return out
 
 
-_ABANDONED = " (a call that timed out is abandoned: Python cannot stop its thread, which may still run)"
+_ABANDONED = (" (a call that timed out in a thread of its own is abandoned: Python cannot stop a thread, which may "
+              "still run)")
+
+
+def _main_thread_hint(error) -> str:
+    """What to do about a function that set a signal handler off the main thread (Python allows that nowhere else;
+    math-verify's parse and verify do, for their own timeouts, and say so in an error of their own)."""
+    while error is not None and error is not _TIMED_OUT:
+        if isinstance(error, ValueError) and "signal only works in main thread" in str(error):
+            return ("; it sets signal handlers (math-verify's timeouts do), which Python allows on the main thread "
+                    "only: score from the main thread, as gspo's trainer does (or turn the function's own timeouts "
+                    "off: math-verify's parsing_timeout=None, timeout_seconds=None)")
+        error = error.__cause__ or error.__context__
+    return ""
 
 
 def _probe_at_once(fn, calls: list, timeout_s) -> list:
     """`_call` results of `fn` on each sample, up to 8 at a time in daemon threads, all by one deadline.
 
-    Calls not finished by the deadline read as timed out (and are left running).
+    Calls not finished by the deadline read as timed out (and are left running). On the main thread, calls
+    that failed in a thread only because they set signal handlers are made again there, each under `timeout_s`.
     """
     results = [(None, _TIMED_OUT)] * len(calls)
     todo, lock, finished = list(range(len(calls)))[::-1], threading.Lock(), threading.Semaphore(0)
@@ -400,10 +392,13 @@ def _probe_at_once(fn, calls: list, timeout_s) -> list:
             finished.release()
 
     deadline = time.monotonic() + timeout_s
-    with _gil_watchdog(timeout_s):
+    with gil_watchdog(timeout_s):
         for _ in range(min(8, len(calls))):
             threading.Thread(target=work, name=f"gspo-reward-probe-{_fn_name(fn)}", daemon=True).start()
         for _ in calls:
             if not finished.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 break
+    if interruptible():  # what failed in a thread for want of the main thread: on it, one call after another
+        return [_call(fn, *calls[i], timeout_s) if _main_thread_hint(error) else (value, error)
+                for i, (value, error) in enumerate(results)]
     return list(results)

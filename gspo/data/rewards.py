@@ -116,8 +116,9 @@ def math_reward(prompts: list[str], completions: list[str], answer: Sequence, **
     LaTeX, \\boxed{}, fractions, sets, units stripped), else 0.0; None in `answer` gives None.
 
     The gold answer may be plain ("1/2", "0.5") or LaTeX ("\\frac{1}{2}", "$x^2$"). math-verify's own
-    time limits use signal.alarm, which works only in the main thread: they are on there
-    (reward_timeout_s: 0) and off in the trainer's reward thread, whose reward_timeout_s bounds the call.
+    time limits (5 s a parse or comparison) use signal.alarm, which works only on the main thread: they
+    are on there (where gspo calls rewards, reward_timeout_s or not) and off on another thread (gspo's
+    API called from one), where reward_timeout_s alone bounds the call.
     Needs the `math` extra: pip install 'gspo[math]'.
     """
     try:

@@ -4,19 +4,112 @@
 (several tasks drawn by weight) answer the same calls: `next(n)` rows, `score(...)` rewards,
 `observe(...)` per-task metrics (and dynamic weights), `evaluate(...)`, and a `state_dict` that
 is part of a checkpoint, as are its `fingerprints` ({data file: rows and hash}, checked at resume).
+`preflight` checks a run's data and rewards before any model is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 
-from gspo.config import DataSettings, EpisodeSettings, EvalSettings, RewardSettings, SamplingSettings, TaskSettings
+from gspo.config import (
+    DataSettings,
+    EpisodeSettings,
+    EvalSettings,
+    RewardSettings,
+    SamplingSettings,
+    TaskSettings,
+    TaskSpec,
+    parse_tasks,
+)
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.mixture import TaskMixture
 from gspo.data.rewards import get_reward_fn, reward_options, score_completions
-from gspo.data.rows import PromptSampler, SplitLoader, chat_prompts, columns_of, episode_columns, stderr_line
+from gspo.data.rows import (
+    EPISODE_COLUMNS,
+    MESSAGES,
+    PromptSampler,
+    SplitLoader,
+    chat_prompts,
+    columns_of,
+    episode_columns,
+    load_rows,
+    stderr_line,
+)
+from gspo.given import is_marker
+from gspo.tasks import get_task
+
+CALL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""What every reward call gives besides the data's columns (completion_ids: to a function that takes it)."""
+
+
+def preflight(data: DataSettings, rewards: RewardSettings, tasks: TaskSettings, episodes: EpisodeSettings, *,
+              evaluating: bool = True, given: dict | None = None, note=stderr_line) -> None:
+    """Check a run's data and rewards before any model is loaded or any sampling happens: every data file exists
+    and has its prompt column (`load_rows`), no column clashes with the reward call's own arguments, and every
+    named argument a reward function requires (one without a default) is a column of the data it scores (of the
+    held-out file too, when `evaluating`). Reads the data and the reward functions' signatures only: no tokenizer,
+    no reward model (rm:<path>). `given`: in-memory data (gspo.Trainer, see `load_rows`); an object a saved config
+    names but cannot rebuild (gspo/given.py) is refused where it is built, not here. `note`: where it says, in one
+    line, that a dataset is scored by answer_match because that is the default reward_funcs."""
+    if tasks.tasks:
+        specs = parse_tasks(tasks.tasks, rewards.reward_funcs, rewards.reward_weights)
+    else:
+        specs = [TaskSpec("", data.task, data.dataset, data.eval_dataset, rewards.reward_funcs, None, 1.0)]
+    extra = set(EPISODE_COLUMNS) if episodes.environment is not None else set()  # an episode's own
+    for spec in specs:
+        fns = [get_reward_fn(f, **reward_options(rewards)) for f in spec.reward_funcs  # a reward model: text only
+               if not (isinstance(f, str) and (f.startswith("rm:") or is_marker(f)))]
+        if spec.dataset is None:
+            rows = get_task(spec.task).dataset("train", 1, 0)
+            check_reward_columns(fns, rows, f"task {spec.task}", extra)
+            continue
+        if list(spec.reward_funcs) == ["answer_match"]:
+            note(f"rewards: {spec.dataset} is scored by answer_match, the default reward_funcs (1 where the text "
+                 "after the last '####' equals the answer column); set reward_funcs to score it otherwise")
+        files = [spec.dataset, *([spec.eval_dataset] if spec.eval_dataset is not None else [])]
+        for i, path in enumerate(files):
+            if is_marker(path) and path not in (given or {}):
+                continue
+            rows = load_rows(path, data.prompt_column, given)
+            if i == 0 or evaluating:
+                check_reward_columns(fns, rows, f"dataset: {path}", extra)
+
+
+def check_reward_columns(reward_fns: list, rows: list[dict], where: str, extra: set = frozenset()) -> None:
+    """ValueError naming `where` (a file, a task) where a column of `rows` clashes with the reward call's own
+    arguments, or where a reward function requires a named argument that neither the call, the rows' columns nor
+    `extra` (an episode's columns) give. Example: "dataset: d.jsonl: reward 'needs_target' needs column 'target';
+    columns: prompt, answer"."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    clash = [c for c in CALL_ARGUMENTS if c in columns]
+    if clash:
+        raise ValueError(f"{where}: column(s) {clash} clash with the reward call's own arguments; rename them")
+    passed = set(columns) - {"prompt", MESSAGES} | set(extra)  # what reaches a reward by name (columns_of)
+    for fn in reward_fns:
+        for name in required_arguments(fn):
+            if name not in passed:
+                hint = " (the prompts arrive as `prompts`)" if name in ("prompt", MESSAGES) else ""
+                raise ValueError(f"{where}: reward {getattr(fn, '__name__', type(fn).__name__)!r} needs column "
+                                 f"{name!r}{hint}; columns: {', '.join(map(str, columns))}")
+
+
+def required_arguments(fn) -> list[str]:
+    """The named arguments reward function `fn` requires (no default) that the call does not give it itself: the
+    columns its data must have. A function naming `completions` (or no positional parameter) is called with
+    keywords; another gets the prompts and completions as its first two positional parameters (scoring's rule,
+    gspo.data.reward_scoring). A callable without a readable signature: none."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_keyword = any(p.name == "completions" and p.kind is not p.POSITIONAL_ONLY for p in params) or not positional
+    given = set(CALL_ARGUMENTS) if by_keyword else {p.name for p in positional[:2]} | {"completion_ids"}
+    return [p.name for p in params if p.default is p.empty and p.name not in given
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def prompt_source(tokenizer, num_train: int, *, data: DataSettings, rewards: RewardSettings, evals: EvalSettings,
