@@ -236,6 +236,7 @@ def restore(checkpoint: Path, cfg, topology: Topology, out_dir: Path, learner: L
             print(f"resume: {moved.name.split('.damaged')[0]} failed verification; set aside as {moved} "
                   "(nothing deleted)", file=sys.stderr, flush=True)
         discard_newer_checkpoints(out_dir, state["step"], cfg.overwrite_output_dir)
+        print(f"resume: continuing from {checkpoint} (after step {state['step']})", file=sys.stderr, flush=True)
     if cfg.sampler_lag and topology.is_main:
         print(f"resume: sampler_lag={cfg.sampler_lag}: the sampler starts again from the resumed weights (the older "
               "weights it lagged behind are not checkpointed)", file=sys.stderr, flush=True)

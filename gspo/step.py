@@ -314,11 +314,14 @@ def token_mean(advantage: torch.Tensor, mask: torch.Tensor) -> float:
     return advantage.item() if advantage.dim() == 0 else float(advantage[mask].mean())
 
 
-def sample_records(rollout: Rollout, count: int) -> list[dict]:
-    """samples.jsonl's lines; a multi-turn episode's also hold its transcript as ["model" | "env", text] segments
-    (only the model's were trained) and its turns and tool calls."""
+def sample_records(rollout: Rollout, count: int, per_fn: dict) -> list[dict]:
+    """samples.jsonl's lines: the first `count` rows of this rank's rollout, each with its reward (the weighted
+    total, NaN where dropped), each reward function's own value (`per_fn`: name -> (n,) this rank's values, as
+    the prompt source scored them; NaN where a function gave none) and its advantage. A multi-turn episode's
+    also hold its transcript as ["model" | "env", text] segments (only the model's were trained) and its turns
+    and tool calls."""
     records = [{"prompt": rollout.prompts[i], "completion": rollout.completions[i],
-                "reward": rollout.rewards[i].item(),
+                "reward": rollout.rewards[i].item(), "rewards": {name: v[i].item() for name, v in per_fn.items()},
                 "advantage": token_mean(rollout.advantages[i], rollout.completion_mask[i])}
                for i in range(min(count, rollout.num_sequences))]
     for i, rec in enumerate(records if rollout.episodes is not None else ()):

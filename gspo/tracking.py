@@ -330,7 +330,8 @@ class MetricsLogger:
             sink.log(int(step), clean)
 
     def log_samples(self, step: int, records: list[dict]) -> None:
-        """Append records (e.g. prompt / completion / reward) to samples.jsonl, each tagged with `step`."""
+        """Append records (e.g. prompt / completion / reward, and `rewards`: {reward function: value}) to
+        samples.jsonl, each tagged with `step`; a non-finite number, in a nested dict or list too, is null."""
         self._check_open(step)
         if not isinstance(records, (list, tuple)) or not all(isinstance(r, dict) for r in records):
             raise ValueError("records must be a list of dicts")

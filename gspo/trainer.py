@@ -126,7 +126,7 @@ def train_loop(run: Run, callbacks: Callbacks) -> dict:
                                    lr=run.learner.scheduler.get_last_lr()[0], t_generate=t_generate,
                                    t_rollout=t_rollout, t_train=t_train)
             # 6. Evaluate, call back, log, checkpoint.
-            if end_of_step(run, callbacks, progress, stop, step, metrics, rollout):
+            if end_of_step(run, callbacks, progress, stop, step, metrics, rollout, per_fn):
                 break
     except StepAbandoned as stopped:  # a signal before the step's first optimizer step: drop it whole
         saved = run.checkpoints.save(step - 1, resume_rng)
@@ -142,7 +142,7 @@ def train_loop(run: Run, callbacks: Callbacks) -> dict:
 
 
 def end_of_step(run: Run, callbacks: Callbacks, progress: Progress, stop: StopSignals, step: int, metrics: dict,
-                rollout) -> bool:
+                rollout, per_fn: dict) -> bool:
     """Stage 6: evaluate, call back (a callback's "stop" ends the run here, as max_steps would), log, checkpoint
     (and stop on a signal, resumable); True after the last step."""
     cfg, topology = run.cfg, run.topology
@@ -154,7 +154,7 @@ def end_of_step(run: Run, callbacks: Callbacks, progress: Progress, stop: StopSi
         metrics.update(run.evaluate(step))
     run.logger.log(step, metrics)
     if cfg.log_samples_steps and (step % cfg.log_samples_steps == 0 or step == 1):
-        run.logger.log_samples(step, sample_records(rollout, cfg.log_samples_count))  # rank 0's rows
+        run.logger.log_samples(step, sample_records(rollout, cfg.log_samples_count, per_fn))  # rank 0's rows
     progress.update(step, metrics)
     if topology.any(bool(stop.requested)):  # one rank's signal stops them all
         stop.requested = stop.requested or signal.SIGTERM

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import qwen3, tiny_cfg
+from conftest import logged_steps, qwen3, tiny_cfg
 from gspo.checkpoint import (
     MANIFEST_FILE,
     OPTIMIZER_FILE,
@@ -607,6 +607,18 @@ def test_a_gspo_run_from_before_the_marker_is_still_a_run_and_resumes(tmp_path):
     (tmp_path / "empty" / LOCK_FILE).write_text("pid 1 on elsewhere since long ago\n")
     prepare_output_dir(tiny_cfg(tmp_path, output_dir=str(tmp_path / "empty")))
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == [RUN_MARKER, LOCK_FILE]
+
+def test_a_resumed_run_says_which_checkpoint_it_loaded_once_on_stderr(tmp_path, capsys):
+    from gspo.trainer import train
+
+    cfg = dict(save_steps=1, eval_num_prompts=0, log_samples_steps=0)  # progress=false (tiny_cfg): said anyway
+    train(tiny_cfg(tmp_path, **cfg, max_steps=1))
+    assert "continuing from" not in capsys.readouterr().err
+    train(tiny_cfg(tmp_path, **cfg, max_steps=2, resume_from_checkpoint="latest"))
+    said = [line for line in capsys.readouterr().err.splitlines() if "continuing from" in line]
+    assert said == [f"resume: continuing from {tmp_path / 'run' / 'checkpoint-1'} (after step 1)"]
+    assert logged_steps(tmp_path / "run") == [1, 2]
+
 
 def test_check_data_names_every_changed_file_and_what_changed():
     saved = {"data.jsonl": {"rows": 20, "sha256": "aa"}, "held.jsonl": {"rows": 4, "sha256": "bb"}}

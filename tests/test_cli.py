@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -196,6 +197,62 @@ def test_demo_flags_of_the_real_model_are_refused_without_it_and_unknown_models_
     assert main(["demo", "--tools", "--objective", "grpo", "--output-dir", str(tmp_path / "c")]) == 2
     assert "--tools runs its own tiny model with GSPO" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # refused before anything was written
+
+
+def test_gspo_demo_takes_the_resume_its_stop_message_names(capsys, tmp_path):
+    from gspo.apps.cli import build_parser, main, parse_args
+    from gspo.runtime import TrainingInterrupted
+
+    said = str(TrainingInterrupted(signal.SIGINT, 5, Path("runs/demo/rl/checkpoint-5")))
+    hint = said.split("continue with ")[1]
+    assert hint == "--resume latest"
+    for how in ([], ["--tools"], ["--model", "smollm2"]):  # each demo takes it, as `gspo train` does
+        args = parse_args(build_parser(), ["demo", *how, *hint.split()])
+        assert args.resume == "latest" and parse_args(build_parser(), ["train", *hint.split()]).resume == "latest"
+    assert parse_args(build_parser(), ["demo"]).resume is None
+    elsewhere = str(tmp_path / "other" / "rl" / "checkpoint-3")  # not one of the tool demo's two runs
+    assert main(["demo", "--tools", "--resume", elsewhere, "--output-dir", str(tmp_path / "c")]) == 2
+    assert f"--resume {elsewhere}: not a checkpoint of this demo's runs" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()  # refused before anything was written
+
+
+CTRL_C_AFTER = [1]  # the demo test's Ctrl-C: training steps scored before it; [] once it was sent
+
+
+def digits_then_ctrl_c(prompts, completions, **_):
+    """starts_with_digit's reward; sends this process one SIGINT as the second training step is scored (its 4
+    completions: the evaluations score 2 at a time)."""
+    if len(completions) == 4 and CTRL_C_AFTER:
+        CTRL_C_AFTER[0] -= 1
+        if CTRL_C_AFTER[0] < 0:
+            CTRL_C_AFTER.clear()
+            signal.raise_signal(signal.SIGINT)
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+@pytest.mark.slow
+def test_a_demo_stopped_by_ctrl_c_resumes_with_its_cold_start_and_its_rl_checkpoint(tmp_path, capsys):
+    from gspo.apps.demo import run_demo
+    from gspo.runtime import TrainingInterrupted
+
+    sft = dict(model_overrides=TINY_MODEL, num_examples=16, max_steps=2, batch_size=4, eval_steps=1,
+               eval_num_prompts=2, eval_batch_size=2, max_completion_length=6, progress=False)
+    rl = dict(max_steps=3, per_device_batch_size=2, num_generations=2, num_minibatches=2, max_completion_length=6,
+              eval_num_prompts=2, eval_batch_size=2, eval_k=1, eval_steps=0, log_samples_steps=0, progress=False,
+              warmup_steps=0, reward_funcs=[digits_then_ctrl_c], device="cpu")
+    out = tmp_path / "demo"
+    with pytest.raises(TrainingInterrupted, match="SIGINT after step 1; .*continue with --resume latest"):
+        run_demo(str(out), sft_overrides=sft, rl_overrides=rl)  # Ctrl-C as step 2 is scored: step 1 is kept
+    assert logged_steps(out / "rl") == [0, 1] and (out / "rl" / "checkpoint-1").is_dir()
+    sft_model = (out / "sft" / "model" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    summary = run_demo(str(out), resume="latest", sft_overrides=sft, rl_overrides=rl)
+    said = capsys.readouterr()
+    assert "[1/3] cold start: done before (2 SFT steps" in said.out and "(resumed: latest)" in said.out
+    assert f"resume: continuing from {out / 'rl' / 'checkpoint-1'} (after step 1)" in said.err
+    assert (out / "sft" / "model" / "model.safetensors").stat().st_mtime_ns == sft_model  # not trained again
+    assert logged_steps(out / "rl") == [0, 1, 2, 3] and summary["sft_steps"] == 2
+    assert summary["before_rl"] == {k: v for k, v in read_metrics(out / "rl")[0].items() if k != "step"}
 
 
 # ------------------------------------------------------------------------------- gspo eval

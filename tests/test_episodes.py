@@ -565,3 +565,68 @@ def test_the_tool_demo_s_calculator_reward_and_demonstrations():
     assert trained == "calc(12+34)<eos>46<eos>"  # the prompt and the tool's answer never trained
     ids, labels = demonstration(tok, {"prompt": "12+34=", "answer": "46"}, with_tool=False)
     assert tok.decode([i for i, lab in zip(ids, labels) if lab != -100], skip_special_tokens=False) == "46<eos>"
+
+
+def test_the_tool_demo_s_cold_start_says_each_phase_and_keeps_its_summary_for_resume(tmp_path):
+    from gspo.apps.demo import COLD_START_FILE, saved_cold_start
+    from gspo.apps.demo_tools import TOOL_SFT, cold_start
+
+    said = []
+    folder, summary = cold_start(tmp_path, 0, with_tool=False, steps=2, say=said.append)
+    assert said[:2] == [f"cold start: loading tiny-dense (random init), writing {TOOL_SFT['examples']} "
+                        "demonstrations", "cold start: SFT for 2 steps"]
+    assert len(said) == 3 and said[2].startswith("cold start: done, 2 steps in ") and said[2].endswith(folder)
+    assert summary["sft_steps"] == 2 and (tmp_path / "sft" / "model" / "config.json").is_file()
+    assert saved_cold_start(tmp_path) == {**summary, "model_dir": folder}  # what --resume starts from
+    assert (tmp_path / COLD_START_FILE).is_file() and saved_cold_start(tmp_path / "sft") is None
+
+
+# ------------------------------------------------------------------------ configs/tools_env.yaml and its environment
+def test_the_example_environment_runs_its_calculator_and_scores_the_answer(monkeypatch):
+    from conftest import ROOT
+    from gspo.config import EpisodeSettings
+    from gspo.env import environment_factory
+
+    monkeypatch.chdir(ROOT)  # the config names the class by a path relative to the repository's root
+    make = environment_factory(EpisodeSettings(environment="examples/tools_env/calculator_env.py:CalculatorEnv"))
+    env = make()
+    assert env.reset({"prompt": "1234+5678=", "answer": "6912"}) == "1234+5678="
+    turn = env.step("calc(1234+5678)")
+    assert (turn.observation, turn.reward, turn.done) == (["\nresult: ", "6912", "\n"], 0.0, False)
+    assert turn.info == {"tool_calls": 1, "tool_errors": 0}
+    turn = env.step("calc(1+2+3)")  # the tool raises: an error the model reads, counted
+    assert "expected a+b" in turn.observation[1] and turn.info == {"tool_calls": 1, "tool_errors": 1}
+    turn = env.step("it is 6912")
+    assert (turn.observation, turn.reward, turn.done) == (None, 1.0, True)
+    env = make()  # one per episode
+    env.reset({"prompt": "1+1=", "answer": 2})
+    assert env.step("6912").reward == 0.0 and env.step("").reward == 0.0
+
+
+def test_the_tools_env_config_trains_with_its_environment_s_reward(tmp_path, monkeypatch):
+    import dataclasses
+
+    from conftest import ROOT, TINY_RUN, read_metrics
+    from gspo.config import EpisodeSettings, TrainConfig, load_config, section
+    from gspo.env import environment_factory
+    from gspo.tracking import read_jsonl
+    from gspo.trainer import train
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(TrainConfig, "configs/tools_env.yaml")
+    assert (cfg.environment, cfg.reward_funcs) == ("examples/tools_env/calculator_env.py:CalculatorEnv",
+                                                   ["environment"])
+    train(dataclasses.replace(cfg, **{**TINY_RUN, "max_steps": 2, "per_device_batch_size": 4, "num_generations": 4,
+                                      "log_samples_steps": 1, "log_samples_count": 16,
+                                      "output_dir": str(tmp_path / "run")}))  # the tiny model in the cold start's place
+    step = read_metrics(tmp_path / "run")[2]
+    assert 0 <= step["reward/environment"] <= 1 and step["episode/turns_mean"] >= 1
+    samples = read_jsonl(tmp_path / "run" / "samples.jsonl", null_as_nan=False)
+    assert len(samples) == 32 and all(s["transcript"][0][0] == "model" for s in samples)
+    make = environment_factory(section(cfg, EpisodeSettings))
+    for s in samples:  # each episode's reward is its environment's, replayed on its model turns
+        env = make()
+        a, b = s["prompt"].rstrip("=").split("+")
+        env.reset({"prompt": s["prompt"], "answer": str(int(a) + int(b))})
+        rewards = [env.step(text).reward for role, text in s["transcript"] if role == "model"]
+        assert s["rewards"]["environment"] == sum(rewards) == s["reward"], s

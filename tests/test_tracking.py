@@ -259,3 +259,47 @@ def test_wandb_sink_logs_with_step(tmp_path, monkeypatch):
         ("finish",),
     ]
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 2, "reward/mean": 0.75}]  # JSONL always on
+
+
+# ------------------------------------------------------------------------------- samples of a run
+def test_sample_records_hold_each_reward_function_s_value_beside_the_total(tmp_path):
+    from gspo.rollout import Rollout
+    from gspo.step import sample_records
+
+    ones = torch.ones(3, 4, dtype=torch.long)
+    rollout = Rollout(ones, ones, ones[:, 2:].bool(), ["1+1=", "1+1=", "2+2="], ["2", "3", "4"],
+                      rewards=torch.tensor([2.0, float("nan"), 0.5]), advantages=torch.tensor([1.0, 0.0, -1.0]))
+    per_fn = {"correct": torch.tensor([1.0, float("nan"), 0.0]), "short": torch.tensor([0.5, 0.25, 0.25])}
+    records = sample_records(rollout, 2, per_fn)  # the first 2 rows
+    assert records[0]["rewards"] == {"correct": 1.0, "short": 0.5} and len(records) == 2
+    assert math.isnan(records[1]["rewards"]["correct"]) and records[1]["rewards"]["short"] == 0.25
+    with MetricsLogger(tmp_path) as logger:
+        logger.log_samples(3, records)
+    assert _lines(tmp_path / "samples.jsonl") == [
+        '{"step": 3, "prompt": "1+1=", "completion": "2", "reward": 2.0, "rewards": {"correct": 1.0, "short": 0.5}, '
+        '"advantage": 1.0}',
+        '{"step": 3, "prompt": "1+1=", "completion": "3", "reward": null, "rewards": {"correct": null, '
+        '"short": 0.25}, "advantage": 0.0}']
+
+
+def digit_first(prompts, completions, **_):
+    return [float(c[:1].isdigit()) for c in completions]
+
+
+def brevity(prompts, completions, **_):
+    return [1.0 / (1 + len(c)) for c in completions]
+
+
+def test_a_run_s_samples_hold_each_reward_function_s_value_and_their_weighted_total(tmp_path):
+    from conftest import tiny_cfg
+    from gspo.trainer import train
+
+    train(tiny_cfg(tmp_path, max_steps=1, eval_num_prompts=0, reward_funcs=[digit_first, brevity],
+                   reward_weights=[1.0, 2.0], log_samples_count=8))
+    samples = read_jsonl(tmp_path / "run" / "samples.jsonl", null_as_nan=False)
+    assert len(samples) == 8 and [s["step"] for s in samples] == [1] * 8
+    for s in samples:  # each function's value, as the function gives it for the completion
+        expected = {"digit_first": digit_first([], [s["completion"]])[0], "brevity": brevity([], [s["completion"]])[0]}
+        assert s["rewards"] == pytest.approx(expected, rel=1e-6)
+        assert s["reward"] == pytest.approx(expected["digit_first"] + 2.0 * expected["brevity"], rel=1e-6)
+    assert len({s["rewards"]["brevity"] for s in samples}) > 1  # completions of several lengths: not one value

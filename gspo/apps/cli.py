@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "log-probs against the trainer's; none (default)")
     p.add_argument("--tools", action="store_true", help="the tiny model learns a calculator tool on 4-digit "
                                                         "addition, beside the same model without it (multi-turn)")
+    p.add_argument("--resume", metavar="latest|latest_valid|DIR",
+                   help="continue a demo that stopped (Ctrl-C): its finished cold start kept, its RL run from the "
+                        "newest checkpoint (latest_valid: the newest that verifies; DIR: that checkpoint folder); "
+                        "give the other options as before")
     _add_lab(sub)
     return parser
 
@@ -298,20 +302,21 @@ def _demo(args) -> None:
                              "--objective and --rollout-correction")
         from gspo.apps.demo_tools import run_tool_demo
 
-        run_tool_demo("runs/demo-tools" if args.output_dir == "runs/demo" else args.output_dir, seed=args.seed)
+        run_tool_demo("runs/demo-tools" if args.output_dir == "runs/demo" else args.output_dir, seed=args.seed,
+                      resume=args.resume)
     elif args.model:
         from gspo.apps.demo_real import run_real_demo
 
         output_dir = "runs/demo-real" if args.output_dir == "runs/demo" else args.output_dir
         run_real_demo(args.model, output_dir, seed=args.seed, objective=args.objective, lora=args.lora,
-                      smoke=args.smoke, rollout_correction=args.rollout_correction)
+                      smoke=args.smoke, rollout_correction=args.rollout_correction, resume=args.resume)
     else:
         if args.lora or args.smoke or args.rollout_correction != "none":
             raise ValueError("--lora, --smoke and --rollout-correction go with --model (the tiny demo trains its "
                              "own model fully)")
         from gspo.apps.demo import run_demo
 
-        run_demo(args.output_dir, seed=args.seed, objective=args.objective)
+        run_demo(args.output_dir, seed=args.seed, objective=args.objective, resume=args.resume)
 
 
 def _lab(args) -> None:

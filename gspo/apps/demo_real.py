@@ -72,10 +72,10 @@ def real_config(model: str, output_dir: str, *, seed: int = 0, objective: str = 
 
 def run_real_demo(name: str = "smollm2", output_dir: str = "runs/demo-real", *, seed: int = 0,
                   objective: str = "gspo", lora: bool = False, smoke: bool = False,
-                  rollout_correction: str = "none") -> dict:
+                  rollout_correction: str = "none", resume: str | None = None) -> dict:
     """Convert (once), train, evaluate before and after; prints and returns a summary. `rollout_correction`:
     a correction of pi_old/mu (the demo's sampler is the policy under the same bf16 autocast: mu is its decode
-    loop's log-probs, pi_old one full forward's)."""
+    loop's log-probs, pi_old one full forward's). `resume`: continue the run from a checkpoint (latest, ...)."""
     from gspo.gguf import converted
     from gspo.models import packaged_gguf
     from gspo.report import plot_run_or_skip
@@ -84,7 +84,7 @@ def run_real_demo(name: str = "smollm2", output_dir: str = "runs/demo-real", *, 
     started = time.perf_counter()
     converted(packaged_gguf(name))  # up front, once: an unknown or missing model is named before anything is written
     cfg = real_config(name, output_dir, seed=seed, objective=objective, lora=lora, smoke=smoke,
-                      rollout_correction=rollout_correction)
+                      rollout_correction=rollout_correction, resume_from_checkpoint=resume)
     how = (f"LoRA r={cfg.lora_r}" if lora else "full fine-tuning") + (
         f", rollout_correction {rollout_correction}" if rollout_correction != "none" else "")
     print(f"{objective.upper()} on {name} ({how}), {cfg.max_steps} steps of {cfg.per_device_batch_size} prompts x "

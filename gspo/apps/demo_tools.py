@@ -14,6 +14,7 @@ import json
 import random
 import re
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ import torch
 # A partial cold start, on purpose: with the tool, SFT stops once greedy accuracy on 50 held-out problems reaches
 # target_accuracy (checked every 10 steps), so what GSPO adds is measured; without it, the same number of steps.
 TOOL_SFT = dict(max_steps=400, batch_size=32, learning_rate=2e-3, examples=1000, target_accuracy=0.4,
-                check_every=10, check_prompts=50)
+                check_every=10, check_prompts=50, say_every=50)
 TOOL_RL = dict(task="add4", max_steps=40, per_device_batch_size=16, num_generations=8, num_minibatches=4,
                learning_rate=1e-4, warmup_steps=4, objective="gspo", eval_num_prompts=200, eval_batch_size=200,
                eval_k=4, eval_steps=20, log_samples_steps=10, seeded_sampling=True,
@@ -29,6 +30,7 @@ TOOL_RL = dict(task="add4", max_steps=40, per_device_batch_size=16, num_generati
 WITH_TOOL = dict(environment="tools", tools=["gspo.apps.demo_tools:calc"], tool_call_style="text", max_turns=2,
                  max_episode_tokens=48, max_completion_length=20)
 WITHOUT_TOOL = dict(max_completion_length=8)
+VARIANTS = {"tool": WITH_TOOL, "no_tool": WITHOUT_TOOL}  # in this order: no_tool takes the SFT steps tool took
 
 _EXPRESSION = re.compile(r"^\s*(\d{1,12})\s*([+\-*])\s*(\d{1,12})\s*$")
 _NUMBER = re.compile(r"-?\d+")
@@ -74,9 +76,54 @@ def demonstration(tokenizer, row: dict, with_tool: bool) -> tuple[list[int], lis
     return ids + answer, labels + answer
 
 
-def cold_start(out: Path, seed: int, with_tool: bool, steps: int | None = None) -> tuple[str, dict]:
+def cold_start(out: Path, seed: int, with_tool: bool, steps: int | None = None, say=print) -> tuple[str, dict]:
     """SFT of the tiny model on TOOL_SFT["examples"] demonstrations, `steps` of them (None: until the target
-    accuracy); its saved folder and a summary."""
+    accuracy); its saved folder and a summary (also in out/COLD_START_FILE, for --resume). `say` gets a line as
+    each phase begins and every TOOL_SFT["say_every"] steps."""
+    from gspo.apps.demo import COLD_START_FILE
+    from gspo.data.evaluation import evaluate
+    from gspo.models import load_model
+    from gspo.rollout.batch import pad_id
+    from gspo.tasks import get_task
+
+    say(f"cold start: loading tiny-dense (random init), writing {TOOL_SFT['examples']} demonstrations")
+    torch.manual_seed(seed)
+    model, tokenizer = load_model("tiny-dense", seed=seed)
+    rows = get_task("add4").dataset("train", TOOL_SFT["examples"], seed=seed + 100)  # not the RL run's rows
+    checks = get_task("add4").dataset("test", TOOL_SFT["check_prompts"], seed=seed + 100)
+    plan = check_plan(out, with_tool)
+    demos = [demonstration(tokenizer, row, with_tool) for row in rows]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TOOL_SFT["learning_rate"])
+    rng, pad, accuracy, target = random.Random(seed), pad_id(tokenizer, model), None, TOOL_SFT["target_accuracy"]
+    t0 = time.perf_counter()  # sft_seconds: the steps and their checks
+    say(f"cold start: SFT for {steps} steps" if steps else f"cold start: SFT until greedy accuracy on "
+        f"{len(checks)} held-out problems >= {target:.0%} (checked every {TOOL_SFT['check_every']} steps)")
+    model.train()
+    for step in range(1, (steps or TOOL_SFT["max_steps"]) + 1):
+        loss = sft_step(model, optimizer, [demos[rng.randrange(len(demos))] for _ in range(TOOL_SFT["batch_size"])],
+                        pad)
+        checked = steps is None and step % TOOL_SFT["check_every"] == 0
+        if checked:
+            accuracy = evaluate(model, tokenizer, checks, plan, sampled=False)["eval/accuracy"]
+            model.train()
+        done = checked and accuracy >= target
+        if step % TOOL_SFT["say_every"] == 0 or done:
+            say(f"cold start: step {step}, loss {loss:.3f}"
+                + (f", greedy accuracy {accuracy:.0%} (target {target:.0%})" if accuracy is not None else ""))
+        if done:
+            break
+    folder = out / "sft" / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    summary = {"sft_steps": step, "sft_loss": round(loss, 4), "sft_check_accuracy": accuracy,
+               "sft_seconds": round(time.perf_counter() - t0, 1)}
+    (out / COLD_START_FILE).write_text(json.dumps({**summary, "model_dir": str(folder)}, indent=2))
+    say(f"cold start: done, {step} steps in {summary['sft_seconds']:.0f} s: {folder}")
+    return str(folder), summary
+
+
+def check_plan(out: Path, with_tool: bool):
+    """How the cold start's checks evaluate: as the RL run will (gspo.data.evaluation.Evaluation)."""
     from gspo.config import (
         EpisodeSettings,
         EvalSettings,
@@ -86,75 +133,96 @@ def cold_start(out: Path, seed: int, with_tool: bool, steps: int | None = None) 
         make_config,
         section,
     )
-    from gspo.data.evaluation import Evaluation, evaluate
-    from gspo.models import load_model
-    from gspo.plugs.supervised import labelled_nll
-    from gspo.rollout.batch import pad_id
-    from gspo.tasks import get_task
+    from gspo.data.evaluation import Evaluation
 
-    torch.manual_seed(seed)
-    model, tokenizer = load_model("tiny-dense", seed=seed)
-    rows = get_task("add4").dataset("train", TOOL_SFT["examples"], seed=seed + 100)  # not the RL run's rows
-    checks = get_task("add4").dataset("test", TOOL_SFT["check_prompts"], seed=seed + 100)
     rl = make_config(TrainConfig, {**TOOL_RL, **(WITH_TOOL if with_tool else WITHOUT_TOOL), "model": "tiny-dense",
-                                   "output_dir": str(out)})  # evaluated as the RL run will evaluate
-    plan = Evaluation.of(section(rl, EvalSettings), section(rl, RewardSettings), section(rl, SamplingSettings),
+                                   "output_dir": str(out)})
+    return Evaluation.of(section(rl, EvalSettings), section(rl, RewardSettings), section(rl, SamplingSettings),
                          seed=rl.seed, template_kwargs=rl.chat_template_kwargs, episodes=section(rl, EpisodeSettings))
-    demos = [demonstration(tokenizer, row, with_tool) for row in rows]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=TOOL_SFT["learning_rate"])
-    rng, pad, t0, accuracy = random.Random(seed), pad_id(tokenizer, model), time.perf_counter(), None
-    model.train()
-    for step in range(1, (steps or TOOL_SFT["max_steps"]) + 1):
-        batch = [demos[rng.randrange(len(demos))] for _ in range(TOOL_SFT["batch_size"])]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in batch])  # (b, L)
-        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])  # (b, L)
-        mask = (torch.arange(width)[None] < torch.tensor([len(i) for i, _ in batch])[:, None]).long()  # (b, L)
-        loss = labelled_nll(model, ids, mask, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if steps is None and step % TOOL_SFT["check_every"] == 0:
-            accuracy = evaluate(model, tokenizer, checks, plan, sampled=False)["eval/accuracy"]
-            model.train()
-            if accuracy >= TOOL_SFT["target_accuracy"]:
-                break
-    folder = out / "sft" / "model"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder), {"sft_steps": step, "sft_loss": round(loss.item(), 4), "sft_check_accuracy": accuracy,
-                         "sft_seconds": round(time.perf_counter() - t0, 1)}
 
 
-def run_tool_demo(output_dir: str = "runs/demo-tools", seed: int = 0) -> dict:
-    """Cold start, then GSPO, with the calculator tool and without it; prints and returns the comparison."""
+def sft_step(model, optimizer, batch: list[tuple[list[int], list[int]]], pad: int) -> float:
+    """One SFT step on demonstrations (token ids, labels), right-padded; its loss."""
+    from gspo.plugs.supervised import labelled_nll
+
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in batch])  # (b, L)
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])  # (b, L)
+    mask = (torch.arange(width)[None] < torch.tensor([len(i) for i, _ in batch])[:, None]).long()  # (b, L)
+    loss = labelled_nll(model, ids, mask, labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def run_tool_demo(output_dir: str = "runs/demo-tools", seed: int = 0, resume: str | None = None) -> dict:
+    """Cold start, then GSPO, with the calculator tool and without it; prints and returns the comparison.
+
+    `resume` (latest, latest_valid or a checkpoint folder of either run; `gspo demo --tools --resume`): continue a
+    demo that stopped: each variant's finished cold start is kept and its RL run continues from its newest
+    checkpoint (a folder: that one, for its own run), or starts; what had not started runs as usual.
+    """
+    from gspo.apps.demo import COLD_START_FILE, rl_resume, saved_cold_start
     from gspo.config import TrainConfig, make_config
     from gspo.trainer import train
 
     started, out, results, steps = time.perf_counter(), Path(output_dir), {}, None
-    for name, extra in (("tool", WITH_TOOL), ("no_tool", WITHOUT_TOOL)):
-        folder = out / name
-        print(f"[{name}] cold start on {TOOL_SFT['examples']} demonstrations: "
-              + (f"{steps} SFT steps, as with the tool" if steps else
-                 f"SFT until greedy accuracy >= {TOOL_SFT['target_accuracy']:.0%}"))
-        model_dir, cold = cold_start(folder, seed, with_tool=name == "tool", steps=steps)
-        steps = cold["sft_steps"]
-        print(f"[{name}] GSPO, {TOOL_RL['max_steps']} steps")
-        cfg = make_config(TrainConfig, {**TOOL_RL, **extra, "seed": seed, "model": model_dir,
-                                        "output_dir": str(folder / "rl"), "overwrite_output_dir": True})
+    resumes = variant_resumes(out, resume)  # a folder of neither run: refused before anything runs
+    if resume is None:  # an earlier demo's cold starts are not this one's to resume after
+        for name in VARIANTS:
+            (out / name / COLD_START_FILE).unlink(missing_ok=True)
+    for name, extra in VARIANTS.items():
+        folder, say = out / name, partial(print_line, f"[{name}]")
+        earlier = saved_cold_start(folder) if resume is not None else None
+        if earlier is None:
+            model_dir, cold = cold_start(folder, seed, with_tool=name == "tool", steps=steps, say=say)
+        else:
+            model_dir, cold = earlier.pop("model_dir"), earlier
+            say(f"cold start: done before ({cold['sft_steps']} steps, {model_dir})")
+        steps = cold["sft_steps"]  # without the tool: as many SFT steps as with it
+        again = rl_resume(folder / "rl", resumes[name]) if earlier is not None else None
+        say(f"GSPO, {TOOL_RL['max_steps']} steps" + (f" (resumed: {again})" if again else ""))
+        cfg = make_config(TrainConfig, {**TOOL_RL, **extra, "seed": seed, "model": model_dir, "output_dir":
+                                        str(folder / "rl"), "overwrite_output_dir": True,
+                                        "resume_from_checkpoint": again})
         rl = train(cfg)
         before, after = rl["evals"][0], rl["evals"][max(rl["evals"])]
         results[name] = {**cold, "before": before, "after": after, "rl_seconds": round(rl["seconds"], 1)}
     summary = {"seed": seed, "task": "add4", **results, "seconds": round(time.perf_counter() - started, 1)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"\nheld-out 4-digit addition ({TOOL_RL['eval_num_prompts']} problems never trained on), seed {seed}")
+    print_comparison(summary, out)
+    return summary
+
+
+def variant_resumes(out: Path, resume: str | None) -> dict:
+    """{variant: `resume` as its RL run takes it}: latest and latest_valid for both; a checkpoint folder for its own
+    run, latest for the other (a ValueError where it is in neither run's folder)."""
+    names = tuple(VARIANTS)
+    if resume in (None, "latest", "latest_valid"):
+        return dict.fromkeys(names, resume)
+    owner = [name for name in names if Path(resume).resolve().parent == (out / name / "rl").resolve()]
+    if not owner:
+        raise ValueError(f"--resume {resume}: not a checkpoint of this demo's runs ({out / 'tool' / 'rl'}, "
+                         f"{out / 'no_tool' / 'rl'}); give latest, latest_valid or one of their checkpoint-<step> "
+                         "folders")
+    return {name: resume if name in owner else "latest" for name in names}
+
+
+def print_line(prefix: str, text: str) -> None:
+    print(f"{prefix} {text}", flush=True)
+
+
+def print_comparison(summary: dict, out: Path) -> None:
+    """The demo's table: held-out accuracy (and tool-call rate) before and after GSPO, with and without the tool."""
+    print(f"\nheld-out 4-digit addition ({TOOL_RL['eval_num_prompts']} problems never trained on), seed "
+          f"{summary['seed']}")
     print(f"  {'':34}{'cold start':>12}{'after GSPO':>12}")
-    for name in results:
-        b, a = results[name]["before"], results[name]["after"]
+    for name in VARIANTS:
+        b, a = summary[name]["before"], summary[name]["after"]
         print(f"  {name + ': greedy accuracy':34}{b['eval/accuracy']:>12.1%}{a['eval/accuracy']:>12.1%}")
         if "eval/tool_call_rate" in a:
             print(f"  {name + ': tool-call rate (greedy)':34}{b['eval/tool_call_rate']:>12.1%}"
                   f"{a['eval/tool_call_rate']:>12.1%}")
     print(f"time: {summary['seconds']:.0f} s   summary: {out / 'summary.json'}")
-    return summary
