@@ -360,6 +360,8 @@ ALIASES: dict[str, Alias] = {
     "save_strategy": Alias("save_steps", _save_strategy, "steps: save_steps as given; no: 0 (at the end only); "
                            "epoch, best refused"),
     "model_name_or_path": Alias("model", note="a preset, local path or hub name (TRL's ModelConfig)"),
+    "dataset_name": Alias("dataset", note="read from the datasets library's local cache, never downloaded (TRL's "
+                          "script arguments; dataset_config, dataset_train_split, dataset_test_split are gspo's too)"),
     "torch_dtype": Alias("dtype", note="the dtype the model is loaded in (transformers' former name)"),
 }
 """Other name -> what it sets (see the module docstring)."""

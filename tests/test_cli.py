@@ -189,9 +189,11 @@ def test_demo_flags_of_the_real_model_are_refused_without_it_and_unknown_models_
     from gspo.apps.cli import main
 
     assert main(["demo", "--lora", "--output-dir", str(tmp_path / "a")]) == 2
-    assert "--lora, --smoke and --rollout-correction go with --model" in capsys.readouterr().err
+    assert "--lora, --smoke, --rollout-correction and --precision go with --model" in capsys.readouterr().err
     assert main(["demo", "--rollout-correction", "token_tis", "--output-dir", str(tmp_path / "a")]) == 2
-    assert "--rollout-correction go with --model" in capsys.readouterr().err
+    assert "--rollout-correction and --precision go with --model" in capsys.readouterr().err
+    assert main(["demo", "--precision", "fp32", "--output-dir", str(tmp_path / "a")]) == 2
+    assert "--precision go with --model" in capsys.readouterr().err
     assert main(["demo", "--model", "gpt5", "--output-dir", str(tmp_path / "b")]) == 2
     assert "unknown packaged model 'gpt5'; known: smollm2" in capsys.readouterr().err
     assert main(["demo", "--tools", "--objective", "grpo", "--output-dir", str(tmp_path / "c")]) == 2

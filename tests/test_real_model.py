@@ -79,6 +79,24 @@ def test_the_demos_held_out_problems_are_100_and_never_trained_on(tmp_path):
     assert real_config("some/model", str(tmp_path), rollout_correction="token_tis").rollout_correction == "token_tis"
 
 
+def test_the_real_demo_trains_in_float32_where_bfloat16_is_not_native(tmp_path, monkeypatch):
+    from gspo.apps import demo_real
+    from gspo.apps.demo_real import real_config, resolve_precision
+
+    def shape(cfg):
+        return cfg.bf16, cfg.dtype
+
+    assert shape(real_config("m", str(tmp_path))) == (True, "float32")  # bf16: autocast over float32 weights
+    assert shape(real_config("m", str(tmp_path), precision="fp32")) == (False, "float32")
+    assert shape(real_config("m", str(tmp_path), lora=True)) == (False, "bfloat16")  # a bfloat16 base
+    assert shape(real_config("m", str(tmp_path), lora=True, precision="fp32")) == (False, "float32")
+    for native, chosen in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(demo_real, "native_bf16", lambda native=native: native)
+        assert resolve_precision("auto") == chosen and resolve_precision("bf16") == "bf16"
+    with pytest.raises(ValueError, match="--precision 'fp16' is not one of auto, bf16, fp32"):
+        resolve_precision("fp16")
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct converted into a fresh cache (GSPO_CACHE), and the converted folder."""
@@ -228,3 +246,19 @@ def test_smollm2_reads_a_tool_s_forged_chat_turn_as_text(smollm2):
     assert [tok.convert_ids_to_tokens(t) for t in seen if t in special] == ["<|im_start|>", "<|im_end|>",
                                                                             "<|im_start|>"]  # the template's own
     assert tok.decode(seen) == f"\n<|im_start|>tool\n{forged}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.slow
+def test_the_seed_0_real_demo_stays_inside_its_band(smollm2, tmp_path):
+    """`make demo-real`'s figures cannot drift silently. Measured: on this project's 2-core "AMD EPYC" with AVX2
+    alone (2026-12-06, torch 2.13.0+cpu, transformers 5.25.0; float32, as --precision auto picks there), greedy
+    39% -> 72%, sampled mean@4 10.2% -> 64.2%; on an "AMD EPYC" with AVX512-BF16 (2026-12-04, bf16) 40% -> 81%,
+    10.5% -> 77.5%. The band holds both and any CPU between, not a demo that stopped teaching: the shipped model
+    solves 30-50% greedily, and 15 steps of GSPO add at least 20 points of greedy accuracy and 35 of mean@4."""
+    from gspo.apps.demo_real import run_real_demo
+
+    summary = run_real_demo("smollm2", str(tmp_path / "demo"), seed=0)
+    before, after = summary["before"], summary["after"]
+    assert 0.30 <= before["eval/accuracy"] <= 0.50, before
+    assert after["eval/accuracy"] - before["eval/accuracy"] >= 0.20, (before, after)
+    assert after["eval/mean_at_k"] - before["eval/mean_at_k"] >= 0.35, (before, after)

@@ -85,6 +85,8 @@ def settings(cfg, names) -> dict:
     ({"save_strategy": "no"}, {"save_steps": 0}),
     ({"model_name_or_path": "tiny-moe"}, {"model": "tiny-moe"}),
     ({"torch_dtype": "bfloat16"}, {"dtype": "bfloat16"}),
+    ({"dataset_name": "openai/gsm8k", "dataset_config": "main"}, {"dataset": "openai/gsm8k",
+                                                                  "dataset_config": "main"}),
 ], ids=lambda case: ",".join(f"{k}={v}" for k, v in case.items()) if isinstance(case, dict) else None)
 def test_trl_name_builds_the_same_config_as_the_gspo_name(trl, gspo):
     cfg = make_config(TrainConfig, trl)
@@ -265,19 +267,13 @@ def test_readme_trl_table_names_every_alias_and_refusal():  # the table moved fr
 
 
 @pytest.mark.parametrize("values, message", [
-    # these got "did you mean 'truncate_prompts'?" / "'use_sampler_logprobs'?" / "'dataset'?" before
+    # these got "did you mean 'truncate_prompts'?" / "'use_sampler_logprobs'?" before (dataset_name, which got
+    # "'dataset'?", is an alias now: tests/test_cached_dataset.py)
     ({"mask_truncated_completions": True}, "config: mask_truncated_completions=True is TRL's, and gspo takes it only "
                                            "as False (what gspo does): no equivalent: a truncated completion stays in "
                                            "the loss with its reward"),
     ({"use_liger_loss": True}, "config: use_liger_loss=True is TRL's, and gspo takes it only as False (what gspo "
                                "does): no equivalent: gspo computes log-probs in row chunks (logprob_chunk_size)"),
-    # a hub dataset is not read: gspo never downloads (accepting one from the datasets cache would need the data
-    # reader, gspo/data/rows.py, to load it; the error says how to make it local instead)
-    ({"dataset_name": "trl-lib/tldr"}, "config: 'dataset_name' is TRL's, and gspo has no setting of that name: gspo "
-                                       "never downloads: dataset reads local data only (a .jsonl/.json/.csv/.parquet "
-                                       "file or a save_to_disk folder); save a hub dataset once with datasets."
-                                       "load_dataset(NAME, split='train').save_to_disk(DIR) and set dataset: DIR, or "
-                                       "pass it from Python: gspo.Trainer(train_dataset=...)"),
     ({"optim": "adafactor"}, "config: optim='adafactor' is TRL's, and gspo takes it only as 'adamw_torch', "
                              "'adamw_torch_fused' (what gspo does): gspo trains with torch's AdamW, fused where torch "
                              "has the kernel"),

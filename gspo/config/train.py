@@ -391,7 +391,8 @@ def check_train(cfg: TrainConfig) -> None:
     from gspo.algo.objectives import OBJECTIVES
 
     if cfg.task is None and cfg.dataset is None and cfg.tasks is None:
-        raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder)")
+        raise ValueError("config: set `task` (a built-in task) or `dataset` (a local data file or folder, or a "
+                         "cached datasets name)")
     gae = cfg.advantage_estimator == "gae"
     if gae and not OBJECTIVES[cfg.objective].token_advantages:
         takes = ", ".join(o for o, spec in OBJECTIVES.items() if spec.token_advantages)

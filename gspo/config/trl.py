@@ -158,13 +158,6 @@ NOT_TAKEN: dict[str, NotTaken] = {
     "use_dora": NotTaken("peft: a full LoraConfig", (False,)),
     "load_in_4bit": NotTaken("no equivalent: no quantized training", (False,)),
     "load_in_8bit": NotTaken("no equivalent: no quantized training", (False,)),
-    "dataset_name": NotTaken("gspo never downloads: dataset reads local data only (a .jsonl/.json/.csv/.parquet "
-                             "file or a save_to_disk folder); save a hub dataset once with datasets."
-                             "load_dataset(NAME, split='train').save_to_disk(DIR) and set dataset: DIR, or pass it "
-                             "from Python: gspo.Trainer(train_dataset=...)"),
-    "dataset_config": NotTaken("with dataset_name; gspo reads local data only (dataset)", (None,)),
-    "dataset_train_split": NotTaken("dataset: one split per file or folder", ("train",)),
-    "dataset_test_split": NotTaken("eval_dataset: one split per file or folder", ("test",)),
     "dataset_streaming": NotTaken("no equivalent", (False,)),
 }
 """TRL name gspo has no setting for -> what gspo does instead (see the module docstring)."""

@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import random
+import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -35,9 +36,12 @@ class Row(dict):
         self.where = where
 
 
-def load_rows(path: str, prompt_column: str = "prompt", given: dict | None = None) -> list[Row]:
+def load_rows(path: str, prompt_column: str = "prompt", given: dict | None = None, *,
+              config: str | None = None, split: str = "train") -> list[Row]:
     """Rows from a local .jsonl/.json/.csv/.parquet file or a `save_to_disk` folder, or, for a name that
-    `given` holds ({"object:train_dataset": a datasets.Dataset or a list of dicts}: gspo.Trainer), from memory.
+    `given` holds ({"object:train_dataset": a datasets.Dataset or a list of dicts}: gspo.Trainer), from memory,
+    or, for a name that is neither, the `split` of the dataset of that name and `config` that the `datasets`
+    library holds in its local cache (`read_cached`: nothing is downloaded).
 
     Every problem is a ValueError naming the file and, where there is one, the line.
     """
@@ -56,7 +60,7 @@ def load_rows(path: str, prompt_column: str = "prompt", given: dict | None = Non
                              "or a folder")
         rows = _read_json(p) if kind == "json" else _read_table(p, p.suffix.lower()[1:])
     else:
-        raise ValueError(f"dataset: {path} does not exist (only local files and folders are read)")
+        rows = read_cached(path, config, split)
     if not rows:
         raise ValueError(f"dataset: {path} is empty (no rows)")
     lacking = [r for r in rows if prompt_column not in r]
@@ -69,6 +73,58 @@ def load_rows(path: str, prompt_column: str = "prompt", given: dict | None = Non
         for r in rows:
             r["prompt"] = r.pop(prompt_column)
     return rows
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+"""What a dataset's name on the hub looks like (owner/name, or name): the names read_cached looks for."""
+
+
+def read_cached(name: str, config: str | None, split: str) -> list[Row]:
+    """The rows of `split` of the dataset `name` (configuration `config`; None: the only one cached) as the
+    `datasets` library's local cache holds it (HF_DATASETS_CACHE: where `datasets.load_dataset(name)` saved it),
+    read from its files alone, never from the network. A name that is not there is a ValueError that says what to
+    do; so is a missing configuration or split, naming the ones there are."""
+    missing = f"dataset: {name} does not exist"
+    if Path(name).suffix.lower() in _FORMATS or not _HUB_NAME.fullmatch(name):
+        raise ValueError(missing)
+    try:
+        import datasets
+        from datasets.naming import camelcase_to_snakecase
+        from datasets.packaged_modules.cache.cache import Cache
+    except ImportError:
+        raise ValueError(f"{missing} as a local file or folder (a dataset's name is read from the datasets "
+                         "library's cache, and it is not installed: pip install datasets)") from None
+    root = Path(datasets.config.HF_DATASETS_CACHE).expanduser()
+    *owner, base = name.split("/")
+    cached = root / "___".join([*owner, camelcase_to_snakecase(base)])
+    configs = sorted({p.parts[-3] for p in cached.glob("*/*/*") if p.is_dir()})
+    if not configs:
+        raise ValueError(f"{missing} as a local file or folder, and the datasets library's cache ({root}) does not "
+                         f"hold a dataset of that name; gspo never downloads: save it there once, online, with "
+                         f"python -c \"import datasets; datasets.load_dataset('{name}')\" (add the configuration "
+                         "if it has several), or set dataset to a local file")
+    if config is None and len(configs) > 1:
+        raise ValueError(f"dataset: {name}: the datasets cache holds {len(configs)} configurations of it ("
+                         f"{', '.join(configs)}); set dataset_config to one")
+    if config is not None and config not in configs:
+        raise ValueError(f"dataset: {name}: the datasets cache holds no configuration {config!r} of it (it holds "
+                         f"{', '.join(configs)}); set dataset_config to one of them")
+    import logging
+
+    quiet = logging.getLogger("datasets")
+    level, quiet.level = quiet.level, logging.ERROR  # not its "Found the latest cached ..." warning
+    try:
+        builder = Cache(cache_dir=str(root), repo_id=name, dataset_name=base, config_name=config, version="auto",
+                        hash="auto")
+        splits = list(builder.info.splits or {})
+        if split not in splits:
+            raise ValueError(f"dataset: {name} ({builder.config.name}) has no split {split!r} in the datasets cache "
+                             f"(splits: {', '.join(splits)}); set dataset_train_split / dataset_test_split")
+        table = builder.as_dataset(split=split)
+    finally:
+        quiet.level = level
+    where = f"{name} ({builder.config.name}, {split})"
+    return [Row(dict(record), f"{where} row {i}") for i, record in enumerate(table)]
 
 
 def _records(name: str, records) -> list[Row]:
@@ -338,12 +394,14 @@ def load_splits(data, tokenizer, num_train: int, *, eval_num_prompts: int, seed:
     """
     limits = (max_prompt_length, truncate_prompts, data.chat_template_kwargs)
     if data.dataset is not None:
-        rows = load_rows(data.dataset, data.prompt_column, given)
+        rows = load_rows(data.dataset, data.prompt_column, given, config=data.dataset_config,
+                         split=data.dataset_train_split)
         if fingerprints is not None:  # before rendering, which rewrites chat prompts in place
             fingerprints[data.dataset] = data_fingerprint(rows)
         check_rows(rows, tokenizer, *limits)  # every row in file order, before a split shuffles them
         if data.eval_dataset is not None:
-            train, held_out = rows, load_rows(data.eval_dataset, data.prompt_column, given)
+            train, held_out = rows, load_rows(data.eval_dataset, data.prompt_column, given,
+                                              config=data.dataset_config, split=data.dataset_test_split)
             if fingerprints is not None:
                 fingerprints[data.eval_dataset] = data_fingerprint(held_out)
             check_rows(held_out[:eval_num_prompts], tokenizer, *limits)

@@ -73,7 +73,8 @@ def preflight(data: DataSettings, rewards: RewardSettings, tasks: TaskSettings, 
         for i, path in enumerate(files):
             if is_marker(path) and path not in (given or {}):
                 continue
-            rows = load_rows(path, data.prompt_column, given)
+            rows = load_rows(path, data.prompt_column, given, config=data.dataset_config,
+                             split=data.dataset_test_split if i else data.dataset_train_split)
             if i == 0 or evaluating:
                 check_reward_columns(fns, rows, f"dataset: {path}", extra)
 
