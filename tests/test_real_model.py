@@ -9,6 +9,7 @@ import zlib
 import pytest
 import torch
 
+from conftest import ROOT, read_metrics, run_gspo
 from gspo.apps.cli import main
 from gspo.gguf import check_gguf, converted, is_gguf
 from gspo.models import PACKAGED, PackagedModel, load_model, packaged_gguf
@@ -262,3 +263,16 @@ def test_the_seed_0_real_demo_stays_inside_its_band(smollm2, tmp_path):
     assert 0.30 <= before["eval/accuracy"] <= 0.50, before
     assert after["eval/accuracy"] - before["eval/accuracy"] >= 0.20, (before, after)
     assert after["eval/mean_at_k"] - before["eval/mean_at_k"] >= 0.35, (before, after)
+
+
+@pytest.mark.slow
+def test_the_own_task_config_trains_smollm2_as_shipped(smollm2, tmp_path):
+    """configs/own_task_smollm2.yaml, as a new user runs it from the repository's root (its paths are relative),
+    with nothing changed but where it writes: the packaged model by name, the user's file and reward."""
+    done = run_gspo("train", "--config", "configs/own_task_smollm2.yaml", f"output_dir={tmp_path / 'run'}", cwd=ROOT,
+                    timeout=900)  # the environment's GSPO_CACHE: the fixture's, converted once
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "eval: holding out 4 of 24 rows of examples/own_task/capitals.jsonl (eval_holdout=4)" in done.stderr
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert 0 <= records[1]["reward/names_the_capital"] <= 1 and (tmp_path / "run" / "model").is_dir()
