@@ -201,8 +201,11 @@ class StopSignals:
               "(send it again to stop at once)", file=sys.stderr, flush=True)
 
     def restore(self) -> None:
+        """Put back the previous handlers, where this one is still installed (a handler set since, such as
+        SIGTERM ignored once another rank was lost, stays)."""
         for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, handler)
         self.previous = {}
 
 

@@ -133,6 +133,10 @@ def train_loop(run: Run, callbacks: Callbacks) -> dict:
         raise TrainingInterrupted(stopped.signum, step - 1, saved) from None
     except RolloutWorkerLost as lost:  # raised as step `step` waits for its rollout: nothing of it applied
         raise worker_lost(run, lost, step, resume_rng) from None
+    except RuntimeError as err:  # a failed collective: another rank ended? Found while our SIGTERM handler is in
+        stop.abandonable = False  # place (torchrun's SIGTERM follows a rank's death: never the default action)
+        topology.raise_if_rank_lost(err)
+        raise
     finally:
         stop.restore()
         run.sampler.close()

@@ -10,6 +10,7 @@ that does not go through a float reduction (tokens sampled, rewards, lengths) mu
 import json
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -459,3 +460,39 @@ def test_torchrun_ranks_resume_with_the_rollouts_their_workers_sampled_ahead(tmp
     shutil.rmtree(tmp_path / "parts" / "model")
     alone = run(tmp_path, 1, "output_dir=parts", "per_device_batch_size=4", "--resume", "latest")
     assert alone.returncode != 0 and "resume it with 2 process(es) (this run has 1)" in alone.stderr
+
+
+class _Heartbeat:
+    """Heartbeat.lost() as a test sets it; a SIGTERM arrives while it looks (torchrun's, after a rank's death)."""
+
+    def __init__(self, gone):
+        self.gone = gone
+
+    def lost(self):
+        signal.raise_signal(signal.SIGTERM)
+        return self.gone
+
+
+def test_a_lost_rank_is_named_and_torchruns_sigterm_can_no_longer_cut_the_line_short():
+    from gspo.plugs.parallel import RankLost, Topology
+    from gspo.runtime import StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stop = StopSignals()  # the loop's handler, in place when the collective fails
+        topology = Topology(1, 2, 1, "ddp", _Heartbeat([0]))
+        err = RuntimeError("Connection reset by peer")
+        with pytest.raises(RankLost, match=r"^rank 0 of 2 exited mid-run \(no heartbeat for 2 s\)"):
+            topology.raise_if_rank_lost(err)
+        assert not stop.requested  # the SIGTERM that came meanwhile was held, then dropped
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        stop.restore()  # the loop's `finally`: SIGTERM stays ignored until the process has said why it ends
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        topology.raise_if_rank_lost(err)  # train() sees the same error: not looked at twice
+        # no rank lost (a bug's RuntimeError): the held SIGTERM is delivered to the loop's handler
+        stop = StopSignals()
+        Topology(1, 2, 1, "ddp", _Heartbeat([])).raise_if_rank_lost(RuntimeError("a bug"))
+        assert stop.requested == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == stop._handle
+        stop.restore()
+    finally:
+        signal.signal(signal.SIGTERM, before)

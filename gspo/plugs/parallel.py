@@ -131,17 +131,21 @@ class Topology:
 
         gloo names a dead peer by its address ("Connection reset by peer"), or waits out the timeout;
         the heartbeats name it by rank. Takes up to `Heartbeat.WINDOW` seconds. torchrun SIGTERMs the
-        survivors ~0.1 s after a rank dies: a SIGTERM that arrives meanwhile is held, then dropped if
-        a rank was lost (this process is ending, with the line that says why) or delivered if not.
+        survivors ~0.1 s after a rank dies: a SIGTERM that arrives meanwhile is held, then delivered if
+        no rank was lost; if one was, SIGTERM is ignored from then on (this process is ending, with the
+        line that says why, which torchrun's SIGTERM would otherwise cut short).
         """
-        if self.heartbeat is None:
+        if self.heartbeat is None or getattr(err, "ranks_checked", False):  # the loop looked already
             return
+        err.ranks_checked = True
         with _held(signal.SIGTERM) as arrived:
             gone = self.heartbeat.lost()
         if not gone:
             for signum in arrived:
                 signal.raise_signal(signum)
             return
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         many = len(gone) > 1
         raise RankLost(f"rank{'s' * many} {', '.join(map(str, gone))} of {self.world_size} exited mid-run (no "
                        f"heartbeat for {Heartbeat.WINDOW:g} s); {'their' if many else 'its'} own output above and "
