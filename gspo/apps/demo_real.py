@@ -42,8 +42,9 @@ bf16 where the hardware runs bfloat16 natively (`native_bf16`), else fp32."""
 def native_bf16() -> bool:
     """Whether this machine's training device runs bfloat16 matmuls natively: a CUDA GPU that supports them, or
     a CPU whose oneDNN has a bfloat16 path (AVX512-BF16 or AMX). A CPU with AVX2 alone emulates them: there one
-    forward and backward of SmolLM2 on 8 x 62 tokens under bf16 autocast took 135 s against float32's 8.3 s
-    (one thread, "AMD EPYC" with AVX2, torch 2.13.0+cpu), and the demo's first step 359 s of training."""
+    forward and backward of SmolLM2 on 8 x 62 tokens under bf16 autocast took 112 s against float32's 5.7-8.8 s
+    (`python benchmarks/bf16_cpu.py`: one thread, "AMD EPYC" with AVX2, torch 2.13.0+cpu, load ~1), and the
+    demo's first step 359 s of training."""
     import torch
 
     if torch.cuda.is_available():
