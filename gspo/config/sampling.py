@@ -178,12 +178,28 @@ class EpisodeSettings:
     """Model turns per episode (each at most max_completion_length tokens); more: the episode is truncated."""
     max_episode_tokens: int = 256
     """The model's and the environment's tokens after the prompt; more: the episode is truncated."""
+    agent: str | None = None
+    """"module:function" (or "file.py:function"): an agent, `[async] def agent(client, row)`, run once per episode
+    with an OpenAI client on the run's endpoint; it returns the episode's reward (a number, or a dict with
+    "reward"), or None to leave it to the reward functions (docs/agents.md). Not with `environment`."""
+    agent_concurrency: int = 64
+    """Agent episodes running at once (their calls are sampled together)."""
+    agent_max_calls: int = 8
+    """Calls to the endpoint per agent episode; one more ends the episode as truncated."""
+    agent_timeout_s: float = 120.0
+    """Wall-clock seconds an agent episode may run; longer: it is cancelled, truncated (never the run)."""
 
 
 @checks(EpisodeSettings)
 def _check_episodes(s: EpisodeSettings) -> None:
     check_choice(s, "tool_call_style", TOOL_CALL_STYLES)
-    check_positive(s, "tool_timeout_s", "tool_max_output_chars", "max_turns", "max_episode_tokens")
+    check_positive(s, "tool_timeout_s", "tool_max_output_chars", "max_turns", "max_episode_tokens",
+                   "agent_concurrency", "agent_max_calls", "agent_timeout_s")
+    if s.agent is not None and (not isinstance(s.agent, str) or ":" not in s.agent):
+        raise ValueError(f"config: agent={s.agent!r}: expected \"module:function\" (or \"file.py:function\")")
+    if s.agent is not None and s.environment is not None:
+        raise ValueError("config: agent and environment both set; an agent runs its own episodes (its tools, its "
+                         "environment): give one of them")
     bad = [t for t in s.tools or () if not isinstance(t, str) or (":" not in t and t not in BUILTIN_TOOL_NAMES)]
     if bad:
         raise ValueError(f"config: tools: {bad[0]!r} is not \"module:function\" (or \"file.py:function\") or a "

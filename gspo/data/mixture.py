@@ -41,6 +41,7 @@ from gspo.data.rows import (
     columns_of,
     episode_columns,
     state_count,
+    zero_agent_errors,
 )
 
 
@@ -234,7 +235,7 @@ class TaskMixture:
             rewards[span] = r
             for name, values in raw.items():
                 per_fn[name][span] = values
-        return rewards, per_fn
+        return zero_agent_errors(rewards, episodes), per_fn
 
     def observe(self, rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:
         """Per-task metrics of the latest batch; under `dynamic` weighting, update the weights from them.

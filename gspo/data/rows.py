@@ -441,6 +441,15 @@ def episode_columns(episodes: list[dict] | None) -> dict[str, list]:
     return {} if episodes is None else {k: [e[k] for e in episodes] for k in EPISODE_COLUMNS}
 
 
+def zero_agent_errors(rewards, episodes: list[dict] | None):
+    """`rewards` (N,) with 0 for each episode whose agent raised (docs/agents.md): it scores 0 whatever the reward
+    functions make of its transcript."""
+    for i, episode in enumerate(episodes or ()):
+        if episode.get("agent_error"):
+            rewards[i] = 0.0
+    return rewards
+
+
 def chat_prompts(rows: list[dict], repeat: int = 1) -> list | None:
     """Each completion's prompt as chat messages (a row without them: its text), or None when no row
     was a chat: the `chat` that `score_completions` hands to conversational reward functions."""

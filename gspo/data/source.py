@@ -37,6 +37,7 @@ from gspo.data.rows import (
     episode_columns,
     load_rows,
     stderr_line,
+    zero_agent_errors,
 )
 from gspo.given import is_marker
 from gspo.tasks import get_task
@@ -176,10 +177,11 @@ class SingleTask:
               episodes: list[dict] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Rewards (N,) and each function's raw values (N,) of `rows`' completions (G per row, in order);
         multi-turn `episodes` (Rollout.episodes) add their columns (episode_columns)."""
-        return score_completions(self.reward_fns, self.reward_weights, prompts, completions,
-                                 {**columns_of(rows, group_size), **episode_columns(episodes)}, drop_bad=drop_bad,
-                                 timeout_s=timeout_s,
-                                 chat=chat_prompts(rows, group_size), completion_ids=completion_ids)
+        rewards, per_fn = score_completions(self.reward_fns, self.reward_weights, prompts, completions,
+                                            {**columns_of(rows, group_size), **episode_columns(episodes)},
+                                            drop_bad=drop_bad, timeout_s=timeout_s, chat=chat_prompts(rows, group_size),
+                                            completion_ids=completion_ids)
+        return zero_agent_errors(rewards, episodes), per_fn
 
     def observe(self, rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:
         return {}  # one task: nothing per task to report or reweigh

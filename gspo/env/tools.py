@@ -79,6 +79,12 @@ def parse_tool_calls(text: str, style: str = "hermes") -> list[ToolCall]:
     return calls
 
 
+def find_tool_calls(text: str, style: str = "hermes") -> list[tuple[str, ToolCall]]:
+    """Every tool call in `text` with the text that writes it: [(written, call)], in order."""
+    pattern = _TEXT if style == "text" else _HERMES
+    return list(zip((m.group(0) for m in pattern.finditer(text)), parse_tool_calls(text, style)))
+
+
 def _text_call(name: str, body: str) -> ToolCall:
     if body.startswith("{"):
         try:
@@ -262,5 +268,5 @@ def _describe(exc: BaseException) -> str:
         return type(exc).__name__
 
 
-__all__ = ["BUILTIN_TOOLS", "STYLES", "ToolCall", "ToolResult", "Toolbox", "load_tools", "parse_tool_calls",
-           "python_tool", "tool_schema"]
+__all__ = ["BUILTIN_TOOLS", "STYLES", "ToolCall", "ToolResult", "Toolbox", "find_tool_calls", "load_tools",
+           "parse_tool_calls", "python_tool", "tool_schema"]

@@ -31,9 +31,12 @@ class Sampler:
         is a multi-turn episode, its chat messages rendered with the shape's chat_template_kwargs, its python tool in
         the shape's `sandbox`) and the values it shares with the run (`shape`); never the whole config."""
         from gspo.env import chat_template_kwargs, environment_factory
+        from gspo.rollout.agents import load_agent
         from gspo.rollout.episodes import EpisodeLimits
 
         self.make_env = environment_factory(episodes, shape.sandbox)  # None: single-turn
+        self.agent = load_agent(episodes.agent) if episodes.agent is not None else None
+        self.episode_settings, self.runner = episodes, None  # the agents' endpoint, started on first use
         self.template_kwargs = chat_template_kwargs(shape.chat_template_kwargs, episodes)
         self.limits = EpisodeLimits.of(episodes, sampling.max_completion_length)
         self.model, self.tokenizer, self.seeded, self.recorder = model, tokenizer, seeded, recorder
@@ -47,10 +50,13 @@ class Sampler:
         if missing:
             raise ValueError(f"generation_backend={self.name!r} cannot provide {', '.join(missing)}, which this run "
                              "needs (seeded_sampling or torchrun, routing_replay=rollout, the sampler's log-probs)")
+        if self.agent is not None and records:
+            raise ValueError("routing_replay=rollout records the sampler's experts per call; agent episodes do not "
+                             "keep them yet: use routing_replay=old_policy or none with an agent")
         self.with_logprobs, self.synced, self.records = with_logprobs, False, records
         B, G = shape.per_device_batch_size, shape.num_generations
         # an engine holds whole episodes: room for the prompt and max_episode_tokens after it
-        engine = sampling if self.make_env is None else dataclasses.replace(
+        engine = sampling if self.make_env is None and self.agent is None else dataclasses.replace(
             sampling, max_completion_length=max(sampling.max_completion_length, episodes.max_episode_tokens))
         self.sampler = (backend.start(model, tokenizer, engine, rows=B * G, seed=shape.seed) if backend.start
                         else PolicySampler(model, tokenizer, sampling))
@@ -79,9 +85,11 @@ class Sampler:
         sampler = self.sampler.model if isinstance(self.sampler, PolicySampler) else self.sampler
         seeds = row_seeds(self.seed, step, first_row, len(prompts) * G) if self.seeded else None
         try:
+            rows = rows if rows is not None else [{"prompt": p} for p in prompts]  # prompts alone: rows of them
             if self.make_env is not None:  # one episode per sequence, G per row, each with its own environment
-                rows = rows if rows is not None else [{"prompt": p} for p in prompts]  # prompts alone: rows of them
                 return self.episodes(sampler, [row for row in rows for _ in range(G)], seeds)
+            if self.agent is not None:  # one agent episode per sequence, through the run's endpoint
+                return self.agent_episodes([row for row in rows for _ in range(G)], seeds)
             return generate(self.model, self.tokenizer, prompts, G, **self.options, with_logprobs=self.with_logprobs,
                             routing_recorder=self.recorder(sampler), row_seeds=seeds, backend=self.name,
                             sampler=sampler)
@@ -107,6 +115,23 @@ class Sampler:
                                      recorder=(lambda: self.recorder(sampler)) if self.records else None, **options)
         return rollout
 
+    def agent_episodes(self, rows: list, seeds: list[int] | None) -> Rollout:
+        """Agent episodes of `rows` (one per sequence) on the run's endpoint (gspo/rollout/agents.py)."""
+        from gspo.rollout.agents import AgentRunner, agent_rollout
+        from gspo.rollout.endpoint.engine import engine_of
+        from gspo.rollout.endpoint.sessions import SessionLimits
+
+        if self.runner is None:
+            e = self.episode_settings
+            limits = SessionLimits(max_calls=e.agent_max_calls, max_tokens=e.max_episode_tokens,
+                                   timeout_s=e.agent_timeout_s)
+            self.runner = AgentRunner(self.agent, e.agent, engine_of(self), self.tokenizer,
+                                      template_kwargs=self.template_kwargs, tool_style=e.tool_call_style,
+                                      limits=limits, concurrency=e.agent_concurrency,
+                                      max_tokens=self.options["max_new_tokens"])
+        # mu always: the endpoint recorded it with every call (mismatch/* then says how far it is from pi_old)
+        return agent_rollout(self.runner.run(rows, seeds), rows, self.tokenizer, self.model, True)
+
     def sync(self, policy) -> dict:
         """Load the updated policy into the sampler; {"time/sync_s": seconds}, and on the first call
         `time/sampler_start_s` (the engine's start-up, or making the copy; 0 for the policy itself)."""
@@ -117,6 +142,8 @@ class Sampler:
 
     def close(self) -> None:
         """Shut down an engine this Sampler started (vllm: one per process at a time); nothing otherwise."""
+        if self.runner is not None:
+            self.runner.close()
         close = getattr(self.sampler, "close", None)
         if close is not None:
             close()

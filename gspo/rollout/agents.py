@@ -1,0 +1,193 @@
+"""Agent episodes: an agent written against an OpenAI client runs once per episode, on the run's endpoint
+(gspo/rollout/endpoint), and what it sampled is trained (docs/agents.md).
+
+    async def agent(client, row) -> float | dict | None:   # or a plain def, with a sync client
+        reply = await client.chat.completions.create(model="policy", messages=[...], tools=[...])
+        ...                                                  # as many calls as it likes: tool loops, sub-agents
+        return 1.0 if ... else 0.0                           # or None: the reward functions score the transcript
+
+Each episode gets a client whose base_url is its own session on the endpoint; every call is recorded with its
+token ids and mu. Calls whose prompt continues an earlier call's tokens are merged into one sequence (the earlier
+completions as model tokens, what came between as observation tokens: gspo's episodes' layout); a call that does
+not continue starts another sequence of the episode. The step's episodes run concurrently (asyncio, at most
+agent_concurrency at once) while the trainer's thread samples their calls in batches. A limit (agent_max_calls,
+max_episode_tokens, agent_timeout_s) ends an episode as truncated; an agent that raises is one line naming it and
+the row, and its episode scores 0 (`episode/agent_errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from gspo.rollout.episodes import Episode
+
+logger = logging.getLogger(__name__)
+
+
+# how long the first call waits for the other running episodes' calls (all of them come: it stops waiting then); an
+# episode busy elsewhere (its tool) costs the others this much once
+AGENT_WINDOW_S = 0.1
+
+
+@dataclass
+class AgentOutcome:
+    """How one agent episode ended."""
+
+    reward: float | None = None  # the agent's reward (None: left to the reward functions)
+    error: str | None = None  # the agent raised: one line
+    truncated: str | None = None  # a limit ended it: max_calls, max_tokens, timeout
+
+
+def load_agent(spec: str):
+    """The agent function `spec` names ("module:function"), checked: callable with two parameters (client, row)."""
+    from gspo.data.reward_import import import_reward_fn
+
+    fn = import_reward_fn(spec, kind="agent")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise ValueError(f"agent {spec!r}: an agent is called as agent(client, row); "
+                         f"{getattr(fn, '__name__', fn)!r} takes {inspect.signature(fn)}") from None
+    return fn
+
+
+class AgentRunner:
+    """The run's endpoint (a loopback server that requires a fresh secret) and the agent episodes of each step."""
+
+    def __init__(self, agent, spec: str, engine, tokenizer, *, template_kwargs: dict | None, tool_style: str,
+                 limits, concurrency: int, max_tokens: int):
+        from gspo.rollout.endpoint.requests import Limits
+        from gspo.rollout.endpoint.server import Endpoint, Server
+
+        self.agent, self.spec, self.limits, self.concurrency = agent, spec, limits, concurrency
+        self.secret = secrets.token_hex(16)
+        self.endpoint = Endpoint(engine, tokenizer, model_name="policy", template_kwargs=template_kwargs,
+                                 tool_style=tool_style, limits=Limits(max_tokens=max_tokens))
+        self.server = Server(self.endpoint, "127.0.0.1", 0, secret=self.secret.encode(), open_loopback=False)
+        self.threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gspo-agents")
+
+    def run(self, rows: list[dict], seeds: list[int] | None) -> list[tuple[AgentOutcome, object]]:
+        """One episode per row (the trainer's thread samples their calls meanwhile): (outcome, session) each."""
+        sessions = [self.endpoint.sessions.open(self.limits, None if seeds is None else seeds[i])
+                    for i in range(len(rows))]
+        running = [len(rows)]
+        engine = self.endpoint.engine
+        engine.expected, window = lambda: min(running[0], self.concurrency), engine.window_s
+        engine.window_s = AGENT_WINDOW_S
+        done = self.threads.submit(asyncio.run, self._episodes(rows, sessions, running))
+        try:
+            while not done.done():
+                engine.run_once(0.05)
+            outcomes = done.result()
+        finally:
+            engine.expected, engine.window_s = lambda: None, window
+            for session in sessions:
+                self.endpoint.sessions.close(session)
+        return list(zip(outcomes, sessions))
+
+    async def _episodes(self, rows: list[dict], sessions: list, running: list[int]) -> list[AgentOutcome]:
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(i: int) -> AgentOutcome:
+            async with gate:
+                try:
+                    return await self._episode(rows[i], sessions[i], i)
+                finally:
+                    running[0] -= 1
+
+        return await asyncio.gather(*(one(i) for i in range(len(rows))))
+
+    async def _episode(self, row: dict, session, i: int) -> AgentOutcome:
+        import openai
+
+        url = f"{self.server.url}/sessions/{session.id}/v1"
+        timeout = self.limits.timeout_s
+        try:
+            if inspect.iscoroutinefunction(self.agent):
+                async with openai.AsyncOpenAI(base_url=url, api_key=self.secret, max_retries=0,
+                                              timeout=timeout) as client:
+                    out = await asyncio.wait_for(self.agent(client, row), timeout)
+            else:
+                with openai.OpenAI(base_url=url, api_key=self.secret, max_retries=0, timeout=timeout) as client:
+                    out = await asyncio.wait_for(asyncio.to_thread(self.agent, client, row), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            session.over = session.over or "timeout"
+            return AgentOutcome(truncated=session.over)
+        except Exception as err:  # noqa: BLE001  (the agent's bug, or a limit it did not catch)
+            if session.over is not None:
+                return AgentOutcome(truncated=session.over)
+            first = (str(err).splitlines() or [""])[0][:200]
+            line = f"agent {self.spec!r} raised {type(err).__name__}: {first} (episode {i}, row {row!r:.80})"
+            logger.warning(line)
+            return AgentOutcome(error=line)
+        try:
+            return AgentOutcome(reward=_reward(out), truncated=session.over)
+        except ValueError as err:
+            line = f"agent {self.spec!r}: {err} (episode {i}, row {row!r:.80})"
+            logger.warning(line)
+            return AgentOutcome(error=line)
+
+    def close(self) -> None:
+        self.server.close()
+        self.threads.shutdown(wait=False)
+
+
+def _reward(out) -> float | None:
+    """The reward an agent returned: a number, a dict with "reward", or None (the reward functions decide)."""
+    value = out.get("reward") if isinstance(out, dict) else out
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"returned {out!r:.80}; an agent returns a finite number, a dict with \"reward\", or None")
+    return float(value)
+
+
+def episode_of(outcome: AgentOutcome, session, first_prompt: list[int]) -> tuple[Episode, int]:
+    """The Episode the trainer keeps of an agent episode, and how many of its sequences are left out.
+
+    The sequence with the most model tokens is kept (the others are counted, `episode/untrained_sequences`: a row
+    of the rollout holds one sequence). An episode without calls keeps its row's prompt and no tokens."""
+    sequences = session.sequences
+    if not sequences:
+        kept = Episode(prompt_ids=list(first_prompt))
+    else:
+        best = max(sequences, key=lambda s: sum(s.model))
+        kept = Episode(prompt_ids=best.prompt_ids, tokens=best.tokens, model=best.model, logprobs=best.logprobs)
+    kept.turns = len(session.calls)
+    kept.reward = 0.0 if outcome.error is not None else outcome.reward
+    kept.truncated = outcome.truncated is not None
+    kept.done = True
+    kept.info = {"agent_errors": int(outcome.error is not None), "calls": len(session.calls)}
+    return kept, max(0, len(sequences) - 1)
+
+
+def agent_rollout(results: list, rows: list[dict], tokenizer, model, with_logprobs: bool):
+    """The Rollout of a step's agent episodes (`AgentRunner.run`'s results, one per row): each row's kept sequence
+    (its prompt left-padded, its tokens right-padded, the model's tokens in the completion mask), and the
+    episodes' records with the agent's error and untrained sequences."""
+    import torch
+
+    from gspo.rollout.batch import pad_id
+    from gspo.rollout.episodes import _rollout
+
+    kept = [episode_of(outcome, session, tokenizer(row["prompt"])["input_ids"])
+            for (outcome, session), row in zip(results, rows)]
+    episodes = [episode for episode, _ in kept]
+    pad, device = pad_id(tokenizer, model), next(model.parameters()).device
+    P = max(len(e.prompt_ids) for e in episodes)
+    ids = torch.tensor([[pad] * (P - len(e.prompt_ids)) + e.prompt_ids for e in episodes], device=device)  # (N, P)
+    mask = torch.tensor([[0] * (P - len(e.prompt_ids)) + [1] * len(e.prompt_ids) for e in episodes],
+                        device=device)  # (N, P)
+    rollout = _rollout(episodes, [row["prompt"] for row in rows], ids, mask, tokenizer, pad, with_logprobs, None)
+    for rec, (episode, left_out), (outcome, _) in zip(rollout.episodes, kept, results):
+        rec.update(agent_error=outcome.error is not None, untrained_sequences=left_out, calls=episode.info["calls"])
+    return rollout
+
+
+__all__ = ["AgentOutcome", "AgentRunner", "agent_rollout", "episode_of", "load_agent"]

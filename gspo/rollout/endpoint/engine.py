@@ -1,0 +1,199 @@
+"""The endpoint's sampling engine: requests from any thread are queued as `Job`s, and the sampling thread (the
+trainer's main thread, or `gspo serve`'s) takes them in batches and samples each batch in one generator call.
+
+Concurrent requests (an agent's episodes, several clients) share one call: the engine waits a short window after
+the first request, or until as many requests are waiting as its `expected()` says will come (the episodes of a step
+that are still running), so a step's episodes decode together as gspo's own episodes do. Requests that sample
+differently (temperature, top_p, seeded or not) go into separate calls; within a call each row stops at its own
+`max_tokens` and stop strings, cut from what was sampled (sampling is autoregressive, so a row cut at token k is
+exactly a row that stopped there).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from gspo.rollout.batch import completion_mask_from_ids, eos_ids, pad_id
+
+
+@dataclass
+class Sample:
+    """One sampled completion: its tokens exactly as sampled (a stop token kept) and mu, the sampler's
+    log-probs of them."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # mu of each token (0.0 where the sampler gives none)
+    finish_reason: str  # "stop": a stop token or stop string ended it; "length": max_tokens did
+    text: str  # decoded without special tokens, cut before a stop string
+    eos: bool = False  # it ends on a stop token (of the model's), which `token_ids` keeps
+
+
+@dataclass
+class Job:
+    """One request to sample: `n` completions of `prompt_ids`."""
+
+    prompt_ids: list[int]
+    n: int = 1
+    max_tokens: int = 64
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    seeds: list[int] | None = None  # one per completion (seeded sampling), or None
+    stop: tuple[str, ...] = ()  # stop strings: the completion ends with the token that completes one
+    future: Future = field(default_factory=Future)  # set to list[Sample] (n) or an exception
+
+    def key(self) -> tuple:
+        """Jobs with the same key sample in one generator call."""
+        return (self.temperature == 0, self.temperature or 1.0, self.top_p, self.seeds is not None)
+
+
+class Engine:
+    """Samples queued Jobs in batches with a registered generator (`gspo.rollout.registry.GENERATORS`).
+
+    `generator`: the GeneratorBackend; `sampler`: what it samples with (the model, a copy, an engine's handle);
+    `model`, `tokenizer`: the policy (its device, stop and pad tokens); `with_logprobs`: keep mu;
+    `max_rows`: completions per generator call at most; `window_s`: how long the first waiting request waits for
+    others (`expected()`: how many may come, to stop waiting sooner; None: wait the window); `max_context`: the
+    model's positions (its config's max_position_embeddings by default), which prompt and max_tokens must fit."""
+
+    def __init__(self, generator, sampler, model, tokenizer, *, with_logprobs: bool = True, max_rows: int = 64,
+                 window_s: float = 0.01, max_context: int | None = None):
+        self.generator, self.sampler, self.model, self.tokenizer = generator, sampler, model, tokenizer
+        self.with_logprobs, self.max_rows, self.window_s = with_logprobs, max_rows, window_s
+        self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
+        self.eos, self.pad = eos_ids(tokenizer, model), pad_id(tokenizer, model)
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.expected = lambda: None  # how many requests to wait for (None: the whole window)
+        self.calls = 0  # generator calls made
+        self.lock = threading.Lock()  # held while sampling (a caller may swap the sampler between calls)
+
+    def submit(self, job: Job) -> Future:
+        """Queue `job` (any thread); its future gets the samples once the sampling thread ran it."""
+        if not job.prompt_ids:
+            raise ValueError("a request's prompt has no tokens")
+        if self.max_context is not None and len(job.prompt_ids) + job.max_tokens > self.max_context:
+            raise ValueError(f"the prompt ({len(job.prompt_ids)} tokens) and max_tokens ({job.max_tokens}) exceed the "
+                             f"model's context ({self.max_context} positions)")
+        self.jobs.put(job)
+        return job.future
+
+    def run_once(self, timeout_s: float) -> int:
+        """On the sampling thread: wait up to `timeout_s` for a job, gather the others that come within the window
+        (or until `expected()` are waiting), and sample them all; the number of jobs sampled (0: none came)."""
+        try:
+            first = self.jobs.get(timeout=timeout_s)
+        except queue.Empty:
+            return 0
+        jobs, deadline = [first], time.monotonic() + self.window_s
+        while len(jobs) < (self.expected() or float("inf")):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                jobs.append(self.jobs.get(timeout=left))
+            except queue.Empty:
+                break
+        while True:  # and whatever else is already waiting
+            try:
+                jobs.append(self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        groups: dict[tuple, list[Job]] = {}
+        for job in jobs:
+            groups.setdefault(job.key(), []).append(job)
+        for group in groups.values():
+            for batch in _batches(group, self.max_rows):
+                try:
+                    results = self.sample(batch)
+                except Exception as err:  # noqa: BLE001  (each request is told; the engine goes on)
+                    for job in batch:
+                        job.future.set_exception(err)
+                    continue
+                for job, samples in zip(batch, results):
+                    job.future.set_result(samples)
+        return len(jobs)
+
+    def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
+        """Sample whatever comes until `stop` is set (`gspo serve`'s main thread)."""
+        while not stop.is_set():
+            self.run_once(poll_s)
+
+    @torch.no_grad()
+    def sample(self, jobs: list[Job]) -> list[list[Sample]]:
+        """One generator call for `jobs` (the same `Job.key`): each job's `n` samples."""
+        from gspo.rollout.policy import SeededSampler
+
+        rows = [job.prompt_ids for job in jobs for _ in range(job.n)]
+        device = next(self.model.parameters()).device
+        width = max(map(len, rows))
+        ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows], device=device)  # (n, L)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)  # (n, L)
+        first = jobs[0]
+        greedy, temperature = first.temperature == 0, first.temperature or 1.0
+        seeded = None if first.seeds is None or greedy else SeededSampler(
+            [s for job in jobs for s in job.seeds], temperature, device)
+        was_training = self.model.training
+        self.model.eval()
+        with self.lock, torch.inference_mode():
+            out, lp = self.generator.sample(
+                self.sampler, ids, mask, eos=self.eos, pad=self.pad, max_new_tokens=max(j.max_tokens for j in jobs),
+                temperature=temperature, top_p=first.top_p, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                greedy=greedy, seeded=seeded, with_logprobs=self.with_logprobs, group_size=1)  # (n, t) x2
+        self.model.train(was_training)
+        self.calls += 1
+        keep = completion_mask_from_ids(out, self.eos)  # (n, t) up to and including the first stop token
+        results, row = [], 0
+        for job in jobs:
+            samples = []
+            for _ in range(job.n):
+                tokens = out[row][keep[row]].tolist()
+                logprobs = lp[row][keep[row]].tolist() if lp is not None else [0.0] * len(tokens)
+                samples.append(self.finish(tokens, logprobs, job))
+                row += 1
+            results.append(samples)
+        return results
+
+    def finish(self, tokens: list[int], logprobs: list[float], job: Job) -> Sample:
+        """A row's sample cut at the job's max_tokens and stop strings (the token that completes a stop string is
+        the last one kept; the text ends before the stop string, as OpenAI's API returns it)."""
+        stopped = bool(tokens) and tokens[-1] in self.eos and len(tokens) <= job.max_tokens
+        tokens, logprobs = tokens[:job.max_tokens], logprobs[:job.max_tokens]
+        if job.stop:
+            for end in range(1, len(tokens) + 1):
+                text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+                hits = [text.find(s) for s in job.stop if s in text]
+                if hits:
+                    return Sample(tokens[:end], logprobs[:end], "stop", text[:min(hits)],
+                                  eos=stopped and end == len(tokens))
+        return Sample(tokens, logprobs, "stop" if stopped else "length",
+                      self.tokenizer.decode(tokens, skip_special_tokens=True), eos=stopped)
+
+
+def engine_of(sampler, **kwargs) -> Engine:
+    """The Engine of a trainer's `gspo.rollout.Sampler`: its generator, and what that samples with (the policy, its
+    copy, an engine's handle), log-probs kept."""
+    from gspo.rollout.policy import PolicySampler
+    from gspo.rollout.registry import GENERATORS
+
+    handle = sampler.sampler.model if isinstance(sampler.sampler, PolicySampler) else sampler.sampler
+    return Engine(GENERATORS[sampler.name], handle, sampler.model, sampler.tokenizer, with_logprobs=True, **kwargs)
+
+
+def _batches(jobs: list[Job], max_rows: int) -> list[list[Job]]:
+    """`jobs` in runs of at most `max_rows` completions (a job larger than that alone)."""
+    out, rows = [[]], 0
+    for job in jobs:
+        if out[-1] and rows + job.n > max_rows:
+            out.append([])
+            rows = 0
+        out[-1].append(job)
+        rows += job.n
+    return out
+
+
+__all__ = ["Engine", "Job", "Sample", "engine_of"]
