@@ -164,7 +164,9 @@ class EpisodeSettings:
 
     environment: str | None = None
     """"module:Class" (or "file.py:Class"), called once per episode for an object with reset(row) and step(turn);
-    "tools": the built-in tool environment over `tools`; null: single-turn completions."""
+    "tools": the built-in tool environment over `tools`; "openenv:module:EnvClass" or "openenv:http://host:port": an
+    OpenEnv environment; "verifiers:name" or "verifiers:module": a verifiers environment (the agents extra:
+    docs/agents.md); null: single-turn completions."""
     tools: list | None = None
     """Tool functions, "module:function" each (type-hinted arguments), or python (model-written code in the code
     sandbox, as `sandbox` says); for environment: tools."""

@@ -105,8 +105,8 @@ def environment_factory(settings, sandbox: str = "os"):
     `sandbox` (the run's RewardSettings.sandbox) is where the built-in `python` tool runs code, checked here."""
     from gspo.data.reward_import import import_reward_fn
 
-    if settings.environment is None:
-        return None
+    if settings.environment is None or settings.environment.startswith(("openenv:", "verifiers:")):
+        return None  # none, or another project's environment, run as an agent (gspo/rollout/agents.py)
     if settings.environment == "tools":
         if "python" in settings.tools:
             from gspo.sandbox.runner import check_sandbox

@@ -44,6 +44,29 @@ class AgentOutcome:
     truncated: str | None = None  # a limit ended it: max_calls, max_tokens, timeout
 
 
+# environments from other projects' hubs, run as agents: "prefix:spec" -> "module:function" making the agent of spec
+ADAPTERS = {"openenv": "gspo.env.openenv:openenv_agent", "verifiers": "gspo.env.verifiers:verifiers_agent"}
+
+
+def agent_of(settings) -> tuple[object, str] | None:
+    """The agent of an EpisodeSettings (gspo.config) and its name for messages: `agent`'s function, or the adapter
+    of an `environment: openenv:...` / `verifiers:...`; None for other runs."""
+    import importlib
+
+    if settings.agent is not None:
+        return load_agent(settings.agent), settings.agent
+    prefix, _, spec = (settings.environment or "").partition(":")
+    if prefix not in ADAPTERS:
+        return None
+    module, _, name = ADAPTERS[prefix].partition(":")
+    try:
+        make = getattr(importlib.import_module(module), name)
+        return make(spec), settings.environment
+    except ImportError as err:
+        raise ValueError(f"environment {settings.environment!r} needs the agents extra (pip install 'gspo[agents]'): "
+                         f"{err}") from None
+
+
 def load_agent(spec: str):
     """The agent function `spec` names ("module:function"), checked: callable with two parameters (client, row)."""
     from gspo.data.reward_import import import_reward_fn
@@ -109,7 +132,7 @@ class AgentRunner:
         url = f"{self.server.url}/sessions/{session.id}/v1"
         timeout = self.limits.timeout_s
         try:
-            if inspect.iscoroutinefunction(self.agent):
+            if inspect.iscoroutinefunction(self.agent) or inspect.iscoroutinefunction(type(self.agent).__call__):
                 async with openai.AsyncOpenAI(base_url=url, api_key=self.secret, max_retries=0,
                                               timeout=timeout) as client:
                     out = await asyncio.wait_for(self.agent(client, row), timeout)

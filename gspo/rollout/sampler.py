@@ -31,11 +31,12 @@ class Sampler:
         is a multi-turn episode, its chat messages rendered with the shape's chat_template_kwargs, its python tool in
         the shape's `sandbox`) and the values it shares with the run (`shape`); never the whole config."""
         from gspo.env import chat_template_kwargs, environment_factory
-        from gspo.rollout.agents import load_agent
+        from gspo.rollout.agents import agent_of
         from gspo.rollout.episodes import EpisodeLimits
 
-        self.make_env = environment_factory(episodes, shape.sandbox)  # None: single-turn
-        self.agent = load_agent(episodes.agent) if episodes.agent is not None else None
+        agent = agent_of(episodes)  # an agent, or an OpenEnv / verifiers environment's: episodes on the endpoint
+        self.agent, self.agent_name = agent if agent is not None else (None, None)
+        self.make_env = environment_factory(episodes, shape.sandbox)  # None: single-turn (or agents)
         self.episode_settings, self.runner = episodes, None  # the agents' endpoint, started on first use
         self.template_kwargs = chat_template_kwargs(shape.chat_template_kwargs, episodes)
         self.limits = EpisodeLimits.of(episodes, sampling.max_completion_length)
@@ -125,7 +126,7 @@ class Sampler:
             e = self.episode_settings
             limits = SessionLimits(max_calls=e.agent_max_calls, max_tokens=e.max_episode_tokens,
                                    timeout_s=e.agent_timeout_s)
-            self.runner = AgentRunner(self.agent, e.agent, engine_of(self), self.tokenizer,
+            self.runner = AgentRunner(self.agent, self.agent_name, engine_of(self), self.tokenizer,
                                       template_kwargs=self.template_kwargs, tool_style=e.tool_call_style,
                                       limits=limits, concurrency=e.agent_concurrency,
                                       max_tokens=self.options["max_new_tokens"])
