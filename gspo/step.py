@@ -136,7 +136,8 @@ class Learner:
         with watch.replaying():
             with self.autocast(), watch.recording():
                 logp, entropy = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
-                                                    with_entropy=True, **self.logp_kwargs)  # (n, t), (n, t)
+                                                    with_entropy=True, position_ids=mb.position_ids,
+                                                    **self.logp_kwargs)  # (n, t), (n, t)
             if on_policy:  # prepare left this minibatch's pi_old to this forward
                 mb.old_logprobs = logp.detach()  # (n, t)
                 if not part.stand_in:
@@ -198,7 +199,7 @@ def episode_stats(rollout: Rollout, topology: Topology) -> dict[str, float]:
              / max(1, sum(e["tokens"] for e in eps))}
     if "agent_error" in eps[0]:  # agent episodes (gspo/rollout/agents.py)
         stats["episode/agent_errors"] = sum(e["agent_error"] for e in eps) / n
-        stats["episode/untrained_sequences"] = sum(e["untrained_sequences"] for e in eps) / n
+        stats["episode/sequences_mean"] = sum(e["sequences"] for e in eps) / n
         stats["episode/calls_mean"] = sum(e["calls"] for e in eps) / n
     weights = dict.fromkeys(stats, n)
     weights["episode/observation_token_frac"] = float(sum(e["tokens"] for e in eps))

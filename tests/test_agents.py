@@ -80,8 +80,7 @@ def test_agent_tokens_are_those_sampled_and_mu_is_the_trainer_s_log_prob(tmp_pat
     finally:
         sampler.close()
     assert rollout.num_sequences == 6 and calls <= 4  # six episodes, two calls each: batched generator calls
-    assert [e["calls"] for e in rollout.episodes] == [2] * 6 and not any(e["untrained_sequences"]
-                                                                       for e in rollout.episodes)
+    assert [(e["calls"], e["sequences"]) for e in rollout.episodes] == [(2, 1)] * 6 and rollout.position_ids is None
     T = rollout.completion_len
     rows_tokens = sorted(r[m.bool()].tolist() for r, m in zip(rollout.input_ids, rollout.attention_mask))
     assert rows_tokens == sorted(SEEN.pop("sequences"))  # each row: its last call's prompt and completion, exactly
@@ -183,3 +182,66 @@ def test_an_agent_is_checked_before_the_run(tmp_path):
 
 
 sys.modules.setdefault("test_agents", sys.modules[__name__])
+
+
+async def with_a_sub_agent(client, row):
+    """A main call, then a sub-agent's fresh chat (it does not continue the first), then the main chat again."""
+    main = [{"role": "user", "content": row["prompt"]}]
+    first = await client.chat.completions.create(model="policy", messages=main, max_tokens=4)
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "9*9="}], max_tokens=4)
+    main += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and="}]
+    last = await client.chat.completions.create(model="policy", messages=main, max_tokens=4)
+    return float(len(set(last.choices[0].message.content)))
+
+
+def test_rows_of_several_sequences_read_each_on_its_own():
+    """Two sequences in one row, positions restarting: each token's log-prob is the one it has alone, on the padded,
+    packed and naive paths."""
+    from gspo.algo.logprobs import naive_completion_logprobs, position_ids_from_mask
+
+    model, _ = load_model("tiny-dense", seed=0, overrides=SMALL)
+    a, b = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]  # sequence 1: prompt 5 6, then 7 .. 10; sequence 2: all after
+    P = 2
+    ids = torch.tensor([[0, 0] + a[:P] + a[P:] + b + [0]])  # (1, 2 + 2 + 4 + 5 + 1): left pad, right pad
+    mask = torch.tensor([[0, 0] + [1] * (len(a) + len(b)) + [0]])
+    positions = position_ids_from_mask(mask)
+    start = 2 + len(a)
+    positions[0, start:start + len(b)] = torch.arange(len(b))
+    T = ids.shape[1] - 4
+    alone_a, _ = completion_logprobs(model, torch.tensor([a]), torch.ones(1, len(a), dtype=torch.long), len(a) - P)
+    alone_b, _ = completion_logprobs(model, torch.tensor([b]), torch.ones(1, len(b), dtype=torch.long), len(b) - 1)
+    for path in ("padded", "packed", "naive"):
+        if path == "naive":
+            got, _ = naive_completion_logprobs(model, ids, mask, T, position_ids=positions)
+        else:
+            got, _ = completion_logprobs(model, ids, mask, T, packed=path == "packed", position_ids=positions)
+        assert torch.allclose(got[0, :4], alone_a[0], atol=1e-5), path  # 7 .. 10 read 5 6 .. only
+        assert torch.allclose(got[0, 5:9], alone_b[0], atol=1e-5), path  # 12 .. 15 read 11 .. only
+    plain, _ = completion_logprobs(model, ids, mask, T)
+    assert not torch.allclose(plain[0, 5:9], alone_b[0], atol=1e-3)  # without positions they read sequence 1 too
+
+
+def test_a_call_that_does_not_continue_is_another_sequence_of_the_episode(tmp_path):
+    sampler, model, tok = sampler_for(tmp_path, "with_a_sub_agent", per_device_batch_size=2, num_generations=2)
+    try:
+        rollout = sampler.sample(["12=", "34="], 0, 0)
+    finally:
+        sampler.close()
+    assert [(e["calls"], e["sequences"]) for e in rollout.episodes] == [(3, 2)] * 4
+    T = rollout.completion_len
+    theirs, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T,
+                                    position_ids=rollout.position_ids)  # (N, T)
+    mask = rollout.completion_mask
+    assert torch.allclose(rollout.sampler_logprobs[mask], theirs[mask], atol=1e-5)  # mu: as each call sampled it
+    row = rollout.input_ids[0][rollout.attention_mask[0].bool()].tolist()
+    assert "9*9=" in tok.decode(row)  # the sub-agent's prompt: in the row, read, never trained
+    # and a run trains on such rows (the rows' sequences in one ratio per episode)
+    from gspo.trainer import train
+
+    cfg = tiny_cfg(tmp_path, agent="test_agents:with_a_sub_agent", reward_funcs=["environment"], max_steps=1,
+                   eval_num_prompts=0, padding_free=True)
+    before = initial_weights(cfg)
+    train(cfg)
+    (m,) = read_metrics(tmp_path / "run")
+    assert m["episode/sequences_mean"] == 2 and m["episode/calls_mean"] == 3
+    assert changed(before, final_weights(tmp_path / "run"))

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from conftest import SMALL
+from conftest import SMALL, gspo_argv, gspo_env, tiny_cfg
 from gspo.algo.logprobs import completion_logprobs
 from gspo.models import load_model
 from gspo.rollout.registry import GENERATORS, GeneratorBackend
@@ -254,3 +254,45 @@ def test_a_session_continues_with_the_tokens_sampled_not_their_text_retokenized(
     assert sequence.model[:3 + len(observed) + 3] == [True] * 3 + [False] * len(observed) + [True] * 3
     assert s.over == "max_calls" and len(s.calls) == 3
 
+
+
+def test_gspo_serve_answers_any_openai_client_until_stopped(tmp_path):
+    from gspo.apps.serve import serve
+
+    cfg = tiny_cfg(tmp_path, max_completion_length=5)
+    ready, stop = [], threading.Event()
+    thread = threading.Thread(target=serve, args=(cfg, "127.0.0.1", 0), kwargs={"ready": ready.append, "stop": stop})
+    thread.start()
+    try:
+        while not ready and thread.is_alive():
+            thread.join(0.05)
+        client = openai.OpenAI(base_url=ready[0].url + "/v1", api_key="-", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny-dense"]
+        r = client.chat.completions.create(model="tiny-dense", messages=[{"role": "user", "content": "1+1="}])
+        assert 1 <= len(r.model_dump()["choices"][0]["token_ids"]) <= 5  # max_completion_length: the default
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+@pytest.mark.slow
+def test_the_gspo_serve_command_prints_its_address_and_stops_on_sigterm(tmp_path):
+    import signal
+    import subprocess
+
+    process = subprocess.Popen(gspo_argv("serve", "model=tiny-dense", "--port", "0"), cwd=tmp_path, env=gspo_env(),
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "gspo serve:" not in line:
+            line = process.stderr.readline()
+            assert line or process.poll() is None, "gspo serve exited before listening"
+        url = line.split(" at ")[1].split(" ")[0]
+        assert url.startswith("http://127.0.0.1:") and "loopback clients only" in line
+        client = openai.OpenAI(base_url=url, api_key="-", max_retries=0)
+        assert client.completions.create(model="tiny-dense", prompt="1+1=", max_tokens=3).choices[0].text is not None
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        process.kill()

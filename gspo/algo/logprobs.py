@@ -92,6 +92,30 @@ def _token_logprobs(logits: Tensor, targets: Tensor, temperature: float, with_en
     return logp, entropy
 
 
+def segment_mask(attention_mask: Tensor, position_ids: Tensor, dtype) -> Tensor:
+    """The additive 4D mask (N, 1, L, L) of rows holding several sequences: query i reads key j <= i of its own
+    sequence (a sequence starts where its position is 0 after a real token), real keys only; 0 where it reads,
+    the dtype's minimum elsewhere (what eager and sdpa attention both take)."""
+    real = attention_mask.bool()  # (N, L)
+    starts = (position_ids == 0) & real  # (N, L)
+    segment = starts.long().cumsum(-1)  # (N, L) which sequence each position belongs to
+    L = attention_mask.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=real.device).tril()  # (L, L)
+    reads = causal & (segment[:, :, None] == segment[:, None, :]) & real[:, None, :]  # (N, L, L)
+    reads |= torch.eye(L, dtype=torch.bool, device=real.device)  # a padding query reads itself: no empty row
+    zero = torch.zeros((), dtype=dtype, device=real.device)
+    return torch.where(reads, zero, torch.finfo(dtype).min)[:, None]  # (N, 1, L, L)
+
+
+def _mask_and_positions(model, attention_mask: Tensor, position_ids: Tensor | None) -> dict:
+    """The forward's attention mask and positions: the 2D mask and positions counted from it, or for rows of
+    several sequences (`position_ids` given) their positions and the 4D `segment_mask`."""
+    if position_ids is None:
+        return {"attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask)}
+    dtype = next(model.parameters()).dtype
+    return {"attention_mask": segment_mask(attention_mask, position_ids, dtype), "position_ids": position_ids}
+
+
 def naive_completion_logprobs(
     model,
     input_ids: Tensor,
@@ -101,6 +125,7 @@ def naive_completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    position_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Reference path: one full forward, full fp32 logits. Same contract as `completion_logprobs`.
 
@@ -109,12 +134,7 @@ def naive_completion_logprobs(
     _validate(input_ids, attention_mask, completion_len, temperature, chunk_size)
     seq_len, T = input_ids.shape[1], completion_len
     P = seq_len - T
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
+    out = model(input_ids=input_ids, use_cache=False, **_mask_and_positions(model, attention_mask, position_ids))
     logits = out.logits[:, P - 1 : seq_len - 1]  # (N, T, V): position P+j-1 predicts token P+j
     logp, entropy = _token_logprobs(logits, input_ids[:, P:], temperature, with_entropy)
     return logp, entropy
@@ -162,6 +182,7 @@ def completion_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     packed: bool = False,
+    position_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N, T) fp32 of the completion tokens, and their entropy (N, T) fp32 or None.
 
@@ -184,17 +205,21 @@ def completion_logprobs(
     path to float tolerance (tests/test_packing.py). Rows must be a rollout's layout (left-padded
     prompt, right-padded completion: real tokens contiguous) with at least one completion token;
     otherwise, or without the chunked path's parts, the padded path runs.
+
+    `position_ids` (N, P+T): rows holding several sequences (Rollout.position_ids), positions restarting at each;
+    a token reads its own sequence only (packed: transformers' block-causal mask from the restarts; padded:
+    `segment_mask`). None: one sequence per row.
     """
     _validate(input_ids, attention_mask, completion_len, temperature, chunk_size)
     parts = _chunked_path_parts(model)
     layout = _layout(attention_mask, completion_len) if packed and parts is not None else None
     if layout is not None:
         return _packed_logprobs(*parts, layout, input_ids, attention_mask, completion_len, temperature, chunk_size,
-                                with_entropy)
+                                with_entropy, position_ids)
     if parts is None:
         return naive_completion_logprobs(
             model, input_ids, attention_mask, completion_len,
-            temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+            temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy, position_ids=position_ids,
         )
     backbone, head = parts
     N, seq_len = input_ids.shape
@@ -202,12 +227,7 @@ def completion_logprobs(
     P = seq_len - T
 
     # MoE backbones (Qwen3-MoE) return router logits only when asked; we do not ask.
-    out = backbone(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
+    out = backbone(input_ids=input_ids, use_cache=False, **_mask_and_positions(backbone, attention_mask, position_ids))
     hidden = out.last_hidden_state[:, P - 1 : seq_len - 1]  # (N, T, H)
     hidden = hidden.reshape(N * T, hidden.shape[-1])  # (N*T, H)
     targets = input_ids[:, P:].reshape(N * T)  # (N*T,)
@@ -286,12 +306,12 @@ class PackedLayout:
         out[real] = y.reshape(self.rows * self.capacity, *y.shape[2:])[self.slots[real]]
         return out
 
-    def inputs(self, input_ids: Tensor, attention_mask: Tensor) -> dict:
+    def inputs(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> dict:
         """Backbone keywords of the packed rows: ids and per-sequence position ids (free slots: position 0
-        each, a sequence of its own to the mask); attention_mask None, so transformers builds the
-        block-causal mask from the restarting positions."""
-        return {"input_ids": self.pack(input_ids), "position_ids": self.pack(position_ids_from_mask(attention_mask)),
-                "use_cache": False}  # (R, C) each
+        each, a sequence of its own to the mask; `position_ids`: a row's own, restarting where it holds several
+        sequences); attention_mask None, so transformers builds the block-causal mask from the restarts."""
+        positions = position_ids_from_mask(attention_mask) if position_ids is None else position_ids  # (N, L)
+        return {"input_ids": self.pack(input_ids), "position_ids": self.pack(positions), "use_cache": False}
 
 
 def packed_layout(attention_mask: Tensor) -> PackedLayout | None:
@@ -321,12 +341,13 @@ def _layout(attention_mask: Tensor, completion_len: int) -> PackedLayout | None:
 
 
 def _packed_logprobs(backbone, head, layout: PackedLayout, input_ids: Tensor, attention_mask: Tensor,
-                     completion_len: int, temperature: float, chunk_size: int | None, with_entropy: bool):
+                     completion_len: int, temperature: float, chunk_size: int | None, with_entropy: bool,
+                     position_ids: Tensor | None = None):
     """The padding-free path of `completion_logprobs`: the backbone on `layout`'s rows, the head on real
     completion tokens only, scattered back into the (N, T) layout (0 in padded slots)."""
     N, width = input_ids.shape
     T = completion_len
-    inputs = layout.inputs(input_ids, attention_mask)  # (R, C) ids and positions
+    inputs = layout.inputs(input_ids, attention_mask, position_ids)  # (R, C) ids and positions
     hidden = backbone(**inputs).last_hidden_state.reshape(layout.rows * layout.capacity, -1)  # (R*C, H)
     scored = attention_mask[:, width - T :].bool()  # (N, T) real completion tokens
     index = layout.slots[:, width - T :][scored]  # (M,) flat slots of the scored tokens
@@ -351,7 +372,7 @@ def minibatch_logprobs(model, rollout, minibatches, logp_kwargs: dict, *, writes
         keep = writes is None or writes[j]
         with nullcontext() if around is None else around(j, idx, mb, keep):
             logp, _ = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_len,
-                                          **logp_kwargs)  # (n, t)
+                                          position_ids=mb.position_ids, **logp_kwargs)  # (n, t)
         if keep:
             out[idx, : mb.completion_len] = logp
     return out

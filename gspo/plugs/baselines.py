@@ -136,6 +136,7 @@ class CriticBaseline:
 
     def _values(self, rollout: Rollout, parts: list[Part]) -> torch.Tensor:
         """(n, T) values, minibatch by minibatch on training's trimmed shapes (fsdp: every rank runs each forward)."""
+        rollout.one_sequence_per_row("a critic (advantage_estimator: gae)")
         out = torch.zeros(rollout.completion_mask.shape, dtype=torch.float32, device=rollout.input_ids.device)
         for part in parts:
             mb = rollout.select(part.index)

@@ -171,31 +171,39 @@ def _reward(out) -> float | None:
     return float(value)
 
 
-def episode_of(outcome: AgentOutcome, session, first_prompt: list[int]) -> tuple[Episode, int]:
-    """The Episode the trainer keeps of an agent episode, and how many of its sequences are left out.
+def episode_of(outcome: AgentOutcome, session, first_prompt: list[int]) -> tuple[Episode, list[int]]:
+    """The Episode the trainer keeps of an agent episode (its sequences in one row), and where in its tokens each
+    sequence after the first starts (that sequence's prompt: read, never trained; positions restart there).
 
-    The sequence with the most model tokens is kept (the others are counted, `episode/untrained_sequences`: a row
-    of the rollout holds one sequence). An episode without calls keeps its row's prompt and no tokens."""
-    sequences = session.sequences
+    An episode without calls keeps its row's prompt and no tokens."""
+    sequences = session.sequences or []
     if not sequences:
-        kept = Episode(prompt_ids=list(first_prompt))
+        kept, starts = Episode(prompt_ids=list(first_prompt)), []
     else:
-        best = max(sequences, key=lambda s: sum(s.model))
-        kept = Episode(prompt_ids=best.prompt_ids, tokens=best.tokens, model=best.model, logprobs=best.logprobs)
+        first, starts = sequences[0], []
+        kept = Episode(prompt_ids=first.prompt_ids, tokens=list(first.tokens), model=list(first.model),
+                       logprobs=list(first.logprobs))
+        for other in sequences[1:]:
+            starts.append(len(kept.tokens))
+            kept.tokens += other.prompt_ids + other.tokens
+            kept.model += [False] * len(other.prompt_ids) + other.model
+            kept.logprobs += [0.0] * len(other.prompt_ids) + other.logprobs
     kept.turns = len(session.calls)
     kept.reward = 0.0 if outcome.error is not None else outcome.reward
     kept.truncated = outcome.truncated is not None
     kept.done = True
-    kept.info = {"agent_errors": int(outcome.error is not None), "calls": len(session.calls)}
-    return kept, max(0, len(sequences) - 1)
+    kept.info = {"calls": len(session.calls)}
+    return kept, starts
 
 
 def agent_rollout(results: list, rows: list[dict], tokenizer, model, with_logprobs: bool):
-    """The Rollout of a step's agent episodes (`AgentRunner.run`'s results, one per row): each row's kept sequence
-    (its prompt left-padded, its tokens right-padded, the model's tokens in the completion mask), and the
-    episodes' records with the agent's error and untrained sequences."""
+    """The Rollout of a step's agent episodes (`AgentRunner.run`'s results, one per row): each row an episode (its
+    first prompt left-padded, its tokens right-padded, the model's tokens in the completion mask; several sequences
+    in a row with `position_ids` restarting at each), and the episodes' records with the agent's error and the
+    number of sequences."""
     import torch
 
+    from gspo.algo.logprobs import position_ids_from_mask
     from gspo.rollout.batch import pad_id
     from gspo.rollout.episodes import _rollout
 
@@ -208,8 +216,14 @@ def agent_rollout(results: list, rows: list[dict], tokenizer, model, with_logpro
     mask = torch.tensor([[0] * (P - len(e.prompt_ids)) + [1] * len(e.prompt_ids) for e in episodes],
                         device=device)  # (N, P)
     rollout = _rollout(episodes, [row["prompt"] for row in rows], ids, mask, tokenizer, pad, with_logprobs, None)
-    for rec, (episode, left_out), (outcome, _) in zip(rollout.episodes, kept, results):
-        rec.update(agent_error=outcome.error is not None, untrained_sequences=left_out, calls=episode.info["calls"])
+    if any(starts for _, starts in kept):
+        positions = position_ids_from_mask(rollout.attention_mask)  # (N, P+T)
+        for n, (episode, starts) in enumerate(kept):
+            for start, end in zip(starts, starts[1:] + [len(episode.tokens)]):
+                positions[n, P + start : P + end] = torch.arange(end - start, device=device)  # a sequence of its own
+        rollout.position_ids = positions  # (N, P+T)
+    for rec, (_, starts), (outcome, _) in zip(rollout.episodes, kept, results):
+        rec.update(agent_error=outcome.error is not None, sequences=1 + len(starts), calls=rec["turns"])
     return rollout
 
 

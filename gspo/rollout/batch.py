@@ -29,6 +29,9 @@ class Rollout:
     returns: Tensor | None = None  # (N, T) the critic's targets: GAE advantages + old_values
     routing: object | None = None  # plugs.moe.RoutingRecord (R, N, P+T, k) aligned with input_ids; -1 = route freely
     episodes: list | None = None  # multi-turn: N dicts (turns, tool_calls, tool_errors, truncated, env_reward, ...)
+    position_ids: Tensor | None = None  # (N, P+T) where a row holds several sequences (an agent episode's calls that
+    # do not continue each other): positions restart at each, and a token attends within its own sequence only
+    # (gspo.algo.logprobs.segment_mask); None: one sequence per row, positions from the attention mask
 
     @property
     def completion_len(self) -> int:
@@ -42,6 +45,12 @@ class Rollout:
         """Each completion's token ids without padding (the stop token kept): TRL's `completion_ids`."""
         ids = self.input_ids[:, -self.completion_len:]  # (N, T)
         return [row[keep].tolist() for row, keep in zip(ids, self.completion_mask)]
+
+    def one_sequence_per_row(self, what: str) -> None:
+        """A ValueError naming `what` where rows hold several sequences (`position_ids`), which it does not read."""
+        if self.position_ids is not None:
+            raise ValueError(f"agent episodes whose calls do not continue each other (rows of several sequences) "
+                             f"cannot be trained with {what} yet; let each call continue the conversation")
 
     def trim(self, rows: Tensor) -> tuple[int, int, int]:
         """(left, cut, keep_t): `select(rows)` keeps input columns left:cut and completion columns :keep_t."""
@@ -60,7 +69,7 @@ class Rollout:
             v = getattr(self, f.name)
             if isinstance(v, Tensor):
                 v = v[rows]
-                if f.name in ("input_ids", "attention_mask"):
+                if f.name in ("input_ids", "attention_mask", "position_ids"):
                     v = v[:, left:cut]
                 elif v.dim() == 2:
                     v = v[:, :keep_t]
@@ -101,7 +110,7 @@ def join_rollouts(parts: list[Rollout], pad: int) -> Rollout:
             joined[f.name] = type(values[0])(torch.cat(indices, dim=1), layers)  # (R, N, P+T, k)
         elif isinstance(values[0], list):
             joined[f.name] = [x for v in values for x in v]
-        elif f.name in ("input_ids", "attention_mask"):  # prompt columns, then completion columns
+        elif f.name in ("input_ids", "attention_mask", "position_ids"):  # prompt columns, then completion columns
             fill = pad if f.name == "input_ids" else 0
             joined[f.name] = torch.cat([widen(v, P - (v.shape[1] - r.completion_len), T - r.completion_len, fill)
                                         for v, r in zip(values, parts)])  # (N, P+T)
