@@ -202,6 +202,9 @@ def episode_stats(rollout: Rollout, topology: Topology) -> dict[str, float]:
         stats["episode/sequences_mean"] = sum(e["sequences"] for e in eps) / n
         stats["episode/calls_mean"] = sum(e["calls"] for e in eps) / n
     weights = dict.fromkeys(stats, n)
+    for name in sorted({name for e in eps for name in e.get("scores", ())}):  # an agent's own scores: reward/<name>
+        given = [e["scores"][name] for e in eps if name in e.get("scores", ())]
+        stats[f"reward/{name}"], weights[f"reward/{name}"] = sum(given) / len(given), float(len(given))
     weights["episode/observation_token_frac"] = float(sum(e["tokens"] for e in eps))
     rewarded = [e["env_reward"] for e in eps if e["env_reward"] is not None]
     # every rank reduces the same keys; one without rewarded episodes weighs 0, and none anywhere leaves it out

@@ -1,6 +1,7 @@
 """Other projects' environments as gspo episodes: OpenEnv (openenv-core) in-process and served by its own server on
 127.0.0.1, and verifiers environments (gspo/env/openenv.py, gspo/env/verifiers.py)."""
 
+import os
 import socket
 import sys
 import threading
@@ -9,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import SMALL, tiny_cfg
+from conftest import ROOT, SMALL, tiny_cfg
 from gspo.config import sampler_sections
 from gspo.models import load_model
 from gspo.rollout.registry import GENERATORS, GeneratorBackend
@@ -82,14 +83,14 @@ def says(tok, text_of_row):
     return GeneratorBackend(sample, lambda model: None)
 
 
-def episodes_of(tmp_path, monkeypatch, environment, answer, prompts=("1=", "2=")):
+def episodes_of(tmp_path, monkeypatch, environment, answer, prompts=("1=", "2="), **kw):
     model, tok = load_model("tiny-dense", seed=0, overrides=SMALL)
     monkeypatch.setitem(GENERATORS, "says", says(tok, answer))
     cfg = tiny_cfg(tmp_path, environment=environment, generation_backend="says", per_device_batch_size=len(prompts),
-                   num_generations=2, reward_funcs=["environment"])
+                   num_generations=2, reward_funcs=["environment"], **kw)
     sampler = Sampler(model, tok, *sampler_sections(cfg), seeded=False)
     try:
-        return sampler.sample(list(prompts), 0, 0), tok
+        return sampler.sample(list(prompts), 0, 0, [{"prompt": p} for p in prompts]), tok
     finally:
         sampler.close()
 
@@ -147,3 +148,51 @@ def test_an_openenv_action_with_fields_is_a_tool(tmp_path):
 
 
 sys.modules.setdefault("test_environments", sys.modules[__name__])
+
+
+# ----------------------------------------------------------------------------------------------- verifiers
+def test_verifiers_0_4_has_no_load_environment_at_its_top():
+    """What issue 50 names (verifiers.load_environment) is not in the verifiers that installs: gspo's adapter is
+    built against verifiers.v1."""
+    verifiers = pytest.importorskip("verifiers")
+    assert verifiers.__version__.startswith("0.4")
+    with pytest.raises(AttributeError, match="module 'verifiers' has no attribute 'load_environment'"):
+        verifiers.load_environment  # noqa: B018
+
+
+def test_a_verifiers_single_turn_environment_scores_with_its_rewards(tmp_path, monkeypatch):
+    pytest.importorskip("verifiers")
+    rollout, _ = episodes_of(tmp_path, monkeypatch, "verifiers:vf_qa", lambda context: "7" if "3+4" in context
+                             else "5", prompts=("3+4=", "1+1="))
+    eps = rollout.episodes
+    assert [e["env_reward"] for e in eps] == [1.0, 1.0, 0.0, 0.0] and [e["calls"] for e in eps] == [1] * 4
+    assert [e["scores"] for e in eps] == [{"correct": 1.0}] * 2 + [{"correct": 0.0}] * 2
+    assert not any(e["agent_error"] for e in eps)
+
+
+@pytest.mark.slow  # verifiers starts the tool's MCP server as a process: ~20 s
+def test_a_verifiers_tool_environment_runs_its_tools_and_scores(tmp_path, monkeypatch):
+    pytest.importorskip("verifiers")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def model(context: str) -> str:  # call the tool, then answer what it said
+        return "7" if context.endswith("\n7") else "calc(3+4)"
+
+    rollout, tok = episodes_of(tmp_path, monkeypatch, "verifiers:vf_calc", model, prompts=("3+4=",),
+                               tool_call_style="text")
+    eps = rollout.episodes
+    assert [(e["calls"], e["tool_calls"], e["env_reward"]) for e in eps] == [(2, 1, 1.5)] * 2
+    assert eps[0]["scores"] == {"correct": 1.0, "used_tool": 1.0}
+    row = rollout.input_ids[0][rollout.attention_mask[0].bool()].tolist()
+    T = rollout.completion_len
+    assert tok.decode(row) == "3+4=calc(3+4)<eos>\n77<eos>"  # the tiny template; the tool's "7": an observation
+    assert tok.decode(rollout.input_ids[0, -T:][rollout.completion_mask[0]].tolist()) == "calc(3+4)<eos>7<eos>"
+
+
+def test_a_verifiers_environment_that_is_not_there_is_named(tmp_path):
+    pytest.importorskip("verifiers")
+    from gspo.env.verifiers import VerifiersAgent
+
+    with pytest.raises(ValueError, match=r"verifiers environment 'no_such_taskset': ModuleNotFoundError: taskset "
+                                         r"'no_such_taskset' not found"):
+        VerifiersAgent("no_such_taskset")

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "log-probs against the trainer's; none (default)")
     p.add_argument("--tools", action="store_true", help="the tiny model learns a calculator tool on 4-digit "
                                                         "addition, beside the same model without it (multi-turn)")
+    p.add_argument("--agent", action="store_true", help="the tiny model learns the calculator through an agent "
+                                                        "written against the openai client (gspo/apps/demo_agent.py)")
     p.add_argument("--resume", metavar="latest|latest_valid|DIR",
                    help="continue a demo that stopped (Ctrl-C): its finished cold start kept, its RL run from the "
                         "newest checkpoint (latest_valid: the newest that verifies; DIR: that checkpoint folder); "
@@ -311,15 +313,18 @@ def _plot(args) -> None:
 
 def _demo(args) -> None:
     """`gspo demo`: the tiny model's demo, its tool-use variant (--tools) or a real model's (--model)."""
-    if args.tools:
+    if args.tools or args.agent:
+        flag = "--agent" if args.agent else "--tools"
         if (args.model or args.lora or args.smoke or args.objective != "gspo" or args.rollout_correction != "none"
-                or args.precision != "auto"):
-            raise ValueError("--tools runs its own tiny model with GSPO; leave out --model, --lora, --smoke, "
-                             "--objective, --rollout-correction and --precision")
+                or args.precision != "auto" or (args.tools and args.agent)):
+            raise ValueError(f"{flag} runs its own tiny model with GSPO; leave out --model, --lora, --smoke, "
+                             "--objective, --rollout-correction and --precision (and give --tools or --agent, not "
+                             "both)")
         from gspo.apps.demo_tools import run_tool_demo
 
-        run_tool_demo("runs/demo-tools" if args.output_dir == "runs/demo" else args.output_dir, seed=args.seed,
-                      resume=args.resume)
+        default = "runs/demo-agent" if args.agent else "runs/demo-tools"
+        run_tool_demo(default if args.output_dir == "runs/demo" else args.output_dir, seed=args.seed,
+                      resume=args.resume, variants=("agent",) if args.agent else ("tool", "no_tool"))
     elif args.model:
         from gspo.apps.demo_real import run_real_demo
 

@@ -30,7 +30,13 @@ TOOL_RL = dict(task="add4", max_steps=40, per_device_batch_size=16, num_generati
 WITH_TOOL = dict(environment="tools", tools=["gspo.apps.demo_tools:calc"], tool_call_style="text", max_turns=2,
                  max_episode_tokens=48, max_completion_length=20)
 WITHOUT_TOOL = dict(max_completion_length=8)
-VARIANTS = {"tool": WITH_TOOL, "no_tool": WITHOUT_TOOL}  # in this order: no_tool takes the SFT steps tool took
+# `gspo demo --agent`: the same tool, through an agent written against the openai client (gspo/apps/demo_agent.py)
+# on the run's endpoint; its reward is the agent's own (the same rule as final_answer)
+WITH_AGENT = dict(agent="gspo.apps.demo_agent:agent", tool_call_style="text", agent_max_calls=2,
+                  max_episode_tokens=48, max_completion_length=20, reward_funcs=["environment"])
+VARIANTS = {"tool": WITH_TOOL, "no_tool": WITHOUT_TOOL, "agent": WITH_AGENT}
+USES_TOOL = ("tool", "agent")  # cold-started on demonstrations with the tool
+TOOL_DEMO = ("tool", "no_tool")  # `gspo demo --tools`, in this order: no_tool takes the SFT steps tool took
 
 _EXPRESSION = re.compile(r"^\s*(\d{1,12})\s*([+\-*])\s*(\d{1,12})\s*$")
 _NUMBER = re.compile(r"-?\d+")
@@ -156,8 +162,10 @@ def sft_step(model, optimizer, batch: list[tuple[list[int], list[int]]], pad: in
     return loss.item()
 
 
-def run_tool_demo(output_dir: str = "runs/demo-tools", seed: int = 0, resume: str | None = None) -> dict:
-    """Cold start, then GSPO, with the calculator tool and without it; prints and returns the comparison.
+def run_tool_demo(output_dir: str = "runs/demo-tools", seed: int = 0, resume: str | None = None,
+                  variants: tuple[str, ...] = TOOL_DEMO) -> dict:
+    """Cold start, then GSPO, with the calculator tool and without it (`variants`: ("agent",) for the agent's);
+    prints and returns the comparison.
 
     `resume` (latest, latest_valid or a checkpoint folder of either run; `gspo demo --tools --resume`): continue a
     demo that stopped: each variant's finished cold start is kept and its RL run continues from its newest
@@ -168,15 +176,16 @@ def run_tool_demo(output_dir: str = "runs/demo-tools", seed: int = 0, resume: st
     from gspo.trainer import train
 
     started, out, results, steps = time.perf_counter(), Path(output_dir), {}, None
-    resumes = variant_resumes(out, resume)  # a folder of neither run: refused before anything runs
+    resumes = variant_resumes(out, resume, variants)  # a folder of none of the runs: refused before anything runs
     if resume is None:  # an earlier demo's cold starts are not this one's to resume after
-        for name in VARIANTS:
+        for name in variants:
             (out / name / COLD_START_FILE).unlink(missing_ok=True)
-    for name, extra in VARIANTS.items():
+    for name in variants:
+        extra = VARIANTS[name]
         folder, say = out / name, partial(print_line, f"[{name}]")
         earlier = saved_cold_start(folder) if resume is not None else None
         if earlier is None:
-            model_dir, cold = cold_start(folder, seed, with_tool=name == "tool", steps=steps, say=say)
+            model_dir, cold = cold_start(folder, seed, with_tool=name in USES_TOOL, steps=steps, say=say)
         else:
             model_dir, cold = earlier.pop("model_dir"), earlier
             say(f"cold start: done before ({cold['sft_steps']} steps, {model_dir})")
@@ -192,21 +201,20 @@ def run_tool_demo(output_dir: str = "runs/demo-tools", seed: int = 0, resume: st
     summary = {"seed": seed, "task": "add4", **results, "seconds": round(time.perf_counter() - started, 1)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print_comparison(summary, out)
+    print_comparison(summary, out, variants)
     return summary
 
 
-def variant_resumes(out: Path, resume: str | None) -> dict:
-    """{variant: `resume` as its RL run takes it}: latest and latest_valid for both; a checkpoint folder for its own
-    run, latest for the other (a ValueError where it is in neither run's folder)."""
-    names = tuple(VARIANTS)
+def variant_resumes(out: Path, resume: str | None, names: tuple[str, ...] = TOOL_DEMO) -> dict:
+    """{variant: `resume` as its RL run takes it}: latest and latest_valid for all; a checkpoint folder for its own
+    run, latest for the others (a ValueError where it is in none of the runs' folders)."""
     if resume in (None, "latest", "latest_valid"):
         return dict.fromkeys(names, resume)
     owner = [name for name in names if Path(resume).resolve().parent == (out / name / "rl").resolve()]
     if not owner:
-        raise ValueError(f"--resume {resume}: not a checkpoint of this demo's runs ({out / 'tool' / 'rl'}, "
-                         f"{out / 'no_tool' / 'rl'}); give latest, latest_valid or one of their checkpoint-<step> "
-                         "folders")
+        runs = ", ".join(str(out / name / "rl") for name in names)
+        raise ValueError(f"--resume {resume}: not a checkpoint of this demo's runs ({runs}); give latest, "
+                         "latest_valid or one of their checkpoint-<step> folders")
     return {name: resume if name in owner else "latest" for name in names}
 
 
@@ -214,12 +222,12 @@ def print_line(prefix: str, text: str) -> None:
     print(f"{prefix} {text}", flush=True)
 
 
-def print_comparison(summary: dict, out: Path) -> None:
+def print_comparison(summary: dict, out: Path, variants: tuple[str, ...] = TOOL_DEMO) -> None:
     """The demo's table: held-out accuracy (and tool-call rate) before and after GSPO, with and without the tool."""
     print(f"\nheld-out 4-digit addition ({TOOL_RL['eval_num_prompts']} problems never trained on), seed "
           f"{summary['seed']}")
     print(f"  {'':34}{'cold start':>12}{'after GSPO':>12}")
-    for name in VARIANTS:
+    for name in variants:
         b, a = summary[name]["before"], summary[name]["after"]
         print(f"  {name + ': greedy accuracy':34}{b['eval/accuracy']:>12.1%}{a['eval/accuracy']:>12.1%}")
         if "eval/tool_call_rate" in a:

@@ -77,8 +77,12 @@ def episode_runner(model, tokenizer, plan: Evaluation):
     sampled as asked, the run's limits), its Rollout carrying the episodes; None without one."""
     from gspo.env import environment_factory
     from gspo.rollout import GENERATORS, pick_generator
+    from gspo.rollout.agents import agent_of, agent_runner
     from gspo.rollout.episodes import EpisodeLimits, sample_episodes
 
+    agent = agent_of(plan.episodes)
+    if agent is not None:  # agent episodes on an endpoint of their own, sampling as the evaluation says
+        return agent_runner(*agent, model, tokenizer, plan.episodes, plan.sampling, plan.template_kwargs)
     make_env = environment_factory(plan.episodes, plan.rewards.sandbox)
     if make_env is None:
         return None
@@ -112,18 +116,26 @@ def evaluate(model, tokenizer, rows: list[dict], plan: Evaluation, *, reward_fns
     """
     if not rows:
         return {}
-    settings, sampling = plan.settings, plan.sampling
     if reward_fns is None:
         reward_fns = [get_reward_fn(s, **reward_options(plan.rewards)) for s in plan.rewards.reward_funcs]
         reward_weights = plan.rewards.reward_weights
+    run_episodes = episode_runner(model, tokenizer, plan)  # an environment, an agent: every completion an episode
+    try:
+        return _evaluate(model, tokenizer, rows, plan, run_episodes, reward_fns, reward_weights, sampled)
+    finally:
+        getattr(run_episodes, "close", lambda: None)()  # an agents' endpoint
+
+
+def _evaluate(model, tokenizer, rows: list[dict], plan: Evaluation, run_episodes, reward_fns: list,
+              reward_weights: list[float] | None, sampled: bool) -> dict[str, float]:
+    """`evaluate` with its reward functions and episode runner (None: single completions) in hand."""
+    settings, sampling = plan.settings, plan.sampling
     decider, threshold = success_rule(settings, reward_names(reward_fns), reward_weights)
     k, size, n = settings.eval_k, settings.eval_batch_size, len(rows)
     seeded = sampling.seeded_sampling
     common = dict(max_new_tokens=sampling.max_completion_length, max_prompt_length=sampling.max_prompt_length,
                   truncate_prompts=sampling.truncate_prompts, backend=policy_backend(sampling.generation_backend))
     starts = range(0, n, size)
-
-    run_episodes = episode_runner(model, tokenizer, plan)  # an environment: every completion an episode
 
     def run(prompts: list[str], copies: int, *, rows: list[dict], **options):
         return (run_episodes(prompts, copies, rows=rows, **options) if run_episodes is not None

@@ -27,6 +27,7 @@ from gspo.config import AdvantageSettings
 from gspo.plugs.critic import completion_values, load_value_model, save_value_model, terminal_rewards, value_model_from
 from gspo.plugs.parallel import Part, Topology
 from gspo.rollout import Rollout
+from gspo.rollout.batch import one_sequence_per_row
 from gspo.runtime import NonFiniteGuard
 from gspo.step import grad_norm, step_or_skip
 
@@ -136,7 +137,7 @@ class CriticBaseline:
 
     def _values(self, rollout: Rollout, parts: list[Part]) -> torch.Tensor:
         """(n, T) values, minibatch by minibatch on training's trimmed shapes (fsdp: every rank runs each forward)."""
-        rollout.one_sequence_per_row("a critic (advantage_estimator: gae)")
+        one_sequence_per_row(rollout, "a critic (advantage_estimator: gae)")
         out = torch.zeros(rollout.completion_mask.shape, dtype=torch.float32, device=rollout.input_ids.device)
         for part in parts:
             mb = rollout.select(part.index)

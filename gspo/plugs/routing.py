@@ -33,6 +33,7 @@ from gspo.plugs.moe import (
     unsupported_moe,
 )
 from gspo.rollout import Rollout
+from gspo.rollout.batch import one_sequence_per_row
 
 
 def build_routing(model, replay: str, drift: bool, packed: bool = False):
@@ -105,7 +106,7 @@ class MoERouting:
         """The routing of minibatch `mb`'s training forward through `model` (the policy as trained: a DDP
         wrapper runs padded; None: the routers' model)."""
         forward = self.model if model is None else model
-        mb.one_sequence_per_row("routing replay or the drift meter on an MoE model")
+        one_sequence_per_row(mb, "routing replay or the drift meter on an MoE model")
         layout = padding_free_layout(forward, mb.attention_mask, mb.completion_len) if self.packed else None
         return _Watch(self, mb, 0.0 if stand_in else 1.0, layout)
 

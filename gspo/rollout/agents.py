@@ -23,7 +23,8 @@ import logging
 import math
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 from gspo.rollout.episodes import Episode
 
@@ -40,6 +41,7 @@ class AgentOutcome:
     """How one agent episode ended."""
 
     reward: float | None = None  # the agent's reward (None: left to the reward functions)
+    scores: dict = field(default_factory=dict)  # a dict's other numbers ({"reward": 1, "correct": 1}): reward/<name>
     error: str | None = None  # the agent raised: one line
     truncated: str | None = None  # a limit ended it: max_calls, max_tokens, timeout
 
@@ -116,6 +118,7 @@ class AgentRunner:
 
     async def _episodes(self, rows: list[dict], sessions: list, running: list[int]) -> list[AgentOutcome]:
         gate = asyncio.Semaphore(self.concurrency)
+        serving = getattr(self.agent, "serving", None)  # what an adapter keeps up around a step (verifiers' tools)
 
         async def one(i: int) -> AgentOutcome:
             async with gate:
@@ -124,7 +127,8 @@ class AgentRunner:
                 finally:
                     running[0] -= 1
 
-        return await asyncio.gather(*(one(i) for i in range(len(rows))))
+        async with serving() if serving is not None else nullcontext():
+            return await asyncio.gather(*(one(i) for i in range(len(rows))))
 
     async def _episode(self, row: dict, session, i: int) -> AgentOutcome:
         import openai
@@ -150,7 +154,7 @@ class AgentRunner:
             logger.warning(line)
             return AgentOutcome(error=line)
         try:
-            return AgentOutcome(reward=_reward(out), truncated=session.over)
+            return AgentOutcome(*_reward(out), truncated=session.over)
         except ValueError as err:
             line = f"agent {self.spec!r}: {err} (episode {i}, row {row!r:.80})"
             logger.warning(line)
@@ -161,14 +165,17 @@ class AgentRunner:
         self.threads.shutdown(wait=False)
 
 
-def _reward(out) -> float | None:
-    """The reward an agent returned: a number, a dict with "reward", or None (the reward functions decide)."""
-    value = out.get("reward") if isinstance(out, dict) else out
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"returned {out!r:.80}; an agent returns a finite number, a dict with \"reward\", or None")
-    return float(value)
+def _reward(out) -> tuple[float | None, dict]:
+    """(the reward an agent returned, its other scores): a number, a dict with "reward" (and other numbers, each
+    logged as reward/<name>), or None (the reward functions decide)."""
+    values = dict(out) if isinstance(out, dict) else {"reward": out}
+    bad = [k for k, v in values.items() if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                                             or not math.isfinite(v))]
+    if bad or not all(isinstance(k, str) for k in values):
+        raise ValueError(f"returned {out!r:.80}; an agent returns a finite number, a dict of them with \"reward\", "
+                         "or None")
+    reward = values.pop("reward", None)
+    return (None if reward is None else float(reward)), {k: float(v) for k, v in values.items() if v is not None}
 
 
 def episode_of(outcome: AgentOutcome, session, first_prompt: list[int]) -> tuple[Episode, list[int]]:
@@ -192,8 +199,41 @@ def episode_of(outcome: AgentOutcome, session, first_prompt: list[int]) -> tuple
     kept.reward = 0.0 if outcome.error is not None else outcome.reward
     kept.truncated = outcome.truncated is not None
     kept.done = True
-    kept.info = {"calls": len(session.calls)}
+    kept.info = {"calls": len(session.calls), "tool_calls": session.tool_calls}
     return kept, starts
+
+
+class agent_runner:  # noqa: N801  (used as a function: evaluation's episode runner)
+    """Evaluation's stand-in for `generate` with an agent: each completion an agent episode on an endpoint of its own
+    over `model` (the policy itself), greedy or at the asked temperature whatever the agent asks, the run's
+    limits; `close()` stops the endpoint."""
+
+    def __init__(self, agent, name: str, model, tokenizer, episodes, sampling, template_kwargs: dict | None):
+        from gspo.rollout.endpoint.engine import Engine
+        from gspo.rollout.registry import GENERATORS, pick_generator, policy_backend
+
+        engine = Engine(GENERATORS[pick_generator(model, policy_backend(sampling.generation_backend))], model, model,
+                        tokenizer)
+        self.model, self.tokenizer = model, tokenizer
+        self.runner = AgentRunner(agent, name, engine, tokenizer, template_kwargs=template_kwargs,
+                                  tool_style=episodes.tool_call_style, limits=session_limits(episodes),
+                                  concurrency=episodes.agent_concurrency, max_tokens=sampling.max_completion_length)
+
+    def __call__(self, prompts, copies, *, rows, greedy=False, temperature=1.0, row_seeds=None, **_):
+        self.runner.endpoint.overrides = {"temperature": 0.0 if greedy else temperature}
+        episode_rows = [row for row in rows for _ in range(copies)]
+        return agent_rollout(self.runner.run(episode_rows, row_seeds), episode_rows, self.tokenizer, self.model, True)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def session_limits(episodes):
+    """The SessionLimits of an EpisodeSettings (gspo.config): agent_max_calls, max_episode_tokens, agent_timeout_s."""
+    from gspo.rollout.endpoint.sessions import SessionLimits
+
+    return SessionLimits(max_calls=episodes.agent_max_calls, max_tokens=episodes.max_episode_tokens,
+                         timeout_s=episodes.agent_timeout_s)
 
 
 def agent_rollout(results: list, rows: list[dict], tokenizer, model, with_logprobs: bool):
@@ -223,8 +263,10 @@ def agent_rollout(results: list, rows: list[dict], tokenizer, model, with_logpro
                 positions[n, P + start : P + end] = torch.arange(end - start, device=device)  # a sequence of its own
         rollout.position_ids = positions  # (N, P+T)
     for rec, (_, starts), (outcome, _) in zip(rollout.episodes, kept, results):
-        rec.update(agent_error=outcome.error is not None, sequences=1 + len(starts), calls=rec["turns"])
+        rec.update(agent_error=outcome.error is not None, sequences=1 + len(starts), calls=rec["turns"],
+                   scores=outcome.scores)
     return rollout
 
 
-__all__ = ["AgentOutcome", "AgentRunner", "agent_rollout", "episode_of", "load_agent"]
+__all__ = ["ADAPTERS", "AgentOutcome", "AgentRunner", "agent_of", "agent_rollout", "agent_runner", "episode_of",
+           "load_agent", "session_limits"]

@@ -46,12 +46,6 @@ class Rollout:
         ids = self.input_ids[:, -self.completion_len:]  # (N, T)
         return [row[keep].tolist() for row, keep in zip(ids, self.completion_mask)]
 
-    def one_sequence_per_row(self, what: str) -> None:
-        """A ValueError naming `what` where rows hold several sequences (`position_ids`), which it does not read."""
-        if self.position_ids is not None:
-            raise ValueError(f"agent episodes whose calls do not continue each other (rows of several sequences) "
-                             f"cannot be trained with {what} yet; let each call continue the conversation")
-
     def trim(self, rows: Tensor) -> tuple[int, int, int]:
         """(left, cut, keep_t): `select(rows)` keeps input columns left:cut and completion columns :keep_t."""
         T = self.completion_len
@@ -79,6 +73,14 @@ class Rollout:
                 v = v.select(rows, slice(left, cut))
             out[f.name] = v
         return replace(self, **out)
+
+
+def one_sequence_per_row(batch, what: str) -> None:
+    """A ValueError naming `what` where a batch's rows hold several sequences (`Rollout.position_ids`), which `what`
+    does not read."""
+    if getattr(batch, "position_ids", None) is not None:
+        raise ValueError(f"agent episodes whose calls do not continue each other (rows of several sequences) cannot "
+                         f"be trained with {what} yet; let each call continue the conversation")
 
 
 def join_rollouts(parts: list[Rollout], pad: int) -> Rollout:

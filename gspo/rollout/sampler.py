@@ -118,17 +118,14 @@ class Sampler:
 
     def agent_episodes(self, rows: list, seeds: list[int] | None) -> Rollout:
         """Agent episodes of `rows` (one per sequence) on the run's endpoint (gspo/rollout/agents.py)."""
-        from gspo.rollout.agents import AgentRunner, agent_rollout
+        from gspo.rollout.agents import AgentRunner, agent_rollout, session_limits
         from gspo.rollout.endpoint.engine import engine_of
-        from gspo.rollout.endpoint.sessions import SessionLimits
 
         if self.runner is None:
             e = self.episode_settings
-            limits = SessionLimits(max_calls=e.agent_max_calls, max_tokens=e.max_episode_tokens,
-                                   timeout_s=e.agent_timeout_s)
             self.runner = AgentRunner(self.agent, self.agent_name, engine_of(self), self.tokenizer,
                                       template_kwargs=self.template_kwargs, tool_style=e.tool_call_style,
-                                      limits=limits, concurrency=e.agent_concurrency,
+                                      limits=session_limits(e), concurrency=e.agent_concurrency,
                                       max_tokens=self.options["max_new_tokens"])
         # mu always: the endpoint recorded it with every call (mismatch/* then says how far it is from pi_old)
         return agent_rollout(self.runner.run(rows, seeds), rows, self.tokenizer, self.model, True)

@@ -53,10 +53,13 @@ class Endpoint:
     tool_style: str = "hermes"  # how the model writes tool calls (tool_call_style)
     limits: Limits = field(default_factory=Limits)
     sessions: Sessions = field(default_factory=Sessions)
+    overrides: dict = field(default_factory=dict)  # request fields set whatever a request says (an evaluation's
+    # temperature: greedy or eval_temperature)
 
     async def chat(self, body, session: Session | None) -> dict:
         """A chat.completion for `body` (a checked request), recorded in `session` if any."""
         check_fields(body, "chat")
+        body = {**body, **self.overrides}
         prompt = chat_prompt(body, self.tokenizer, self.template_kwargs, session.calls if session else [])
         job = job_of(body, "chat", self.limits, prompt.token_ids, session.next_seed() if session else None)
         if session is not None:
@@ -65,6 +68,7 @@ class Endpoint:
         replies = [chat_reply(s, prompt.tools if prompt.parse_tools else None, self.tool_style) for s in samples]
         if session is not None:
             session.record(Call(prompt, samples, [normalise(message, 0) for message, _ in replies]))
+            session.tool_calls += sum(len(message.get("tool_calls", ())) for message, _ in replies)
         return chat_response(samples, replies, prompt.token_ids, self.model_name, self.tokenizer,
                              bool(body.get("logprobs")))
 
@@ -73,6 +77,7 @@ class Endpoint:
         from gspo.rollout.endpoint.requests import Prompt
 
         check_fields(body, "completion")
+        body = {**body, **self.overrides}
         prompts = completion_prompts(body, self.tokenizer)
         jobs = []
         for ids in prompts:

@@ -70,6 +70,7 @@ class Session:
     sequences: list[Sequence] = field(default_factory=list)  # the calls merged (`extend`), in order
     tokens: int = 0  # counted against limits.max_tokens
     asked: int = 0  # calls admitted
+    tool_calls: int = 0  # tool calls the model wrote, parsed into `tool_calls` of the replies
     started: float = field(default_factory=time.monotonic)
     over: str | None = None  # why the episode ended: "max_calls", "max_tokens", "timeout"
 
