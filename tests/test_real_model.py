@@ -276,3 +276,45 @@ def test_the_own_task_config_trains_smollm2_as_shipped(smollm2, tmp_path):
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [0, 1, 2]
     assert 0 <= records[1]["reward/names_the_capital"] <= 1 and (tmp_path / "run" / "model").is_dir()
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_the_demo_agent_runs_unchanged_on_smollm2_served_and_trained(smollm2, tmp_path):
+    """gspo/apps/demo_agent.py, written against the openai client only: against `gspo serve` of SmolLM2-135M-Instruct,
+    and as a run's agent for 2 steps (issue 50, a smoke: it runs and scores, whatever it learns)."""
+    pytest.importorskip("openai")
+    import asyncio
+    import threading
+
+    import openai
+
+    from conftest import changed, final_weights, initial_weights, read_metrics, tiny_cfg
+    from gspo.apps.demo_agent import agent
+    from gspo.apps.serve import serve
+    from gspo.trainer import train
+
+    cfg = tiny_cfg(tmp_path, model=str(smollm2), model_overrides=None, max_completion_length=24, max_steps=2,
+                   per_device_batch_size=2, num_generations=2, eval_num_prompts=0, task="add4",
+                   agent="gspo.apps.demo_agent:agent", reward_funcs=["environment"], max_episode_tokens=96)
+    ready, stop = [], threading.Event()
+    thread = threading.Thread(target=serve, args=(cfg, "127.0.0.1", 0), kwargs={"ready": ready.append, "stop": stop})
+    thread.start()
+    try:
+        while not ready and thread.is_alive():
+            thread.join(0.1)
+
+        async def one() -> float:
+            async with openai.AsyncOpenAI(base_url=ready[0].url + "/v1", api_key="-") as client:
+                return await agent(client, {"prompt": "What is 1234+5678?", "answer": "6912"}, model=str(smollm2))
+
+        assert asyncio.run(one()) in (0.0, 1.0)
+    finally:
+        stop.set()
+        thread.join(60)
+    before = initial_weights(cfg)
+    train(cfg)
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 2 and all(m["episode/agent_errors"] == 0 and m["episode/calls_mean"] >= 1
+                                     for m in metrics)
+    assert changed(before, final_weights(tmp_path / "run")) or all(m["reward/std"] == 0 for m in metrics)
