@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,6 +28,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="completions per call")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model", default="tiny-dense")
+    parser.add_argument("--out", default="benchmarks/results/endpoint_overhead.json")
     args = parser.parse_args()
 
     import openai
@@ -52,7 +57,7 @@ def main() -> None:
 
     times = {"direct": [], "http": []}
     tokens = {}
-    for name, call in (("direct", direct), ("http", http)):  # warm-up
+    for call in (direct, http):  # warm-up
         call()
     for _ in range(args.rounds):
         for name, call in (("direct", direct), ("http", http)):
@@ -67,8 +72,12 @@ def main() -> None:
            "completion_tokens": tokens, "median_s": {k: round(v, 4) for k, v in med.items()},
            "tokens_per_s": {k: round(tokens[k] / med[k], 1) for k in med},
            "overhead_ms_per_call": round(1000 * (med["http"] - med["direct"]), 2),
-           "overhead_frac": round(med["http"] / med["direct"] - 1, 4), "threads": torch.get_num_threads()}
+           "overhead_frac": round(med["http"] / med["direct"] - 1, 4), "threads": torch.get_num_threads(),
+           "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
+           or platform.machine(), "load": os.getloadavg()}
     print(json.dumps(out, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":
