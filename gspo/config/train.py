@@ -404,6 +404,10 @@ def check_train(cfg: TrainConfig) -> None:
     if cfg.rollout_workers > cfg.per_device_batch_size:
         raise ValueError(f"config: rollout_workers={cfg.rollout_workers} share per_device_batch_size="
                          f"{cfg.per_device_batch_size} prompts per step; more workers than prompts would sit idle")
+    agents = cfg.agent is not None or (cfg.environment or "").startswith(("openenv:", "verifiers:"))
+    if agents and (cfg.rollout_workers or cfg.rollout_address):
+        raise ValueError("config: agent episodes (agent, environment: openenv:/verifiers:) run on the trainer's own "
+                         "endpoint, in its process; rollout_workers and rollout_address are not supported with them")
     if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
         raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
                          "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")

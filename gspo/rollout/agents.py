@@ -245,7 +245,7 @@ def agent_rollout(results: list, rows: list[dict], tokenizer, model, with_logpro
 
     from gspo.algo.logprobs import position_ids_from_mask
     from gspo.rollout.batch import pad_id
-    from gspo.rollout.episodes import _rollout
+    from gspo.rollout.episodes import episode_rollout
 
     kept = [episode_of(outcome, session, tokenizer(row["prompt"])["input_ids"])
             for (outcome, session), row in zip(results, rows)]
@@ -255,7 +255,8 @@ def agent_rollout(results: list, rows: list[dict], tokenizer, model, with_logpro
     ids = torch.tensor([[pad] * (P - len(e.prompt_ids)) + e.prompt_ids for e in episodes], device=device)  # (N, P)
     mask = torch.tensor([[0] * (P - len(e.prompt_ids)) + [1] * len(e.prompt_ids) for e in episodes],
                         device=device)  # (N, P)
-    rollout = _rollout(episodes, [row["prompt"] for row in rows], ids, mask, tokenizer, pad, with_logprobs, None)
+    rollout = episode_rollout(episodes, [row["prompt"] for row in rows], ids, mask, tokenizer, pad, with_logprobs,
+                              None)
     if any(starts for _, starts in kept):
         positions = position_ids_from_mask(rollout.attention_mask)  # (N, P+T)
         for n, (episode, starts) in enumerate(kept):

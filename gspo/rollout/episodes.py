@@ -130,7 +130,7 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
             except Exception as err:  # an environment's bug: named, with the episode and its turn
                 raise ValueError(f"environment {_name(envs[i])!r}: step raised {type(err).__name__}: "
                                  f"{str(err)[:200]} (episode {i}, turn {episode.turns})") from err
-    return _rollout(episodes, prompts, ids, mask, tokenizer, pad, with_logprobs, layers), episodes
+    return episode_rollout(episodes, prompts, ids, mask, tokenizer, pad, with_logprobs, layers), episodes
 
 
 def _name(env) -> str:
@@ -200,11 +200,11 @@ def _observation(observation, controls: re.Pattern | None) -> str:
     """A Turn's observation as text for `encode_data`: text is data; a list alternates the environment's own
     markup, kept as written, and data: [markup, data, markup, ...]."""
     if isinstance(observation, str):
-        return _mark(observation, controls)
+        return mark_data(observation, controls)
     if not isinstance(observation, list) or not all(isinstance(part, str) for part in observation):
         raise ValueError(f"a Turn's observation is text, or a list of texts [markup, data, markup, ...]; got "
                          f"{observation!r:.120}")
-    return "".join(_mark(part, controls) if k % 2 else part for k, part in enumerate(observation))
+    return "".join(mark_data(part, controls) if k % 2 else part for k, part in enumerate(observation))
 
 
 def chat_observation(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
@@ -227,7 +227,7 @@ def chat_observation(tokenizer, messages: list[dict], template_kwargs: dict | No
             "content"), str) for m in messages):
         raise ValueError(f"chat messages must be a non-empty list of {{role, content}} string pairs; got "
                          f"{messages!r:.120}")
-    messages = [{key: value if key == "role" or not isinstance(value, str) else _mark(value, controls)
+    messages = [{key: value if key == "role" or not isinstance(value, str) else mark_data(value, controls)
                  for key, value in m.items()} for m in messages]
     kwargs = dict(template_kwargs or {}, tokenize=False)
     base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN}]
@@ -263,7 +263,7 @@ def control_tokens(tokenizer) -> re.Pattern | None:
     return re.compile("|".join(map(re.escape, texts))) if texts else None
 
 
-def _mark(text: str, controls: re.Pattern | None) -> str:
+def mark_data(text: str, controls: re.Pattern | None) -> str:
     """Data `text` with its control tokens' text marked for `encode_data` (and any marks of its own dropped)."""
     if _OPEN in text or _CLOSE in text:
         text = text.replace(_OPEN, "").replace(_CLOSE, "")
@@ -271,7 +271,7 @@ def _mark(text: str, controls: re.Pattern | None) -> str:
 
 
 def encode_data(tokenizer, text: str, controls: re.Pattern | None) -> list[int]:
-    """Token ids of `text` where a marked text (`_mark`: a control token's, from data) is spelled out in ordinary
+    """Token ids of `text` where a marked text (`mark_data`: a control token's, from data) is spelled out in ordinary
     tokens (its first character, then the rest as data) and the rest is read as the tokenizer reads it (the
     template's own markers stay its tokens); text without marks is tokenized in one call, as it always was."""
     ids = []
@@ -280,12 +280,14 @@ def encode_data(tokenizer, text: str, controls: re.Pattern | None) -> list[int]:
             ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
         elif k % 2 and piece:
             ids += tokenizer(piece[:1], add_special_tokens=False)["input_ids"]
-            ids += encode_data(tokenizer, _mark(piece[1:], controls), controls)
+            ids += encode_data(tokenizer, mark_data(piece[1:], controls), controls)
     return ids
 
 
-def _rollout(episodes: list[Episode], prompts: list[str], ids, mask, tokenizer, pad: int,
-             with_logprobs: bool, layers: tuple[int, ...] | None) -> Rollout:
+def episode_rollout(episodes: list[Episode], prompts: list[str], ids, mask, tokenizer, pad: int,
+                    with_logprobs: bool, layers: tuple[int, ...] | None) -> Rollout:
+    """The Rollout of built `episodes` after their prompts `ids`, `mask` (N, P; left-padded): tokens right-padded,
+    the model's in the completion mask, mu where kept, the routing of `layers` (None: none), their records."""
     T = max(1, max(len(e.tokens) for e in episodes))
 
     def padded(values: list, fill, dtype) -> torch.Tensor:  # (N, T): each episode's, right-padded with `fill`
@@ -341,5 +343,5 @@ def record(episode: Episode, tokenizer) -> dict:
             **{key: episode.info.get(key, 0) for key in COUNTS}}
 
 
-__all__ = ["COUNTS", "Episode", "EpisodeLimits", "chat_observation", "control_tokens", "encode_data", "record",
-           "sample_episodes"]
+__all__ = ["COUNTS", "Episode", "EpisodeLimits", "chat_observation", "control_tokens", "encode_data",
+           "episode_rollout", "mark_data", "record", "sample_episodes"]

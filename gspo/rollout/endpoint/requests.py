@@ -198,10 +198,10 @@ def _read_call(call, k: int) -> tuple[str, dict]:
 
 def _template_message(message: dict, controls=None) -> dict:
     """A normalised message as chat templates read it (transformers' format: tool calls' arguments a dict); its
-    content is data (`_mark`: control tokens' text spelled out by encode_data)."""
-    from gspo.rollout.episodes import _mark
+    content is data (`mark_data`: control tokens' text spelled out by encode_data)."""
+    from gspo.rollout.episodes import mark_data
 
-    out = {"role": message["role"], "content": _mark(message["content"], controls)}
+    out = {"role": message["role"], "content": mark_data(message["content"], controls)}
     if "tool_calls" in message:
         out["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": args}}
                              for name, args in message["tool_calls"]]
