@@ -186,6 +186,7 @@ def test_tool_calls_are_parsed_back_into_tool_calls(tiny):
     ({"messages": [{"role": "wizard", "content": "1"}]}, 400, "messages[0] must be an object with a role"),
     ({"messages": [], "prompt_token_ids": [1, 99999]}, 400, "token id 99999 is outside the vocabulary"),
     ({"messages": []}, 400, "messages must be a non-empty list"),
+    ({"messages": [{"role": "user", "content": "1"}], "max_tokens": 4000}, 400, "exceed the model's context (512"),
 ])
 def test_bad_requests_are_refused_by_name(tiny, body, status, says):
     import httpx

@@ -64,13 +64,21 @@ class Endpoint:
         job = job_of(body, "chat", self.limits, prompt.token_ids, session.next_seed() if session else None)
         if session is not None:
             session.admit(job, prompt)
-        samples = await asyncio.wrap_future(self.engine.submit(job))
+        samples = await self.sample(job)
         replies = [chat_reply(s, prompt.tools if prompt.parse_tools else None, self.tool_style) for s in samples]
         if session is not None:
             session.record(Call(prompt, samples, [normalise(message, 0) for message, _ in replies]))
             session.tool_calls += sum(len(message.get("tool_calls", ())) for message, _ in replies)
         return chat_response(samples, replies, prompt.token_ids, self.model_name, self.tokenizer,
                              bool(body.get("logprobs")))
+
+    async def sample(self, job) -> list:
+        """The job's samples, once the sampling thread ran it; a prompt the model cannot take is a BadRequest."""
+        try:
+            future = self.engine.submit(job)
+        except ValueError as err:  # longer than the model's context, no tokens
+            raise BadRequest(str(err), "max_tokens") from None
+        return await asyncio.wrap_future(future)
 
     async def complete(self, body, session: Session | None) -> dict:
         """A text_completion for `body`; in a session each prompt is a call of its own."""
@@ -85,7 +93,7 @@ class Endpoint:
             if session is not None:
                 session.admit(job, Prompt(ids))
             jobs.append(job)
-        samples = [await asyncio.wrap_future(self.engine.submit(job)) for job in jobs]
+        samples = [await self.sample(job) for job in jobs]
         if session is not None:
             for ids, per_prompt in zip(prompts, samples):
                 session.record(Call(Prompt(ids), per_prompt, [{} for _ in per_prompt]))
