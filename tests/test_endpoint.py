@@ -297,3 +297,22 @@ def test_the_gspo_serve_command_prints_its_address_and_stops_on_sigterm(tmp_path
         assert process.wait(30) == 0
     finally:
         process.kill()
+
+
+def test_tools_reach_the_chat_template_and_a_top_p_request_samples(tiny):
+    """A template that writes the tools' names: the request's tools are in the prompt the model read."""
+    model, tok = tiny
+    template = ("{% if tools %}tools: {% for t in tools %}{{ t['function']['name'] }}{% endfor %};\n{% endif %}"
+                "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    original, tok.chat_template = tok.chat_template, template
+    try:
+        with serving(Engine(GENERATORS["gspo"], model, model, tok), tok) as (_, client):
+            ask = dict(model="tiny", messages=[{"role": "user", "content": "1+2="}], max_tokens=4)
+            with_tools = client.chat.completions.create(**ask, tools=[CALC]).model_dump()
+            without = client.chat.completions.create(**ask, tools=[CALC], tool_choice="none").model_dump()
+            nucleus = client.chat.completions.create(**ask, temperature=0.7, top_p=0.5, n=3).model_dump()
+    finally:
+        tok.chat_template = original
+    assert tok.decode(with_tools["prompt_token_ids"]) == "tools: calc;\n1+2=\n"
+    assert tok.decode(without["prompt_token_ids"]) == "1+2=\n"  # tool_choice none: no tools offered
+    assert len(nucleus["choices"]) == 3 and all(1 <= len(c["token_ids"]) <= 4 for c in nucleus["choices"])
