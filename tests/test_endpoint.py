@@ -316,3 +316,11 @@ def test_tools_reach_the_chat_template_and_a_top_p_request_samples(tiny):
     assert tok.decode(with_tools["prompt_token_ids"]) == "tools: calc;\n1+2=\n"
     assert tok.decode(without["prompt_token_ids"]) == "1+2=\n"  # tool_choice none: no tools offered
     assert len(nucleus["choices"]) == 3 and all(1 <= len(c["token_ids"]) <= 4 for c in nucleus["choices"])
+
+
+def test_a_missing_extra_is_named_with_how_to_install_it():
+    from gspo.rollout.endpoint.server import need
+
+    with pytest.raises(ValueError, match=r"no_such_module_50 is not installed: the endpoint needs the serve extra "
+                                         r"\(pip install 'gspo\[serve\]'\)"):
+        need("serve", "fastapi", "no_such_module_50")

@@ -88,8 +88,9 @@ class AgentRunner:
     def __init__(self, agent, spec: str, engine, tokenizer, *, template_kwargs: dict | None, tool_style: str,
                  limits, concurrency: int, max_tokens: int):
         from gspo.rollout.endpoint.requests import Limits
-        from gspo.rollout.endpoint.server import Endpoint, Server
+        from gspo.rollout.endpoint.server import Endpoint, Server, need
 
+        need("agents", "fastapi", "uvicorn", "openai")
         self.agent, self.spec, self.limits, self.concurrency = agent, spec, limits, concurrency
         self.secret = secrets.token_hex(16)
         self.endpoint = Endpoint(engine, tokenizer, model_name="policy", template_kwargs=template_kwargs,

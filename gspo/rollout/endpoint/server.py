@@ -110,9 +110,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def need(extra: str, *modules: str) -> None:
+    """A ValueError naming the extra to install where one of `modules` is missing."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} is not installed: the endpoint needs the {extra} extra "
+                         f"(pip install 'gspo[{extra}]')")
+
+
 def make_app(endpoint: Endpoint, *, secret: bytes | None, open_loopback: bool = True):
     """The FastAPI app of `endpoint`. `secret`: the bearer token requests must carry (from loopback only where
     `open_loopback` is off); None: only loopback clients are answered."""
+    need("serve", "fastapi", "uvicorn")
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -175,6 +186,7 @@ class Server:
 
     def __init__(self, endpoint: Endpoint, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None,
                  open_loopback: bool = True):
+        need("serve", "fastapi", "uvicorn")
         import uvicorn
 
         if not is_loopback(host) and not secret:
@@ -200,4 +212,4 @@ class Server:
         self.sock.close()
 
 
-__all__ = ["Endpoint", "Server", "is_loopback", "make_app"]
+__all__ = ["Endpoint", "Server", "is_loopback", "make_app", "need"]
