@@ -16,7 +16,7 @@ from gspo.rollout.registry import GENERATORS, GeneratorBackend
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from gspo.rollout.endpoint.engine import Engine, Sample  # noqa: E402
+from gspo.rollout.endpoint.engine import Engine, Job, Sample  # noqa: E402
 from gspo.rollout.endpoint.responses import chat_reply  # noqa: E402
 from gspo.rollout.endpoint.server import Endpoint, Server, make_app  # noqa: E402
 from gspo.rollout.endpoint.sessions import SessionLimits  # noqa: E402
@@ -324,3 +324,14 @@ def test_a_missing_extra_is_named_with_how_to_install_it():
     with pytest.raises(ValueError, match=r"no_such_module_50 is not installed: the endpoint needs the serve extra "
                                          r"\(pip install 'gspo\[serve\]'\)"):
         need("serve", "fastapi", "no_such_module_50")
+
+
+def test_a_closed_engine_fails_waiting_requests_at_once_and_takes_no_more(tiny):
+    model, tok = tiny
+    engine = Engine(GENERATORS["gspo"], model, model, tok)
+    waiting = engine.submit(Job([5, 6], max_tokens=2))
+    engine.close("the run stopped")
+    with pytest.raises(RuntimeError, match="the run stopped"):
+        waiting.result(timeout=1)
+    with pytest.raises(ValueError, match="the endpoint takes no more requests: the run stopped"):
+        engine.submit(Job([5, 6], max_tokens=2))

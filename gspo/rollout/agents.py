@@ -111,6 +111,9 @@ class AgentRunner:
             while not done.done():
                 engine.run_once(0.05)
             outcomes = done.result()
+        except BaseException:  # the run stops (a signal, an error): the agents' calls fail now and their thread ends
+            engine.close("the run stopped while its agents were running")
+            raise
         finally:
             engine.expected, engine.window_s = lambda: None, window
             for session in sessions:

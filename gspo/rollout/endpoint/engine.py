@@ -70,10 +70,13 @@ class Engine:
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.expected = lambda: None  # how many requests to wait for (None: the whole window)
         self.calls = 0  # generator calls made
+        self.closed: str | None = None  # why no request is taken any more (`close`)
         self.lock = threading.Lock()  # held while sampling (a caller may swap the sampler between calls)
 
     def submit(self, job: Job) -> Future:
         """Queue `job` (any thread); its future gets the samples once the sampling thread ran it."""
+        if self.closed is not None:
+            raise ValueError(f"the endpoint takes no more requests: {self.closed}")
         if not job.prompt_ids:
             raise ValueError("a request's prompt has no tokens")
         if self.max_context is not None and len(job.prompt_ids) + job.max_tokens > self.max_context:
@@ -117,6 +120,15 @@ class Engine:
                 for job, samples in zip(batch, results):
                     job.future.set_result(samples)
         return len(jobs)
+
+    def close(self, reason: str) -> None:
+        """Take no more requests, and fail those waiting (their clients get an error at once, not a hang)."""
+        self.closed = reason
+        while True:
+            try:
+                self.jobs.get_nowait().future.set_exception(RuntimeError(reason))
+            except queue.Empty:
+                return
 
     def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
         """Sample whatever comes until `stop` is set (`gspo serve`'s main thread)."""
