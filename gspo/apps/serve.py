@@ -1,6 +1,6 @@
 """`gspo serve`: an OpenAI-compatible, token-in/token-out endpoint in front of a model (docs/agents.md).
 
-    gspo serve model=runs/demo/final --port 8000
+    gspo serve model=runs/demo/rl/model --port 8000
     # then any OpenAI client: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")
 
 The model is loaded and sampled as a training run would (the config's sampling settings, generation_backend,
