@@ -195,6 +195,36 @@ def test_truncated_sampling_keeps_the_truncated_distributions_logprobs(dense, tr
     assert float((expected - rollout.sampler_logprobs)[mask].abs().max()) < 1e-4
 
 
+def test_gspo_s_endpoint_serves_a_vllm_sampler_with_its_mu(dense):
+    """`gspo serve` in front of the vllm generator (its engine's own sampling): token ids out, mu the trainer's. (Beside
+    the other tests of `dense`: a later test's engine, closed, takes vLLM's process-wide parallel state with it.)"""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import threading
+
+    from gspo.rollout.endpoint.engine import engine_of
+    from gspo.rollout.endpoint.server import Endpoint, Server
+
+    cfg, model, tokenizer, generator, _, _ = dense
+    engine = engine_of(generator)
+    server, stop = Server(Endpoint(engine, tokenizer, model_name="tiny")), threading.Event()
+    thread = threading.Thread(target=engine.serve, args=(stop, 0.02), daemon=True)
+    thread.start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+        r = client.completions.create(model="tiny", prompt=PROMPTS[0], n=2, max_tokens=8, temperature=0.7,
+                                      seed=5, logprobs=0).model_dump()
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    for choice in r["choices"]:
+        ids = torch.tensor([r["prompt_token_ids"] + choice["token_ids"]])
+        theirs, _ = completion_logprobs(model, ids, torch.ones_like(ids), len(choice["token_ids"]), temperature=0.7)
+        mu = torch.tensor(choice["logprobs"]["token_logprobs"])
+        assert torch.allclose(mu, theirs[0], atol=1e-4), (mu, theirs)
+
+
 def test_unsupported_models_and_auto_never_picks_vllm():
     model16, _ = load_model("tiny-dense", overrides=TINY_MODEL)  # head_dim 16
     with pytest.raises(ValueError, match="head_dim 16"):
@@ -320,31 +350,3 @@ def test_a_vllm_engine_samples_episodes_turn_by_turn(tmp_path):
     finally:
         generator.close()
 
-
-def test_gspo_s_endpoint_serves_a_vllm_sampler_with_its_mu(dense):
-    """`gspo serve` in front of the vllm generator (its engine's own sampling): token ids out, mu the trainer's."""
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
-    import threading
-
-    from gspo.rollout.endpoint.engine import engine_of
-    from gspo.rollout.endpoint.server import Endpoint, Server
-
-    cfg, model, tokenizer, generator, _, _ = dense
-    engine = engine_of(generator)
-    server, stop = Server(Endpoint(engine, tokenizer, model_name="tiny")), threading.Event()
-    thread = threading.Thread(target=engine.serve, args=(stop, 0.02), daemon=True)
-    thread.start()
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
-        r = client.completions.create(model="tiny", prompt=PROMPTS[0], n=2, max_tokens=8, temperature=0.7,
-                                      seed=5, logprobs=0).model_dump()
-    finally:
-        stop.set()
-        thread.join()
-        server.close()
-    for choice in r["choices"]:
-        ids = torch.tensor([r["prompt_token_ids"] + choice["token_ids"]])
-        theirs, _ = completion_logprobs(model, ids, torch.ones_like(ids), len(choice["token_ids"]), temperature=0.7)
-        mu = torch.tensor(choice["logprobs"]["token_logprobs"])
-        assert torch.allclose(mu, theirs[0], atol=1e-4), (mu, theirs)
