@@ -70,15 +70,20 @@ def sampler_for(tmp_path, agent, **kw):
     return Sampler(model, tok, *sampler_sections(cfg), seeded=cfg.seeded_sampling), model, tok
 
 
+def sampled(sampler, prompts: list[str], rows: list[dict] | None = None):
+    """Step 0's rollout of `prompts` (their `rows`), the sampler closed after it (its endpoint stopped)."""
+    try:
+        return sampler.sample(prompts, 0, 0, rows)
+    finally:
+        sampler.close()
+
+
 def test_agent_tokens_are_those_sampled_and_mu_is_the_trainer_s_log_prob(tmp_path):
     sampler, model, tok = sampler_for(tmp_path, "two_calls", per_device_batch_size=3, num_generations=2,
                                       seeded_sampling=True)
     rows = [{"prompt": p} for p in ("12+3=", "45+6=", "7+80=")]
-    try:
-        rollout = sampler.sample([r["prompt"] for r in rows], 0, 0, rows)
-        calls = sampler.runner.endpoint.engine.calls
-    finally:
-        sampler.close()
+    rollout = sampled(sampler, [r["prompt"] for r in rows], rows)
+    calls = sampler.runner.endpoint.engine.calls  # generator calls made (the closed runner keeps its count)
     assert rollout.num_sequences == 6 and calls <= 4  # six episodes, two calls each: batched generator calls
     assert [(e["calls"], e["sequences"]) for e in rollout.episodes] == [(2, 1)] * 6 and rollout.position_ids is None
     T = rollout.completion_len
@@ -105,10 +110,7 @@ def test_a_merged_sequence_is_byte_for_byte_what_was_sampled_under_a_merging_tok
     cfg = tiny_cfg(tmp_path, agent="test_agents:two_calls", generation_backend="scripted", per_device_batch_size=1,
                    num_generations=2)
     sampler = Sampler(model, tok, *sampler_sections(cfg), seeded=False)
-    try:
-        rollout = sampler.sample(["9="], 0, 0, [{"prompt": "9="}])
-    finally:
-        sampler.close()
+    rollout = sampled(sampler, ["9="], [{"prompt": "9="}])
     last = SEEN["9="]
     first_prompt = tok.apply_chat_template([{"role": "user", "content": "9="}], add_generation_prompt=True,
                                            tokenize=False)
@@ -122,23 +124,14 @@ def test_a_merged_sequence_is_byte_for_byte_what_was_sampled_under_a_merging_tok
 
 def test_limits_end_an_episode_as_truncated_never_the_run(tmp_path, caplog):
     sampler, _, _ = sampler_for(tmp_path, "forever", per_device_batch_size=1, num_generations=2, agent_max_calls=3)
-    try:
-        rollout = sampler.sample(["1="], 0, 0)
-    finally:
-        sampler.close()
+    rollout = sampled(sampler, ["1="])
     assert [(e["calls"], e["truncated"], e["agent_error"]) for e in rollout.episodes] == [(3, True, False)] * 2
     sampler, _, _ = sampler_for(tmp_path, "sleepy", per_device_batch_size=1, num_generations=2, agent_timeout_s=1.0)
-    try:
-        rollout = sampler.sample(["1="], 0, 0)
-    finally:
-        sampler.close()
+    rollout = sampled(sampler, ["1="])
     assert [(e["calls"], e["truncated"], e["agent_error"]) for e in rollout.episodes] == [(1, True, False)] * 2
     sampler, _, _ = sampler_for(tmp_path, "forever", per_device_batch_size=1, num_generations=2,
                                 max_episode_tokens=5, agent_max_calls=50)
-    try:
-        rollout = sampler.sample(["1="], 0, 0)
-    finally:
-        sampler.close()
+    rollout = sampled(sampler, ["1="])
     assert all(e["truncated"] for e in rollout.episodes) and rollout.completion_mask.sum(-1).max() <= 5
 
 
@@ -225,10 +218,7 @@ def test_rows_of_several_sequences_read_each_on_its_own():
 
 def test_a_call_that_does_not_continue_is_another_sequence_of_the_episode(tmp_path):
     sampler, model, tok = sampler_for(tmp_path, "with_a_sub_agent", per_device_batch_size=2, num_generations=2)
-    try:
-        rollout = sampler.sample(["12=", "34="], 0, 0)
-    finally:
-        sampler.close()
+    rollout = sampled(sampler, ["12=", "34="])
     assert [(e["calls"], e["sequences"]) for e in rollout.episodes] == [(3, 2)] * 4
     T = rollout.completion_len
     theirs, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T,
