@@ -5,10 +5,12 @@ tests/ on sys.path (there is no tests/__init__.py), and this module is registere
 import gets this very module rather than a second copy.
 """
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -95,6 +97,25 @@ def tiny_cfg(tmp_path, **kw) -> TrainConfig:
 TINY_RUN = {"model": "tiny-dense", "model_overrides": TINY_MODEL, "per_device_batch_size": 2, "num_generations": 2,
             "num_minibatches": 2, "max_completion_length": 6, "eval_num_prompts": 2, "eval_k": 2, "progress": False,
             "device": "cpu"}
+
+
+@contextlib.contextmanager
+def gspo_serving(cfg):
+    """`gspo serve` of `cfg` on a free loopback port, on a thread of its own: the listening Server; stopped after."""
+    from gspo.apps.serve import serve
+
+    ready, stop = [], threading.Event()
+    thread = threading.Thread(target=serve, args=(cfg, "127.0.0.1", 0), kwargs={"ready": ready.append, "stop": stop})
+    thread.start()
+    try:
+        while not ready and thread.is_alive():
+            thread.join(0.05)
+        assert ready, "gspo serve ended before it listened"
+        yield ready[0]
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive(), "gspo serve did not stop"
 
 
 # ------------------------------------------------------------------------------- `gspo` in a process

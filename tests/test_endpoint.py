@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from conftest import SMALL, gspo_argv, gspo_env, tiny_cfg
+from conftest import SMALL, gspo_argv, gspo_env, gspo_serving, tiny_cfg
 from gspo.algo.logprobs import completion_logprobs
 from gspo.models import load_model
 from gspo.rollout.registry import GENERATORS, GeneratorBackend
@@ -258,23 +258,12 @@ def test_a_session_continues_with_the_tokens_sampled_not_their_text_retokenized(
 
 
 def test_gspo_serve_answers_any_openai_client_until_stopped(tmp_path):
-    from gspo.apps.serve import serve
-
     cfg = tiny_cfg(tmp_path, max_completion_length=5)
-    ready, stop = [], threading.Event()
-    thread = threading.Thread(target=serve, args=(cfg, "127.0.0.1", 0), kwargs={"ready": ready.append, "stop": stop})
-    thread.start()
-    try:
-        while not ready and thread.is_alive():
-            thread.join(0.05)
-        client = openai.OpenAI(base_url=ready[0].url + "/v1", api_key="-", max_retries=0)
+    with gspo_serving(cfg) as server:  # and stops when told (the helper checks its thread ended)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
         assert [m.id for m in client.models.list()] == ["tiny-dense"]
         r = client.chat.completions.create(model="tiny-dense", messages=[{"role": "user", "content": "1+1="}])
         assert 1 <= len(r.model_dump()["choices"][0]["token_ids"]) <= 5  # max_completion_length: the default
-    finally:
-        stop.set()
-        thread.join(30)
-    assert not thread.is_alive()
 
 
 @pytest.mark.slow

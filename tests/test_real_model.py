@@ -285,33 +285,23 @@ def test_the_demo_agent_runs_unchanged_on_smollm2_served_and_trained(smollm2, tm
     and as a run's agent for 2 steps (issue 50, a smoke: it runs and scores, whatever it learns)."""
     pytest.importorskip("openai")
     import asyncio
-    import threading
 
     import openai
 
-    from conftest import changed, final_weights, initial_weights, read_metrics, tiny_cfg
+    from conftest import changed, final_weights, gspo_serving, initial_weights, read_metrics, tiny_cfg
     from gspo.apps.demo_agent import agent
-    from gspo.apps.serve import serve
     from gspo.trainer import train
 
     cfg = tiny_cfg(tmp_path, model=str(smollm2), model_overrides=None, max_completion_length=24, max_steps=2,
                    per_device_batch_size=2, num_generations=2, eval_num_prompts=0, task="add4",
                    agent="gspo.apps.demo_agent:agent", reward_funcs=["environment"], max_episode_tokens=96)
-    ready, stop = [], threading.Event()
-    thread = threading.Thread(target=serve, args=(cfg, "127.0.0.1", 0), kwargs={"ready": ready.append, "stop": stop})
-    thread.start()
-    try:
-        while not ready and thread.is_alive():
-            thread.join(0.1)
+    with gspo_serving(cfg) as server:
 
         async def one() -> float:
-            async with openai.AsyncOpenAI(base_url=ready[0].url + "/v1", api_key="-") as client:
+            async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="-") as client:
                 return await agent(client, {"prompt": "What is 1234+5678?", "answer": "6912"}, model=str(smollm2))
 
         assert asyncio.run(one()) in (0.0, 1.0)
-    finally:
-        stop.set()
-        thread.join(60)
     before = initial_weights(cfg)
     train(cfg)
     metrics = read_metrics(tmp_path / "run")
