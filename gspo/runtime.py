@@ -160,6 +160,35 @@ class TrainingInterrupted(TrainingAborted):
                          "continue with --resume latest")
 
 
+class Terminated(Exception):
+    """SIGTERM under torchrun outside the steps' own handling (building the run, the first evaluation): raised so
+    the trainer first looks for a lost rank (torchrun SIGTERMs the survivors of one), then ends as SIGTERM would."""
+
+    stops_the_run = True  # raised by a signal handler, maybe inside a reward: gspo.data.rewards lets it through
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextmanager
+def sigterm_raises(enabled: bool):
+    """Inside: SIGTERM raises `Terminated` (main thread, `enabled` only); the previous handler after."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum, frame):
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handle:  # SIGTERM ignored once a rank was lost stays so
+            signal.signal(signal.SIGTERM, previous)
+
+
 class StepAbandoned(Exception):
     """A signal arrived while the step could still be dropped whole (nothing of it applied yet)."""
 

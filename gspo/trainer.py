@@ -35,7 +35,16 @@ from gspo.models import resolve_device
 from gspo.plugs.parallel import Topology
 from gspo.rollout.remote.client import RolloutWorkerLost
 from gspo.run import Run, build_run
-from gspo.runtime import Progress, StepAbandoned, StopSignals, TrainingAborted, TrainingInterrupted, run_lock
+from gspo.runtime import (
+    Progress,
+    StepAbandoned,
+    StopSignals,
+    Terminated,
+    TrainingAborted,
+    TrainingInterrupted,
+    run_lock,
+    sigterm_raises,
+)
 from gspo.step import episode_stats, gather_scores, mismatch_stats, prepare, sample_records, step_metrics
 from gspo.tracking import check_trackers
 
@@ -54,18 +63,25 @@ def train(cfg: TrainConfig, *, model=None, tokenizer=None, data: dict | None = N
     callbacks = Callbacks(callbacks)  # checked before anything starts
     topology = Topology.setup(resolve_device(cfg.device), cfg.distributed, cfg.dist_timeout_s)
     try:
-        if topology.is_main:  # rank 0 logs: its tracker packages are checked before output_dir is created
-            check_trackers(cfg.tensorboard, cfg.wandb)
-        with run_lock(cfg.output_dir, enabled=topology.is_main):  # one run per output_dir (rank 0 holds it)
-            started = time.perf_counter()
-            run = build_run(cfg, topology, model, tokenizer, data)
-            metrics = train_loop(run, callbacks)
-            run.checkpoints.save_model(metrics)
-            return {"evals": run.evals, "seconds": time.perf_counter() - started, "output_dir": str(run.out_dir)}
+        # under torchrun a SIGTERM before the steps (or after) first asks whether a rank was lost (train_loop's
+        # StopSignals handle it during the steps)
+        with sigterm_raises(topology.heartbeat is not None):
+            if topology.is_main:  # rank 0 logs: its tracker packages are checked before output_dir is created
+                check_trackers(cfg.tensorboard, cfg.wandb)
+            with run_lock(cfg.output_dir, enabled=topology.is_main):  # one run per output_dir (rank 0 holds it)
+                started = time.perf_counter()
+                run = build_run(cfg, topology, model, tokenizer, data)
+                metrics = train_loop(run, callbacks)
+                run.checkpoints.save_model(metrics)
+                return {"evals": run.evals, "seconds": time.perf_counter() - started,
+                        "output_dir": str(run.out_dir)}
     except TrainingAborted:
         raise
-    except RuntimeError as err:  # a failed collective (gloo names a dead peer by address) or a bug
-        topology.raise_if_rank_lost(err)  # another rank ended: one line naming it instead
+    except (RuntimeError, Terminated) as err:  # a failed collective (gloo names a dead peer by address), a bug, or
+        topology.raise_if_rank_lost(err)  # torchrun's SIGTERM: another rank ended? one line naming it instead
+        if isinstance(err, Terminated):  # no rank lost: end as SIGTERM's default action would
+            signal.signal(err.signum, signal.SIG_DFL)
+            signal.raise_signal(err.signum)
         raise
     finally:
         topology.teardown()

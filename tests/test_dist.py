@@ -39,6 +39,7 @@ EXACT = ("reward/mean", "reward/std", "completion/mean_len", "completion/max_len
          "eval/accuracy", "eval/mean_at_k", "guard/skipped_steps")
 REWARD = '''
 import os
+import time
 
 
 def digit(prompts, completions, **_):
@@ -49,11 +50,14 @@ calls = 0
 
 
 def dies(prompts, completions, **_):
-    """Rank DIE_RANK (default 1) dies on its second call (step 2)."""
+    """Rank DIE_RANK (default 1) dies on its second call (the first evaluation's); the others sleep BUSY_S seconds
+    on that call (still scoring, not yet in a collective, when torchrun's SIGTERM comes)."""
     global calls
     calls += 1
-    if os.environ.get("RANK") == os.environ.get("DIE_RANK", "1") and calls == 2:
-        os._exit(7)
+    if calls == 2:
+        if os.environ.get("RANK") == os.environ.get("DIE_RANK", "1"):
+            os._exit(7)
+        time.sleep(float(os.environ.get("BUSY_S", "0")))
     return digit(prompts, completions)
 '''
 
@@ -166,17 +170,19 @@ def test_a_dead_rank_stops_the_run_with_a_message(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dead", [1, 0])
-def test_the_survivor_of_an_abrupt_exit_names_the_rank_in_one_line(tmp_path, dead):
-    """A rank that exits abruptly (os._exit in a reward function at step 2) is named by the other rank in one line,
-    without a traceback (gloo's says "Connection reset by peer"), and the survivor exits 2 long before
-    dist_timeout_s. Whichever rank dies: rank 0 also holds the run's lock and writes its files."""
+@pytest.mark.parametrize(("dead", "busy_s"), [(1, 0), (0, 3)])
+def test_the_survivor_of_an_abrupt_exit_names_the_rank_in_one_line(tmp_path, dead, busy_s):
+    """A rank that exits abruptly (os._exit in a reward function, in the first evaluation) is named by the other rank
+    in one line, without a traceback (gloo's says "Connection reset by peer"), and the survivor exits 2 long before
+    dist_timeout_s. Whichever rank dies: rank 0 also holds the run's lock and writes its files. The survivor learns
+    of it either way: from a failed collective, or (busy_s: still scoring) from torchrun's SIGTERM, which must not
+    kill it before it has named the rank (it did, 1 run in 6 under load, before the loop's signal handling)."""
     (tmp_path / "rewards_mod.py").write_text(REWARD)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(RUN))
     started = time.monotonic()
     done = run_gspo("train", "--config", tmp_path / "run.yaml", "per_device_batch_size=2", "output_dir=dead",
                     "reward_funcs=[rewards_mod:dies]", "dist_timeout_s=300", cwd=tmp_path, nproc=2, timeout=240,
-                    env=gspo_env(tmp_path, DIE_RANK=str(dead)))
+                    env=gspo_env(tmp_path, DIE_RANK=str(dead), BUSY_S=str(busy_s)))
     seconds = time.monotonic() - started
     survivor = 1 - dead
     assert done.returncode != 0 and seconds < 90, (seconds, done.stderr[-3000:])  # 300 s: it waited out the timeout
