@@ -27,7 +27,7 @@ from gspo.step import loss_options
 def test_train_config_is_its_sections_and_nothing_else():
     own = [f.name for f in dataclasses.fields(TrainConfig)]
     by_section = [f.name for s in TRAIN_SECTIONS for f in dataclasses.fields(s)]
-    assert own == by_section and len(own) == len(set(own)) == 132  # each field in exactly one section, in order
+    assert own == by_section and len(own) == len(set(own)) == 133  # each field in exactly one section, in order
     assert sections(TrainConfig)[:-1] == list(TRAIN_SECTIONS)  # the last is TrainConfig itself (no fields of its own)
     assert all(s in CHECKS for s in TRAIN_SECTIONS if s.__name__ not in ("OutputSettings",))
 
@@ -58,7 +58,8 @@ def test_each_section_check_runs_on_its_own_fields_and_names_the_field():
                             ({"eval_k": 0}, "eval_k=0 must be > 0"),  # EvalSettings
                             ({"rollout_workers": 1, "sampler_lag": 1}, "sampler_lag=1 simulates in one process"),
                             ({"max_staleness": 1}, "max_staleness=1 overlaps sampling with training in rollout worker "
-                                                   "processes; set rollout_workers: 1"),
+                                                   "processes or endpoints; set rollout_workers: 1 or "
+                                                   "rollout_endpoints"),
                             ({"rollout_workers": 1, "max_staleness": -1}, "max_staleness=-1 must be >= 0"),
                             ({"rollout_workers": 1, "rollout_address": "somewhere"},
                              "rollout_address='somewhere': expected host:port"),

@@ -21,19 +21,25 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, *, ready=None, stop: t
     from gspo.rollout.endpoint.engine import engine_of
     from gspo.rollout.endpoint.requests import Limits
     from gspo.rollout.endpoint.server import Endpoint, Server
+    from gspo.rollout.endpoint.weights import WeightReceiver
     from gspo.rollout.sampler import Sampler
 
     sampling, episodes, shape = sampler_sections(cfg)
     secret = rollout_secret(sampling)
     _, model, tokenizer = seeded_model(section(cfg, ModelSettings))
     sampler = Sampler(model, tokenizer, sampling, episodes, shape, seeded=False)
-    endpoint = Endpoint(engine_of(sampler), tokenizer, model_name=cfg.model, template_kwargs=cfg.chat_template_kwargs,
-                        tool_style=cfg.tool_call_style, limits=Limits(max_tokens=cfg.max_completion_length))
+    engine = engine_of(sampler)
+    # the four phases of weight transfer (a trainer's rollout_endpoints), where the run's secret is set
+    weights = WeightReceiver(engine, model, sampler.sync, secret) if secret else None
+    endpoint = Endpoint(engine, tokenizer, model_name=cfg.model, template_kwargs=cfg.chat_template_kwargs,
+                        tool_style=cfg.tool_call_style, limits=Limits(max_tokens=cfg.max_completion_length),
+                        weights=weights)
     server = Server(endpoint, host, port, secret=secret)
     stop = stop or threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if _main_thread() else None
     print(f"gspo serve: {cfg.model} at {server.url}/v1 ({sampler.reason}; "
-          f"{'a bearer token is required from other hosts' if secret else 'loopback clients only'}); Ctrl-C stops",
+          f"{'the secret is required from other hosts and for weights' if secret else 'loopback clients only'}); "
+          "Ctrl-C stops",
           file=sys.stderr, flush=True)
     if ready is not None:
         ready(server)

@@ -85,7 +85,8 @@ RESUME_MAY_CHANGE = ("max_steps", "output_dir", "overwrite_output_dir", "resume_
                      "distributed",  # checkpoints hold full weights and optimizer state in one layout
                      "generation_backend",  # gspo and hf draw the same tokens for the same seed (vllm: its own)
                      "log_mismatch", "vllm_gpu_memory_utilization", "vllm_kv_cache_bytes", "vllm_sleep",
-                     "rollout_timeout_s", "rollout_address", "rollout_secret", "rollout_secret_file")
+                     "rollout_timeout_s", "rollout_address", "rollout_secret", "rollout_secret_file",
+                     "rollout_endpoints")
 
 
 def saved_config(cfg, world_size: int = 1) -> dict:

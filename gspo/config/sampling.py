@@ -61,6 +61,10 @@ class SamplingSettings:
     rollout_address: str | None = None
     """host:port where the trainer listens for rollout_workers started with `gspo rollout-server` (it binds that host
     only); null: it starts its own, on loopback. Under torchrun, trainer rank r listens at port + r."""
+    rollout_endpoints: list | None = None
+    """URLs of OpenAI-compatible endpoints to sample from (`gspo serve`, e.g. http://10.0.0.5:8000/v1), token in and
+    token out, their weights updated by the trainer (needs the run's secret); null: sample in the trainer's process
+    or its rollout_workers (docs/distributed.md)."""
     rollout_secret: str | None = None
     """The secret the trainer and its rollout servers prove to each other (rollout_address); never saved or logged,
     refused as a command-line override (ps shows those). Else rollout_secret_file, else GSPO_ROLLOUT_SECRET."""
@@ -77,6 +81,23 @@ def split_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"rollout_address={address!r}: expected host:port (e.g. 10.0.0.5:29600)")
     return host, int(port)
+
+
+def split_endpoint(url) -> tuple[str, str, int]:
+    """(base URL without a trailing /v1, host, port) of a rollout endpoint's URL; a ValueError naming it."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"rollout_endpoints: {url!r} is not an http(s)://host:port URL")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise ValueError(f"rollout_endpoints: {url!r} has no valid port") from None
+    path = parts.path.rstrip("/")
+    path = path[:-3] if path.endswith("/v1") else path
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}:{port}{path}", parts.hostname, port
 
 
 SECRET_ENV = "GSPO_ROLLOUT_SECRET"
@@ -138,9 +159,12 @@ def _check_sampling(s: SamplingSettings) -> None:
     if s.sampler_dtype is not None:  # null: the policy's own dtype
         check_choice(s, "sampler_dtype", tuple(d for d in MODEL_DTYPES if d != "auto"))
     check_positive(s, "rollout_workers", "max_staleness", allow_zero=True)
-    if s.max_staleness and not s.rollout_workers:
+    if s.max_staleness and not s.rollout_workers and not s.rollout_endpoints:
         raise ValueError(f"config: max_staleness={s.max_staleness} overlaps sampling with training in rollout worker "
-                         "processes; set rollout_workers: 1 (sampler_lag simulates staleness in one process)")
+                         "processes or endpoints; set rollout_workers: 1 or rollout_endpoints (sampler_lag simulates "
+                         "staleness in one process)")
+    if s.rollout_endpoints is not None:
+        _check_endpoints(s)
     check_positive(s, "rollout_timeout_s")
     if s.rollout_address is not None:
         prefixed(split_address, s.rollout_address)
@@ -155,6 +179,27 @@ def _check_sampling(s: SamplingSettings) -> None:
                          "workers have for real; set max_staleness instead")
     if not 0 < s.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"config: vllm_gpu_memory_utilization={s.vllm_gpu_memory_utilization!r} must be in (0, 1]")
+
+
+def _check_endpoints(s: SamplingSettings) -> None:
+    if not isinstance(s.rollout_endpoints, list) or not s.rollout_endpoints:
+        raise ValueError(f"config: rollout_endpoints={s.rollout_endpoints!r} must be a list of endpoint URLs")
+    for url in s.rollout_endpoints:
+        prefixed(split_endpoint, url)
+    bases = [split_endpoint(url)[0] for url in s.rollout_endpoints]
+    if len(set(bases)) < len(bases):
+        raise ValueError(f"config: rollout_endpoints names an endpoint twice: {s.rollout_endpoints}")
+    if s.rollout_workers or s.rollout_address is not None:
+        raise ValueError("config: rollout_endpoints samples from endpoints; rollout_workers and rollout_address start "
+                         "or wait for gspo's own workers: use one of them")
+    if rollout_secret(s) is None:
+        raise ValueError(f"config: rollout_endpoints: the trainer updates the endpoints' weights, which needs the "
+                         f"run's secret; set {SECRET_ENV} (or rollout_secret_file) for the trainer and each gspo serve")
+    own = [f"{k}={getattr(s, k)!r}" for k, default in (("generation_backend", "auto"), ("sampler_dtype", None),
+                                                        ("sampler_lag", 0)) if getattr(s, k) != default]
+    if own:
+        raise ValueError(f"config: rollout_endpoints sample with the endpoints' own generator and weights; "
+                         f"{', '.join(own)} choose the trainer's own sampler: remove them (set them on gspo serve)")
 
 
 @dataclass

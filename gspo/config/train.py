@@ -405,9 +405,16 @@ def check_train(cfg: TrainConfig) -> None:
         raise ValueError(f"config: rollout_workers={cfg.rollout_workers} share per_device_batch_size="
                          f"{cfg.per_device_batch_size} prompts per step; more workers than prompts would sit idle")
     agents = cfg.agent is not None or (cfg.environment or "").startswith(("openenv:", "verifiers:"))
-    if agents and (cfg.rollout_workers or cfg.rollout_address):
+    if agents and (cfg.rollout_workers or cfg.rollout_address or cfg.rollout_endpoints):
         raise ValueError("config: agent episodes (agent, environment: openenv:/verifiers:) run on the trainer's own "
-                         "endpoint, in its process; rollout_workers and rollout_address are not supported with them")
+                         "endpoint, in its process; rollout_workers, rollout_address and rollout_endpoints are not "
+                         "supported with them")
+    if cfg.rollout_endpoints and (cfg.environment or cfg.tools):
+        raise ValueError("config: rollout_endpoints sample single-turn completions; multi-turn episodes (environment, "
+                         "tools) on endpoints are not supported yet: use rollout_workers for them")
+    if cfg.rollout_endpoints and cfg.routing_replay == "rollout":
+        raise ValueError("config: routing_replay=rollout needs the sampler's experts, which gspo serve does not return "
+                         "yet; use routing_replay=old_policy (or none) with rollout_endpoints")
     if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
         raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
                          "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")

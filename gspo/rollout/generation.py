@@ -36,7 +36,7 @@ def generate(
     with_logprobs: bool = False,
     routing_recorder=None,
     row_seeds: list[int] | None = None,
-    backend: str = "auto",
+    backend: str | GeneratorBackend = "auto",
     sampler=None,
 ) -> Rollout:
     """Sample `num_generations` completions for each prompt (KV-cached decoding).
@@ -55,14 +55,15 @@ def generate(
     `encode_prompts`); "error" refuses it.
     `backend`: a registered generator (GENERATORS): "gspo" runs `gspo.rollout.decode.sample` (preallocated
     KV cache, same tokens as HF for the same seed), "hf" runs HF `generate`; "auto" the first
-    registered one that can run the model.
+    registered one that can run the model; or a GeneratorBackend itself (rollout endpoints').
     `sampler`: what samples instead of `model` itself: a copy of it (`PolicySampler`) or an
     engine's handle (a backend with `start`, e.g. vllm); `model` still gives the device and tokens.
     """
-    chosen = pick_generator(model, backend)
-    if sampler is None and GENERATORS[chosen].start is not None:
-        raise ValueError(f"backend={chosen!r} samples with an engine started for the run: use gspo.rollout.Sampler "
+    chosen = backend if isinstance(backend, GeneratorBackend) else GENERATORS[pick_generator(model, backend)]
+    if sampler is None and chosen.start is not None:
+        raise ValueError(f"backend={backend!r} samples with an engine started for the run: use gspo.rollout.Sampler "
                          "(or pass sampler=)")
+    engine = sampler is not None and sampler is not model and not isinstance(sampler, torch.nn.Module)
     sampler = model if sampler is None else sampler
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_length, device, truncate_prompts)  # (B, P)
@@ -74,18 +75,20 @@ def generate(
         row_seeds, prompt_ids.shape[0], temperature, device, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty)
     was_training = model.training
-    model.eval()
+    if not engine:  # an engine samples: the policy is not run here (and may be training in another thread)
+        model.eval()
     # inference mode: no version counters or view tracking per op (~5% off sampling on CPU, docs/benchmarks.md
     # section 9); what leaves it (ids, log-probs, the routing record) is rebuilt below by torch.where / cat
     # as normal tensors, which training may save for backward. Not under FSDP2: its all-gather buffers,
     # made here, are written in place again by the training forward ("Inplace update to inference tensor")
     recording = routing_recorder if routing_recorder is not None else nullcontext()
     with torch.inference_mode(not is_fsdp2(model)), recording as recorder:
-        completion_ids, sampler_lp = GENERATORS[chosen].sample(
+        completion_ids, sampler_lp = chosen.sample(
             sampler, prompt_ids, prompt_mask, eos=eos, pad=pad, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, greedy=greedy,
             seeded=seeded, with_logprobs=with_logprobs, group_size=num_generations)  # (N, T), (N, T)
-    model.train(was_training)
+    if not engine:
+        model.train(was_training)
     return _rollout(tokenizer, [p for p in prompts for _ in range(num_generations)], prompt_ids, prompt_mask,
                     completion_ids, sampler_lp, recorder, eos=eos, pad=pad)
 

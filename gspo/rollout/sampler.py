@@ -26,10 +26,12 @@ class Sampler:
     """
 
     def __init__(self, model, tokenizer, sampling, episodes, shape: SamplerShape, *, seeded: bool,
-                 recorder=lambda model: None, records: bool = False):
+                 recorder=lambda model: None, records: bool = False, engine: tuple | None = None):
         """Built from the run's SamplingSettings and EpisodeSettings (gspo.config: with an environment every sequence
         is a multi-turn episode, its chat messages rendered with the shape's chat_template_kwargs, its python tool in
-        the shape's `sandbox`) and the values it shares with the run (`shape`); never the whole config."""
+        the shape's `sandbox`) and the values it shares with the run (`shape`); never the whole config. `engine`:
+        (name, GeneratorBackend, handle) of an engine started elsewhere (rollout endpoints: gspo/rollout/endpoint/
+        client.py), which samples instead of the one generation_backend names; its mu is always kept."""
         from gspo.env import chat_template_kwargs, environment_factory
         from gspo.rollout.agents import agent_of
         from gspo.rollout.episodes import EpisodeLimits
@@ -43,9 +45,15 @@ class Sampler:
         self.model, self.tokenizer, self.seeded, self.recorder = model, tokenizer, seeded, recorder
         self.options = sampling_options(sampling)
         self.group_size, self.seed = shape.num_generations, shape.seed
-        self.name, self.reason = choose_generator(model, sampling.generation_backend)  # reason: a line for the log
-        backend = GENERATORS[self.name]
-        with_logprobs = shape.keep_logprobs or backend.start is not None  # an engine's mu always differs a little
+        if engine is None:
+            self.name, self.reason = choose_generator(model, sampling.generation_backend)  # reason: a line for the log
+            backend, handle = GENERATORS[self.name], None
+        else:
+            self.name, backend, handle = engine
+            self.reason = f"sampler: {self.name}"
+        self.backend = backend
+        # an engine's mu always differs a little
+        with_logprobs = shape.keep_logprobs or backend.start is not None or handle is not None
         needs = {"seeded_rows": seeded, "routing_record": records, "logprobs": with_logprobs}
         missing = [what for what, needed in needs.items() if needed and not getattr(backend, what)]
         if missing:
@@ -59,7 +67,8 @@ class Sampler:
         # an engine holds whole episodes: room for the prompt and max_episode_tokens after it
         engine = sampling if self.make_env is None and self.agent is None else dataclasses.replace(
             sampling, max_completion_length=max(sampling.max_completion_length, episodes.max_episode_tokens))
-        self.sampler = (backend.start(model, tokenizer, engine, rows=B * G, seed=shape.seed) if backend.start
+        self.sampler = (handle if handle is not None
+                        else backend.start(model, tokenizer, engine, rows=B * G, seed=shape.seed) if backend.start
                         else PolicySampler(model, tokenizer, sampling))
         if isinstance(self.sampler, PolicySampler):  # an engine sizes its own memory (vllm_gpu_memory_utilization)
             check_sampling_memory(self.sampler.model, B, G, sampling.max_completion_length)
@@ -92,7 +101,7 @@ class Sampler:
             if self.agent is not None:  # one agent episode per sequence, through the run's endpoint
                 return self.agent_episodes([row for row in rows for _ in range(G)], seeds)
             return generate(self.model, self.tokenizer, prompts, G, **self.options, with_logprobs=self.with_logprobs,
-                            routing_recorder=self.recorder(sampler), row_seeds=seeds, backend=self.name,
+                            routing_recorder=self.recorder(sampler), row_seeds=seeds, backend=self.backend,
                             sampler=sampler)
         except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
             if not out_of_memory(err):
@@ -108,7 +117,7 @@ class Sampler:
 
         options = {k: v for k, v in self.options.items() if k not in ("max_new_tokens", "max_prompt_length",
                                                                       "truncate_prompts")}
-        rollout, _ = sample_episodes(GENERATORS[self.name], sampler, self.model, self.tokenizer,
+        rollout, _ = sample_episodes(self.backend, sampler, self.model, self.tokenizer,
                                      [self.make_env() for _ in rows], rows, self.limits,
                                      max_prompt_length=self.options["max_prompt_length"],
                                      truncate_prompts=self.options["truncate_prompts"], seeds=seeds,

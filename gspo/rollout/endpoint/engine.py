@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +32,7 @@ class Sample:
     finish_reason: str  # "stop": a stop token or stop string ended it; "length": max_tokens did
     text: str  # decoded without special tokens, cut before a stop string
     eos: bool = False  # it ends on a stop token (of the model's), which `token_ids` keeps
+    version: str | None = None  # the weights' version that sampled it (`Engine.version`)
 
 
 @dataclass
@@ -43,13 +44,17 @@ class Job:
     max_tokens: int = 64
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
     seeds: list[int] | None = None  # one per completion (seeded sampling), or None
     stop: tuple[str, ...] = ()  # stop strings: the completion ends with the token that completes one
     future: Future = field(default_factory=Future)  # set to list[Sample] (n) or an exception
 
     def key(self) -> tuple:
         """Jobs with the same key sample in one generator call."""
-        return (self.temperature == 0, self.temperature or 1.0, self.top_p, self.seeds is not None)
+        return (self.temperature == 0, self.temperature or 1.0, self.top_p, self.top_k, self.min_p,
+                self.repetition_penalty, self.seeds is not None)
 
 
 class Engine:
@@ -67,43 +72,51 @@ class Engine:
         self.with_logprobs, self.max_rows, self.window_s = with_logprobs, max_rows, window_s
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
         self.eos, self.pad = eos_ids(tokenizer, model), pad_id(tokenizer, model)
-        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.jobs: queue.Queue[list[Job]] = queue.Queue()  # each item: one request's jobs, sampled in one call
         self.expected = lambda: None  # how many requests to wait for (None: the whole window)
+        self.version: str | None = None  # the weights' version, set by a weight update (endpoint/weights.py)
         self.calls = 0  # generator calls made
         self.closed: str | None = None  # why no request is taken any more (`close`)
         self.lock = threading.Lock()  # held while sampling (a caller may swap the sampler between calls)
 
     def submit(self, job: Job) -> Future:
         """Queue `job` (any thread); its future gets the samples once the sampling thread ran it."""
+        return self.submit_all([job])[0]
+
+    def submit_all(self, jobs: list[Job]) -> list[Future]:
+        """Queue one request's `jobs` as one unit: they are sampled in the same generator call where their keys
+        and `max_rows` allow (so a client that sends a whole batch in one request gets the same batch, whatever
+        the timing)."""
         if self.closed is not None:
             raise ValueError(f"the endpoint takes no more requests: {self.closed}")
-        if not job.prompt_ids:
-            raise ValueError("a request's prompt has no tokens")
-        if self.max_context is not None and len(job.prompt_ids) + job.max_tokens > self.max_context:
-            raise ValueError(f"the prompt ({len(job.prompt_ids)} tokens) and max_tokens ({job.max_tokens}) exceed the "
-                             f"model's context ({self.max_context} positions)")
-        self.jobs.put(job)
-        return job.future
+        for job in jobs:
+            if not job.prompt_ids:
+                raise ValueError("a request's prompt has no tokens")
+            if self.max_context is not None and len(job.prompt_ids) + job.max_tokens > self.max_context:
+                raise ValueError(f"the prompt ({len(job.prompt_ids)} tokens) and max_tokens ({job.max_tokens}) exceed "
+                                 f"the model's context ({self.max_context} positions)")
+        self.jobs.put(list(jobs))
+        return [job.future for job in jobs]
 
     def run_once(self, timeout_s: float) -> int:
         """On the sampling thread: wait up to `timeout_s` for a job, gather the others that come within the window
         (or until `expected()` are waiting), and sample them all; the number of jobs sampled (0: none came)."""
         try:
-            first = self.jobs.get(timeout=timeout_s)
+            jobs = self.jobs.get(timeout=timeout_s)
         except queue.Empty:
             return 0
-        jobs, deadline = [first], time.monotonic() + self.window_s
+        deadline = time.monotonic() + self.window_s
         while len(jobs) < (self.expected() or float("inf")):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             try:
-                jobs.append(self.jobs.get(timeout=left))
+                jobs += self.jobs.get(timeout=left)
             except queue.Empty:
                 break
         while True:  # and whatever else is already waiting
             try:
-                jobs.append(self.jobs.get_nowait())
+                jobs += self.jobs.get_nowait()
             except queue.Empty:
                 break
         groups: dict[tuple, list[Job]] = {}
@@ -126,7 +139,8 @@ class Engine:
         self.closed = reason
         while True:
             try:
-                self.jobs.get_nowait().future.set_exception(RuntimeError(reason))
+                for job in self.jobs.get_nowait():
+                    job.future.set_exception(RuntimeError(reason))
             except queue.Empty:
                 return
 
@@ -147,15 +161,17 @@ class Engine:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)  # (n, L)
         first = jobs[0]
         greedy, temperature = first.temperature == 0, first.temperature or 1.0
-        seeded = None if first.seeds is None or greedy else SeededSampler(
+        seeded = None if first.seeds is None or greedy else SeededSampler(  # reshaping refused with seeds (job_of)
             [s for job in jobs for s in job.seeds], temperature, device)
         was_training = self.model.training
         self.model.eval()
         with self.lock, torch.inference_mode():
             out, lp = self.generator.sample(
                 self.sampler, ids, mask, eos=self.eos, pad=self.pad, max_new_tokens=max(j.max_tokens for j in jobs),
-                temperature=temperature, top_p=first.top_p, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                greedy=greedy, seeded=seeded, with_logprobs=self.with_logprobs, group_size=1)  # (n, t) x2
+                temperature=temperature, top_p=first.top_p, top_k=first.top_k, min_p=first.min_p,
+                repetition_penalty=first.repetition_penalty, greedy=greedy, seeded=seeded,
+                with_logprobs=self.with_logprobs, group_size=1)  # (n, t) x2
+            version = self.version  # a weight update waits for the lock: these weights sampled this call
         self.model.train(was_training)
         self.calls += 1
         keep = completion_mask_from_ids(out, self.eos)  # (n, t) up to and including the first stop token
@@ -165,7 +181,7 @@ class Engine:
             for _ in range(job.n):
                 tokens = out[row][keep[row]].tolist()
                 logprobs = lp[row][keep[row]].tolist() if lp is not None else [0.0] * len(tokens)
-                samples.append(self.finish(tokens, logprobs, job))
+                samples.append(replace(self.finish(tokens, logprobs, job), version=version))
                 row += 1
             results.append(samples)
         return results
@@ -190,10 +206,9 @@ def engine_of(sampler, **kwargs) -> Engine:
     """The Engine of a trainer's `gspo.rollout.Sampler`: its generator, and what that samples with (the policy, its
     copy, an engine's handle), log-probs kept."""
     from gspo.rollout.policy import PolicySampler
-    from gspo.rollout.registry import GENERATORS
 
     handle = sampler.sampler.model if isinstance(sampler.sampler, PolicySampler) else sampler.sampler
-    return Engine(GENERATORS[sampler.name], handle, sampler.model, sampler.tokenizer, with_logprobs=True, **kwargs)
+    return Engine(sampler.backend, handle, sampler.model, sampler.tokenizer, with_logprobs=True, **kwargs)
 
 
 def _batches(jobs: list[Job], max_rows: int) -> list[list[Job]]:

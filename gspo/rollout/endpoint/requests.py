@@ -28,9 +28,10 @@ class BadRequest(ValueError):
 # fields read, per route; others are refused by name (OpenAI's that gspo does not do are said so)
 CHAT_FIELDS = {"model", "messages", "n", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop",
                "stream", "stream_options", "tools", "tool_choice", "logprobs", "top_logprobs", "seed", "user",
-               "prompt_token_ids", "parallel_tool_calls", "return_token_ids"}
+               "prompt_token_ids", "parallel_tool_calls", "return_token_ids", "top_k", "min_p", "repetition_penalty"}
 COMPLETION_FIELDS = {"model", "prompt", "n", "temperature", "top_p", "max_tokens", "stop", "stream",
-                     "stream_options", "logprobs", "seed", "user", "echo", "return_token_ids"}
+                     "stream_options", "logprobs", "seed", "user", "echo", "return_token_ids", "top_k", "min_p",
+                     "repetition_penalty"}  # top_k, min_p, repetition_penalty: vLLM's extra sampling parameters
 NOT_DONE = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "response_format": None,
             "best_of": 1, "suffix": None}  # refused unless they ask for what gspo does anyway
 
@@ -64,9 +65,13 @@ class Call:
     replies: list[dict] = field(default_factory=list)  # the assistant message returned per choice, normalised
 
 
-def job_of(body: dict, route: str, limits: Limits, prompt_ids: list[int], seed_base: int | None) -> Job:
-    """The engine Job of a checked `body` whose prompt is `prompt_ids`; `seed_base`: a session's seed for this
-    call (each choice seed_base + k), used when the body gives no `seed`."""
+def job_of(body: dict, route: str, limits: Limits, prompt_ids: list[int], seed_base: int | None,
+           first_choice: int = 0) -> Job:
+    """The engine Job of a checked `body` whose prompt is `prompt_ids`. Seeds (sampling at a temperature over the
+    full distribution only): the body's `seed` S seeds choice j of the response (prompts in order, `n` each;
+    this prompt's first is `first_choice`) with S + j, so one request seeded S samples what n requests seeded S,
+    S+1, ... would; gspo's extension: `seed` as a list, one per choice. Without one, a session's `seed_base`
+    (each choice seed_base * 1_000_003 + k)."""
     n = _int(body, "n", 1, 1, limits.max_n)
     cap = limits.max_tokens_cap
     max_tokens = _int(body, "max_completion_tokens", None, 1, cap) if route == "chat" else None
@@ -75,17 +80,35 @@ def job_of(body: dict, route: str, limits: Limits, prompt_ids: list[int], seed_b
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
         raise BadRequest("top_p must be in (0, 1]", "top_p")
+    top_k = _int(body, "top_k", 0, -1, 1 << 30)
+    top_k = 0 if top_k == -1 else top_k  # vLLM's "off"
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    repetition_penalty = _number(body, "repetition_penalty", 1.0, 1e-6, 100.0)
+    reshaped = top_p < 1 or top_k or min_p or repetition_penalty != 1.0
     seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+    if isinstance(seed, list):
+        if not all(type(x) is int for x in seed):
+            raise BadRequest("seed must be an integer or a list of integers, one per choice", "seed")
+        if len(seed) < first_choice + n:
+            raise BadRequest(f"seed: {len(seed)} seeds for {first_choice + n} or more choices (one per choice)",
+                             "seed")
+        seeds = seed[first_choice:first_choice + n]
+    elif seed is not None and type(seed) is not int:
         raise BadRequest(f"seed must be an integer; got {seed!r:.40}", "seed")
-    base = seed if seed is not None else seed_base
-    seeds = None if base is None or temperature == 0 or top_p < 1 else [base * 1_000_003 + k for k in range(n)]
+    elif seed is not None:
+        seeds = [seed + first_choice + k for k in range(n)]
+    else:
+        seeds = None if seed_base is None else [seed_base * 1_000_003 + k for k in range(n)]
+    if seeds is not None and seed is not None and reshaped and temperature > 0:
+        raise BadRequest("seed: seeded sampling draws from the full distribution; top_p, top_k, min_p and "
+                         "repetition_penalty reshape it", "seed")
+    seeds = None if temperature == 0 or reshaped else seeds
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", "stop")
-    return Job(prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seeds=seeds,
-               stop=tuple(stop))
+    return Job(prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+               repetition_penalty=repetition_penalty, seeds=seeds, stop=tuple(stop))
 
 
 def check_fields(body, route: str) -> None:

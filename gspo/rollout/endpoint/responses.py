@@ -61,7 +61,7 @@ def chat_response(samples: list[Sample], replies: list[tuple[dict, str]], prompt
                      "logprobs": {"content": _chat_logprobs(s, tokenizer)} if logprobs else None,
                      "token_ids": s.token_ids}
                     for k, (s, (message, reason)) in enumerate(zip(samples, replies))],
-        "usage": usage([prompt_ids], samples)}
+        "usage": usage([prompt_ids], samples), "weight_version": samples[0].version if samples else None}
 
 
 def completion_response(samples: list[list[Sample]], prompts: list[list[int]], model: str, tokenizer,
@@ -74,7 +74,7 @@ def completion_response(samples: list[list[Sample]], prompts: list[list[int]], m
         "choices": [{"index": k, "text": s.text, "finish_reason": s.finish_reason,
                      "logprobs": _completion_logprobs(s, tokenizer) if logprobs else None, "token_ids": s.token_ids}
                     for k, s in enumerate(choices)],
-        "usage": usage(prompts, choices)}
+        "usage": usage(prompts, choices), "weight_version": choices[0].version if choices else None}
 
 
 def usage(prompts: list[list[int]], samples: list[Sample]) -> dict:

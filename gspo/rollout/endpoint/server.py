@@ -55,6 +55,7 @@ class Endpoint:
     sessions: Sessions = field(default_factory=Sessions)
     overrides: dict = field(default_factory=dict)  # request fields set whatever a request says (an evaluation's
     # temperature: greedy or eval_temperature)
+    weights: object = None  # WeightReceiver (endpoint/weights.py): weight updates by the four phases; None: refused
 
     async def chat(self, body, session: Session | None) -> dict:
         """A chat.completion for `body` (a checked request), recorded in `session` if any."""
@@ -74,26 +75,32 @@ class Endpoint:
 
     async def sample(self, job) -> list:
         """The job's samples, once the sampling thread ran it; a prompt the model cannot take is a BadRequest."""
+        return (await self.sample_all([job]))[0]
+
+    async def sample_all(self, jobs: list) -> list[list]:
+        """Each job's samples, the jobs sampled as one unit (one generator call where their settings allow)."""
         try:
-            future = self.engine.submit(job)
+            futures = self.engine.submit_all(jobs)
         except ValueError as err:  # longer than the model's context, no tokens
             raise BadRequest(str(err), "max_tokens") from None
-        return await asyncio.wrap_future(future)
+        return [await asyncio.wrap_future(future) for future in futures]
 
     async def complete(self, body, session: Session | None) -> dict:
-        """A text_completion for `body`; in a session each prompt is a call of its own."""
+        """A text_completion for `body`, its prompts sampled together; in a session each prompt is a call of its
+        own."""
         from gspo.rollout.endpoint.requests import Prompt
 
         check_fields(body, "completion")
         body = {**body, **self.overrides}
         prompts = completion_prompts(body, self.tokenizer)
         jobs = []
-        for ids in prompts:
-            job = job_of(body, "completion", self.limits, ids, session.next_seed() if session else None)
+        for i, ids in enumerate(prompts):
+            job = job_of(body, "completion", self.limits, ids, session.next_seed() if session else None,
+                         first_choice=i * (body.get("n") or 1))
             if session is not None:
                 session.admit(job, Prompt(ids))
             jobs.append(job)
-        samples = [await self.sample(job) for job in jobs]
+        samples = await self.sample_all(jobs)
         if session is not None:
             for ids, per_prompt in zip(prompts, samples):
                 session.record(Call(Prompt(ids), per_prompt, [{} for _ in per_prompt]))
@@ -129,10 +136,16 @@ def make_app(endpoint: Endpoint, *, secret: bytes | None, open_loopback: bool = 
 
     app = FastAPI(title="gspo", docs_url=None, redoc_url=None, openapi_url=None)
 
+    from gspo.rollout.endpoint.weights import ROUTES
+
     @app.middleware("http")
     async def guard(request: Request, call_next):  # before the body is read
         client = request.client.host if request.client else ""
-        if open_loopback and is_loopback(client):
+        if request.url.path in ROUTES and secret is None:
+            return JSONResponse(_error("weight updates need the run's secret: start gspo serve with "
+                                       "GSPO_ROLLOUT_SECRET (or rollout_secret_file) set", "permission_error"),
+                                status_code=403)
+        if open_loopback and is_loopback(client) and request.url.path not in ROUTES:  # weights: always the secret
             return await call_next(request)
         given = request.headers.get("authorization", "").encode()
         if secret is None or not hmac.compare_digest(given, b"Bearer " + secret):
@@ -172,6 +185,51 @@ def make_app(endpoint: Endpoint, *, secret: bytes | None, open_loopback: bool = 
     @app.post("/sessions/{sid}/v1/completions")
     async def completions(request: Request, sid: str | None = None):
         return await answer(request, sid, "completion")
+
+    async def phase(request: Request, key: str | None, act):
+        """Run one weight-transfer phase `act(value of body[key])` on a thread (it waits on the wire and the
+        engine's lock)."""
+        if endpoint.weights is None:
+            raise BadRequest("this endpoint takes no weight updates", status=403)
+        value = None
+        if key is not None:
+            try:
+                body = await request.json()
+            except ValueError:
+                raise BadRequest("the request body is not JSON") from None
+            if not isinstance(body, dict) or set(body) - {key}:
+                raise BadRequest(f"the body must be {{{key!r}: ...}}", key)
+            value = body.get(key)
+        return await asyncio.to_thread(act, value)
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weights(request: Request):
+        await phase(request, "init_info", lambda info: endpoint.weights.init(info))
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/start_weight_update")
+    async def start_weights(request: Request):
+        await phase(request, None, lambda _: endpoint.weights.start())
+        return {"message": "Weight update started"}
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        await phase(request, "update_info", lambda info: endpoint.weights.update(info))
+        return {"message": "Weights updated"}
+
+    @app.post("/finish_weight_update")
+    async def finish_weights(request: Request):
+        probe = await phase(request, "weight_version", lambda version: endpoint.weights.finish(version))
+        return {"message": "Weight update finished", "weight_version": endpoint.engine.version, "probe": probe}
+
+    @app.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weights(request: Request):
+        await phase(request, None, lambda _: endpoint.weights.shutdown())
+        return {"message": "Weight transfer shut down"}
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": endpoint.engine.version}
 
     return app
 

@@ -30,7 +30,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 SECTIONS = ("sampling", "episodes", "shape")
 # settings of the channel itself, which a rollout server's config need not share with the trainer's
 SECRETS = ("rollout_secret", "rollout_secret_file")  # never sent: a worker has its own, or was handed it
-PLUMBING = ("rollout_workers", "rollout_timeout_s", "max_staleness", "rollout_address", *SECRETS)
+PLUMBING = ("rollout_workers", "rollout_timeout_s", "max_staleness", "rollout_address", "rollout_endpoints", *SECRETS)
 # the trainer's to decide (whether it needs mu: its corrections, its staleness): a server takes the trainer's
 DECIDED_BY_TRAINER = ("keep_logprobs",)
 

@@ -1,0 +1,273 @@
+"""The trainer's side of its rollout endpoints (`rollout_endpoints`): OpenAI-compatible servers it samples from,
+token in and token out, and whose weights it updates by the four phases of the weight-transfer API.
+
+`Endpoints` is the handle of the "endpoints" generator (`ENDPOINTS`, a GeneratorBackend the Sampler plug samples
+with: gspo/rollout/sampler.py): each generator call's rows are sent as /v1/completions requests whose prompts are
+token ids, whole groups at a time, spread over the endpoints by load (the one with the fewest rows in flight takes
+the next share); each answer's choices carry their token ids, mu (the sampled tokens' log-probs) and the version
+of the weights that sampled them, checked against the version the trainer last pushed. With seeded sampling a
+request carries its rows' seeds (choice j of a request seeded S is seeded S + j; gspo serve also takes a list),
+so each row samples what the in-process sampler would draw for it.
+
+`push(policy, version)`: /start_weight_update, /update_weights (the tensors over gspo's wire, where the endpoint
+joined the trainer at /init_weight_transfer_engine: gspo/rollout/endpoint/weights.py), /finish_weight_update with
+the version, on every endpoint at once; each answers with its probe, which must match the policy's.
+
+Every request bears the run's secret. An endpoint that fails, times out or answers what was not asked is named in
+one line (`EndpointLost`): the trainer then stops with a checkpoint, as for a lost rollout worker.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from gspo.config.sampling import split_endpoint
+from gspo.rollout.registry import GeneratorBackend
+from gspo.rollout.remote.client import RolloutWorkerLost
+
+MAX_ROWS_PER_REQUEST = 256  # completions per request at most (gspo serve samples a request in calls of its max_rows)
+
+
+class EndpointLost(RolloutWorkerLost):
+    """A rollout endpoint failed, went silent or answered what was not asked; the message names it."""
+
+
+class Endpoints:
+    """The run's rollout endpoints: sampling (`sample`, the ENDPOINTS generator's) and weight updates (`push`).
+
+    `urls`: each endpoint's base URL (gspo serve's or vllm serve's, with or without /v1); `secret`: the run's,
+    sent as the bearer token; `timeout_s`: the longest wait for one answer (rollout_timeout_s); `vocab_size`:
+    token ids outside it are refused."""
+
+    def __init__(self, urls: list[str], secret: bytes, *, timeout_s: float, vocab_size: int):
+        from gspo.rollout.endpoint.server import need
+
+        need("serve", "httpx")
+        import httpx
+
+        self.bases = [split_endpoint(u)[0] for u in urls]
+        self.timeout_s, self.vocab_size, self.secret = timeout_s, vocab_size, secret
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                 headers={"Authorization": "Bearer " + secret.decode()})
+        self.pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(urls)), thread_name_prefix="gspo-endpoints")
+        self.in_flight = [0] * len(urls)  # rows asked of each endpoint and not yet answered
+        self.version: str | None = None  # the weights' version the trainer last pushed
+        self.socks: list | None = None  # the wire to each endpoint, once joined (`_join`)
+        self.models, self.kinds = [], []
+        for base in self.bases:
+            listed = self._call(base, "GET", "/v1/models", None, "listing its model")
+            data = listed.get("data") if isinstance(listed, dict) else None
+            if not (isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"),
+                                                                                                  str)):
+                raise EndpointLost(f"rollout endpoint {base}: /v1/models lists no model")
+            self.models.append(data[0]["id"])
+            self.kinds.append(data[0].get("owned_by"))
+        others = [f"{b} (owned_by {k!r})" for b, k in zip(self.bases, self.kinds) if k != "gspo"]
+        if others:
+            raise ValueError(f"rollout_endpoints: {', '.join(others)}: gspo samples from and updates gspo serve "
+                             "endpoints; vllm serve endpoints are not supported yet")
+
+    # -- HTTP ---------------------------------------------------------------------------------------------------
+    def _call(self, base: str, method: str, path: str, body: dict | None, what: str):
+        """The JSON answer of one request; an EndpointLost naming the endpoint and `what` otherwise."""
+        import httpx
+
+        try:
+            response = self.http.request(method, base + path, json=body)
+        except httpx.TimeoutException:
+            raise EndpointLost(f"rollout endpoint {base}: no answer within rollout_timeout_s={self.timeout_s:g} "
+                               f"({what})") from None
+        except httpx.HTTPError as err:
+            raise EndpointLost(f"rollout endpoint {base}: {what}: {type(err).__name__}: {err}") from None
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if response.status_code != 200:
+            detail = answer.get("error") if isinstance(answer, dict) else None
+            detail = detail.get("message") if isinstance(detail, dict) else detail or response.text[:200]
+            raise EndpointLost(f"rollout endpoint {base}: {what}: HTTP {response.status_code}: {detail}")
+        if answer is None:
+            raise EndpointLost(f"rollout endpoint {base}: {what}: the answer is not JSON")
+        return answer
+
+    # -- sampling -----------------------------------------------------------------------------------------------
+    def sample(self, prompt_ids, prompt_mask, *, eos, pad, max_new_tokens, temperature, top_p, top_k, min_p,
+               repetition_penalty, greedy, seeded, with_logprobs, group_size):
+        """The ENDPOINTS generator: completion ids (N, T) and mu (N, T) of rows `prompt_ids` (N, L), left-padded,
+        in groups of `group_size` copies of a prompt."""
+        N = prompt_ids.shape[0]
+        rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        g = group_size if group_size > 1 and N % group_size == 0 and all(
+            rows[i] == rows[i - i % group_size] for i in range(N)) else 1
+        seeds = list(seeded.seeds) if seeded is not None else None
+        options = {"max_tokens": max_new_tokens, "temperature": 0.0 if greedy else temperature, "logprobs": 0,
+                   "return_token_ids": True}
+        options.update({k: v for k, v, off in (("top_p", top_p, 1.0), ("top_k", top_k, 0), ("min_p", min_p, 0.0),
+                                               ("repetition_penalty", repetition_penalty, 1.0)) if v != off})
+        groups = N // g
+        shares = _shares(groups, len(self.bases), MAX_ROWS_PER_REQUEST // g or 1)  # [(first group, groups)]
+        futures = []
+        for first, count in shares:
+            where = min(range(len(self.bases)), key=lambda e: (self.in_flight[e], e))
+            self.in_flight[where] += count * g
+            lo, hi = first * g, (first + count) * g
+            body = {"model": self.models[where], "prompt": rows[lo:hi:g], "n": g, **options}
+            if seeds is not None and not greedy:
+                share = seeds[lo:hi]
+                body["seed"] = share[0] if share == list(range(share[0], share[0] + len(share))) else share
+            futures.append((lo, hi, where, self.pool.submit(self._complete, where, body, hi - lo)))
+        out: list = [None] * N
+        try:
+            for lo, hi, _, future in futures:
+                out[lo:hi] = future.result()
+        finally:
+            for lo, hi, where, _ in futures:
+                self.in_flight[where] -= hi - lo
+        width = max([len(ids) for ids, _ in out] + [1])
+        device = prompt_ids.device
+        ids = torch.full((N, width), pad, dtype=torch.long)  # (N, T)
+        mu = torch.zeros((N, width), dtype=torch.float32)  # (N, T)
+        for i, (tokens, logprobs) in enumerate(out):
+            ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mu[i, :len(tokens)] = torch.tensor(logprobs, dtype=torch.float32)
+        return ids.to(device), (mu.to(device) if with_logprobs else None)
+
+    def _complete(self, where: int, body: dict, expected: int) -> list[tuple[list[int], list[float]]]:
+        """(token ids, mu) of each choice of one /v1/completions request, checked against what it asked."""
+        base = self.bases[where]
+        answer = self._call(base, "POST", "/v1/completions", body, f"sampling {expected} completions")
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or len(choices) != expected:
+            raise EndpointLost(f"rollout endpoint {base}: answered {len(choices) if isinstance(choices, list) else 0} "
+                               f"completions, asked for {expected}")
+        version = answer.get("weight_version")
+        if self.version is not None and version != self.version:
+            raise EndpointLost(f"rollout endpoint {base}: sampled with weights version {version!r}; the trainer "
+                               f"pushed {self.version!r} (another trainer updates it?)")
+        out = []
+        for k, choice in enumerate(sorted(choices, key=lambda c: c.get("index", -1) if isinstance(c, dict) else -1)):
+            tokens = choice.get("token_ids") if isinstance(choice, dict) else None
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs") if isinstance(choice, dict) else None
+            ok = (choice.get("index") == k and isinstance(tokens, list) and isinstance(logprobs, list)
+                  and len(tokens) == len(logprobs) <= body["max_tokens"]
+                  and all(type(t) is int and 0 <= t < self.vocab_size for t in tokens)
+                  and all(isinstance(x, (int, float)) and not x > 0 and not math.isnan(x) for x in logprobs))
+            if not ok:
+                raise EndpointLost(f"rollout endpoint {base}: choice {k} is not {body['max_tokens']} or fewer token "
+                                   f"ids below {self.vocab_size} with their log-probs")
+            out.append((tokens, [float(x) for x in logprobs]))
+        return out
+
+    # -- weights ------------------------------------------------------------------------------------------------
+    def push(self, flat: dict, names: list[str], version: int, trained_only: bool) -> list[list[float]]:
+        """Load `flat` (`gspo.rollout.remote.worker.flat_weights`: one buffer per dtype, parameters `names` in
+        order) into every endpoint by the four phases, as weights version `version`; each endpoint's probe."""
+        from gspo.rollout.remote.wire import DTYPE_NAMES
+
+        if self.socks is None:
+            self._join()
+        tensors = {DTYPE_NAMES[dtype]: t for dtype, t in flat.items()}
+        futures = [self.pool.submit(self._push_one, e, tensors, names, version, trained_only)
+                   for e in range(len(self.bases))]
+        probes = [f.result() for f in futures]
+        self.version = str(version)
+        return probes
+
+    def _push_one(self, e: int, tensors: dict, names: list[str], version: int, trained_only: bool) -> list[float]:
+        from gspo.rollout.remote.wire import send
+
+        base = self.bases[e]
+        self._call(base, "POST", "/start_weight_update", None, "starting a weight update")
+        sock = self.socks[e]
+        sending = self.pool.submit(send, sock, "weights", {"version": version, "trained_only": trained_only}, tensors)
+        try:  # the endpoint reads the tensors while it answers this
+            self._call(base, "POST", "/update_weights",
+                       {"update_info": {"version": version, "trained_only": trained_only, "names": names}},
+                       "loading the weights")
+        except EndpointLost:
+            sock.close()  # a refused update: the send stops at once (the connection is done)
+            raise
+        try:
+            sending.result()
+        except OSError as err:
+            raise EndpointLost(f"rollout endpoint {base}: sending the weights: {err}") from None
+        answer = self._call(base, "POST", "/finish_weight_update", {"weight_version": str(version)},
+                            "finishing the weight update")
+        probe = answer.get("probe") if isinstance(answer, dict) else None
+        if not (isinstance(probe, list) and all(isinstance(x, (int, float)) for x in probe)):
+            raise EndpointLost(f"rollout endpoint {base}: finish_weight_update answered no probe")
+        return [float(x) for x in probe]
+
+    def _join(self) -> None:
+        """/init_weight_transfer_engine on every endpoint: each joins a listener of the trainer's own (on the address
+        this machine reaches it from), both proving the run's secret."""
+        self.socks = list(self.pool.map(self._join_one, range(len(self.bases))))
+
+    def _join_one(self, e: int):
+        from gspo.rollout.endpoint.weights import BACKEND
+        from gspo.rollout.remote.wire import accept_peers, listen
+
+        base = self.bases[e]
+        host = _local_address(base)
+        listener = listen(host, 0)
+        port = listener.getsockname()[1]
+        call = self.pool.submit(self._call, base, "POST", "/init_weight_transfer_engine",
+                                {"init_info": {"backend": BACKEND, "host": host, "port": port, "rank": 1}},
+                                "joining the trainer for weights")
+
+        def failed():  # the endpoint's answer came first: it could not join (its error says why)
+            if call.done() and call.exception() is not None:
+                raise call.exception()
+
+        try:
+            joined = accept_peers(listener, self.secret, range(1, 2), self.timeout_s, alive=failed,
+                                  refused=lambda line: print(f"rollout endpoints: refused a connection from {line}",
+                                                             file=sys.stderr, flush=True))
+            call.result()
+        except TimeoutError as err:
+            raise EndpointLost(f"rollout endpoint {base}: it did not join the trainer at {host}:{port}: {err}"
+                               ) from None
+        finally:
+            listener.close()
+        return joined[1]
+
+    def close(self) -> None:
+        for sock in self.socks or ():
+            sock.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+
+
+def _shares(groups: int, endpoints: int, most: int) -> list[tuple[int, int]]:
+    """(first group, number of groups) of each request: the groups in contiguous shares, as even as possible over
+    the endpoints, at most `most` groups each."""
+    parts = max(min(groups, endpoints), math.ceil(groups / most)) if groups else 0
+    sizes = [groups // parts + (i < groups % parts) for i in range(parts)]
+    return [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+
+
+def _local_address(base: str) -> str:
+    """The address of this machine that reaches endpoint `base` (loopback for a loopback endpoint)."""
+    _, host, port = split_endpoint(base)
+    try:
+        with socket.create_connection((host, port), timeout=10) as probe:
+            return probe.getsockname()[0]
+    except OSError as err:
+        raise EndpointLost(f"rollout endpoint {base}: cannot be reached ({err})") from None
+
+
+def _unsupported(model) -> str:
+    return "samples from rollout_endpoints only"
+
+
+ENDPOINTS = GeneratorBackend(lambda endpoints, *args, **kwargs: endpoints.sample(*args, **kwargs), _unsupported,
+                             routing_record=False)
+
+
+__all__ = ["ENDPOINTS", "EndpointLost", "Endpoints"]

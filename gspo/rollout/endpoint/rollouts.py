@@ -1,0 +1,164 @@
+"""The Sampler plug over rollout endpoints (`rollout_endpoints`; docs/distributed.md).
+
+`EndpointSampler` is the trainer's own Sampler (prompts rendered and tokenized here, per-row seeds, groups) whose
+generator is the endpoints (gspo/rollout/endpoint/client.py). Its calls run on one thread of their own, in the order
+they were asked, so a rollout asked for `max_staleness` steps ahead (gspo/rollout/feed.py) samples while the trainer
+trains. `sync(policy)` first waits for the rollouts asked before it (they sample with the weights of their time),
+then pushes the new weights to every endpoint and checks each on the probe: so which weights sample which step is
+fixed by the order of the trainer's calls, never by timing, as with rollout workers. The weights' version each
+rollout was sampled with is the number of pushes before it; every endpoint's answer says the version it sampled
+with, and must agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+KEEP_VERSIONS = 16  # the versions of this many latest rollouts are kept (for checkpoints)
+
+
+class EndpointSampler:
+    """The Sampler plug with its sampling on rollout endpoints: `request` / `receive` / `sync` as RemoteSampler's.
+
+    Built from the policy as training starts (or resumes: `version`, the pushes so far): it reaches every endpoint,
+    pushes the policy's weights (all of them; later pushes carry what the optimizer changes: with LoRA the
+    adapters) and checks them on the probe."""
+
+    def __init__(self, model, tokenizer, sampling, episodes, shape, *, seeded: bool, version: int = 0):
+        from gspo.config import rollout_secret
+        from gspo.rollout.endpoint.client import ENDPOINTS, Endpoints
+        from gspo.rollout.sampler import Sampler
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("rollout_endpoints under torchrun is not supported yet: run one trainer process")
+        urls = sampling.rollout_endpoints
+        self.name = "endpoints"
+        self.reason = (f"sampler: {len(urls)} rollout endpoint(s) ({', '.join(urls)}), weights by the four phases, "
+                       f"rollouts asked for {sampling.max_staleness} step(s) ahead")
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        t0 = time.perf_counter()
+        self.endpoints = Endpoints(urls, rollout_secret(sampling), timeout_s=sampling.rollout_timeout_s,
+                                   vocab_size=self.vocab_size)
+        try:
+            # its own tokenizer: its thread renders prompts while the trainer's decodes (a fast tokenizer's state is
+            # not shared across threads)
+            self.sampler = Sampler(model, copy.deepcopy(tokenizer), sampling, episodes, shape, seeded=seeded,
+                                   engine=(self.name, ENDPOINTS, self.endpoints))
+            self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gspo-rollouts")
+            self.version, self.lost, self.started = version, None, False
+            self.futures: dict = {}  # step -> Future of (Rollout, seconds sampling)
+            self.versions: dict[int, int] = {}  # step -> the weights' version that sampled it
+            self.asked_version: dict[int, int] = {}
+            self.pushed = self._push(model)  # every endpoint starts from the policy's weights
+        except BaseException:
+            self.endpoints.close()
+            raise
+        self.started = True
+        self.start_s = time.perf_counter() - t0
+        self.waited, self.busy, self.mark, self.synced = 0.0, 0.0, time.perf_counter(), False
+
+    def _check(self) -> None:
+        if self.lost is not None:
+            raise self.lost
+
+    def request(self, prompts: list[str], step: int, first_row: int, rows: list | None = None) -> None:
+        """Ask for step `step`'s rollout; it samples on this sampler's thread once those asked before are done."""
+        self._check()
+        self.asked_version[step] = self.version
+        self.futures[step] = self.thread.submit(self._sample, prompts, step, first_row, rows)
+
+    def _sample(self, prompts, step, first_row, rows):
+        t0 = time.perf_counter()
+        rollout = self.sampler.sample(prompts, step, first_row, rows)
+        return rollout, time.perf_counter() - t0
+
+    def receive(self, step: int, wait: bool = True):
+        """Step `step`'s rollout (asked for with `request`); without `wait`, only one that is done, else None."""
+        from gspo.rollout.endpoint.client import EndpointLost
+
+        future = self.futures.get(step)
+        if future is None or (not wait and not future.done()):
+            return None
+        self._check()
+        t0 = time.perf_counter()
+        try:
+            rollout, busy = future.result()
+        except EndpointLost as err:
+            self.lost = err
+            raise
+        self.waited += time.perf_counter() - t0
+        self.busy += busy
+        del self.futures[step]
+        self.versions[step] = self.asked_version.pop(step)
+        for old in sorted(self.versions)[:-KEEP_VERSIONS]:
+            del self.versions[old]
+        return rollout
+
+    def sample(self, prompts: list[str], step: int, first_row: int, rows: list | None = None):
+        """`request` then `receive`: one step sampled without overlap."""
+        self.request(prompts, step, first_row, rows)
+        return self.receive(step)
+
+    def rng_after(self, step: int) -> None:
+        """None: the endpoints' random state is theirs (with seeded_sampling every row's tokens follow its seed)."""
+
+    def version_of(self, step: int) -> int:
+        """The version of the weights (the number of `sync`s before) that sampled step `step`'s rollout."""
+        return self.versions[step]
+
+    def _push(self, policy) -> dict:
+        """Push the policy's weights (version `self.version`) to every endpoint and check each on the probe."""
+        from gspo.rollout.endpoint.weights import sent_names
+        from gspo.rollout.remote.worker import flat_weights, probe_logprobs
+
+        trained_only = self.started  # after the first push: what the optimizer changes (LoRA: the adapters)
+        own = probe_logprobs(policy, self.vocab_size)
+        t0 = time.perf_counter()
+        flat = flat_weights(policy, trained_only)
+        probes = self.endpoints.push(flat, sent_names(policy, trained_only), self.version, trained_only)
+        seconds = time.perf_counter() - t0
+        for base, probe in zip(self.endpoints.bases, probes):
+            diff = (own - own.new_tensor(probe)).abs().max().item() if len(probe) == own.numel() else float("inf")
+            if not diff <= 1e-5:
+                raise ValueError(f"rollout endpoint {base}: the pushed weights give log-probs {diff:.3g} away from "
+                                 "the policy's on the probe (does it serve the trainer's model?)")
+        return {"seconds": seconds, "bytes": float(sum(t.numel() * t.element_size() for t in flat.values()))}
+
+    def sync(self, policy) -> dict:
+        """Wait for the rollouts asked so far, then push the updated weights; this step's timings.
+
+        A lost endpoint is not raised here (the step's updates are done and its metrics still logged): the next
+        `request` or `receive` raises it, before anything of the next step is applied."""
+        from gspo.rollout.endpoint.client import EndpointLost
+
+        if self.lost is not None:
+            return {}
+        t0 = time.perf_counter()
+        self.thread.submit(lambda: None).result()  # the rollouts asked before this push have sampled
+        self.waited += time.perf_counter() - t0
+        self.version += 1
+        try:
+            pushed = self._push(policy)
+        except EndpointLost as err:
+            self.lost = err
+            return {}
+        now = time.perf_counter()
+        interval = now - self.mark
+        stats = {"time/sync_s": pushed["seconds"], "async/sync_bytes": pushed["bytes"],
+                 "time/wait_for_rollout_s": self.waited, "async/trainer_busy": 1.0 - self.waited / interval,
+                 "async/worker_busy": self.busy / interval}
+        self.waited, self.busy, self.mark = 0.0, 0.0, now
+        if not self.synced:
+            stats["time/sampler_start_s"], self.synced = self.start_s, True
+        return stats
+
+    def close(self) -> None:
+        if hasattr(self, "thread"):
+            self.thread.shutdown(wait=False, cancel_futures=True)
+        self.endpoints.close()  # a request in flight fails at once
+
+
+__all__ = ["EndpointSampler"]

@@ -1,0 +1,234 @@
+"""Rollout endpoints (`rollout_endpoints`; gspo/rollout/endpoint/client.py, rollouts.py, weights.py): a run that samples
+from `gspo serve` endpoints, token in and token out, is the in-process run (seeded: metric for metric, weight for
+weight), runs max_staleness steps ahead exactly as the in-process lag stand-in does, resumes bit for bit, pushes its
+weights by the four phases (each bearing the run's secret, the tensors over the authenticated wire), and an endpoint
+that fails is named in one line and stops the run with a checkpoint."""
+
+import contextlib
+import threading
+
+import httpx
+import pytest
+import torch
+
+from conftest import TINY_MODEL, final_weights, gspo_serving, read_metrics, tiny_cfg
+from gspo.config import TrainConfig, make_config
+from gspo.runtime import TrainingAborted
+from gspo.trainer import train
+
+pytest.importorskip("fastapi")
+
+SECRET = "a secret of this test's run, 32+"
+TIMING = ("time/", "throughput/", "perf/", "async/trainer_busy", "async/worker_busy", "mem/")
+
+
+@pytest.fixture(autouse=True)
+def run_secret(monkeypatch):
+    monkeypatch.setenv("GSPO_ROLLOUT_SECRET", SECRET)
+
+
+def text_hash(prompts, completions, **_):
+    """A reward with spread in nearly every group, so every step moves the weights."""
+    return [sum(map(ord, c)) % 5 / 4 for c in completions]
+
+
+def computed(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(TIMING)}
+
+
+@contextlib.contextmanager
+def endpoints(tmp_path, count: int = 1, **serve):
+    """`count` gspo serve endpoints of the tiny model (SMALL) on loopback; their URLs."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(gspo_serving(tiny_cfg(tmp_path / f"serve{i}", **serve))) for i in range(count)]
+        yield [server.url + "/v1" for server in servers]
+
+
+def cfg_of(tmp_path, name: str, **kw) -> TrainConfig:
+    return tiny_cfg(tmp_path / name, **{"max_steps": 2, "seeded_sampling": True, "eval_num_prompts": 0,
+                                        "log_mismatch": True, **kw})
+
+
+def test_a_run_on_an_endpoint_trains_exactly_as_one_without(tmp_path):
+    # Seeded, max_staleness 0: the endpoint samples each step with the weights the trainer just pushed, in one
+    # generator call of the step's rows (one request), so the run is the in-process run, mu bit for bit.
+    train(cfg_of(tmp_path, "plain"))
+    with endpoints(tmp_path) as urls:
+        train(cfg_of(tmp_path, "endpoint", rollout_endpoints=urls))
+    plain, remote = read_metrics(tmp_path / "plain" / "run"), read_metrics(tmp_path / "endpoint" / "run")
+    assert [r["step"] for r in remote] == [1, 2]
+    for a, b in zip(plain, remote, strict=True):
+        assert computed(a) == {k: v for k, v in computed(b).items() if not k.startswith("async/")}
+    assert remote[0]["mismatch/kl"] == plain[0]["mismatch/kl"]
+    params = sum(p.numel() for p in torch.nn.Module.parameters(_model(tmp_path / "plain")))
+    assert [r["async/sync_bytes"] for r in remote] == [4.0 * params] * 2  # float32, every parameter (no LoRA)
+    assert [r["async/staleness_max"] for r in remote] == [0.0, 0.0] and remote[0]["time/sampler_start_s"] > 0
+    w0, w1 = final_weights(tmp_path / "plain" / "run"), final_weights(tmp_path / "endpoint" / "run")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def _model(run_dir):
+    from gspo.models import load_model
+
+    return load_model(str(run_dir / "run" / "model"))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [1, 2])
+def test_endpoints_one_step_ahead_are_the_in_process_lag_of_one(tmp_path, count):
+    # max_staleness 1 asks for step t's rollout as step t - 1 begins, after the weights of step t - 2 were pushed:
+    # what sampler_lag 1 simulates with a copy in one process. Seeded, the two runs are the same run (two
+    # endpoints: the rows split in two requests, the same tokens).
+    common = dict(max_steps=4, learning_rate=1e-2, reward_funcs=[text_hash])
+    train(cfg_of(tmp_path, "lag", sampler_lag=1, **common))
+    with endpoints(tmp_path, count) as urls:
+        train(cfg_of(tmp_path, "async", rollout_endpoints=urls, max_staleness=1, **common))
+    lag, real = read_metrics(tmp_path / "lag" / "run"), read_metrics(tmp_path / "async" / "run")
+    exact = [{k: v for k, v in computed(r).items() if not k.startswith(("mismatch/", "async/"))} for r in (*lag, *real)]
+    assert exact[:4] == exact[4:]
+    for a, b in zip(lag, real):  # the lag's copy has requires_grad off: other CPU kernels, mu within 5e-7
+        off = {k: (v, b[k]) for k, v in a.items() if k.startswith("mismatch/") and b[k] != pytest.approx(v, rel=1e-5,
+                                                                                                          abs=1e-6)}
+        assert not off, off
+    assert [r["async/staleness_mean"] for r in real] == [0.0, 1.0, 1.0, 1.0]
+    assert real[0]["mismatch/kl"] < 1e-10 and all(r["mismatch/kl"] > 1e-3 for r in real[1:])
+    w_lag, w_real = final_weights(tmp_path / "lag" / "run"), final_weights(tmp_path / "async" / "run")
+    assert all(torch.equal(w_lag[k], w_real[k]) for k in w_lag)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_run_on_an_endpoint_stopped_with_rollouts_in_flight_resumes_bit_for_bit(tmp_path, staleness):
+    def cfg(name, urls, **kw):
+        return cfg_of(tmp_path, name, max_steps=4, rollout_endpoints=urls, max_staleness=staleness, learning_rate=1e-2,
+                      reward_funcs=[text_hash], **kw)
+
+    with endpoints(tmp_path) as urls:
+        train(cfg("whole", urls))
+        train(cfg("parts", urls), callbacks=[lambda step, metrics: "stop" if step == 2 else None])
+        pending = torch.load(tmp_path / "parts" / "run" / "checkpoint-2" / "rollouts.pt", weights_only=True)
+        assert pending["steps"] == list(range(3, 3 + staleness)) and pending["worker_rng"] is None
+        train(cfg("parts", urls, resume_from_checkpoint="latest"))
+    whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
+    assert [r["step"] for r in parts] == [1, 2, 3, 4]
+    assert [computed(r) for r in whole] == [computed(r) for r in parts]
+    w, p = final_weights(tmp_path / "whole" / "run"), final_weights(tmp_path / "parts" / "run")
+    assert all(torch.equal(w[k], p[k]) for k in w)
+
+
+def test_the_weight_routes_need_the_secret_in_order_and_the_trainer_s_proof(tmp_path, monkeypatch):
+    from gspo.rollout.remote.wire import WireError, accept_peers, listen
+
+    def post(url, path, body=None, key=SECRET):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(url + path, json=body, headers=headers, timeout=30)
+
+    with endpoints(tmp_path) as (url,):
+        url = url[:-3]
+        # loopback clients may sample without the secret, never touch the weights
+        assert post(url, "/start_weight_update", key=None).status_code == 401
+        assert post(url, "/start_weight_update", key="not the secret, but as long").status_code == 401
+        answer = post(url, "/start_weight_update")
+        assert answer.status_code == 409 and "before init_weight_transfer_engine" in answer.json()["error"]["message"]
+        bad = post(url, "/init_weight_transfer_engine", {"init_info": {"backend": "nccl", "host": "127.0.0.1",
+                                                                      "port": 1, "rank": 1}})
+        assert bad.status_code == 400 and "by backend 'gspo' only" in bad.json()["error"]["message"]
+        # a listener that does not know the run's secret: the endpoint refuses to join it, and says so
+        listener = listen("127.0.0.1", 0)
+        port = listener.getsockname()[1]
+        refused = []
+        thread = threading.Thread(target=lambda: _accept_quietly(accept_peers, listener, refused))
+        thread.start()
+        answer = post(url, "/init_weight_transfer_engine",
+                      {"init_info": {"backend": "gspo", "host": "127.0.0.1", "port": port, "rank": 1}})
+        thread.join(30)
+        listener.close()
+        assert answer.status_code == 400 and "could not join the trainer" in answer.json()["error"]["message"]
+        assert refused and isinstance(refused[0], (WireError, TimeoutError, OSError))
+        assert httpx.get(url + "/weight_info", headers={"Authorization": f"Bearer {SECRET}"}).json() == {
+            "weight_version": None}
+    monkeypatch.delenv("GSPO_ROLLOUT_SECRET")
+    with endpoints(tmp_path / "open") as (url,):  # started without a secret: no weight updates at all
+        answer = post(url[:-3], "/start_weight_update")
+        assert answer.status_code == 403 and "need the run's secret" in answer.json()["error"]["message"]
+
+
+def _accept_quietly(accept_peers, listener, out: list) -> None:
+    try:
+        accept_peers(listener, b"another run's secret, 32 chars+", range(1, 2), 10)
+    except (TimeoutError, OSError) as err:
+        out.append(err)
+    else:
+        out.append(AssertionError("the endpoint joined a listener without the run's secret"))
+
+
+def test_an_endpoint_serving_another_model_is_named_before_training(tmp_path):
+    with endpoints(tmp_path, model_overrides=TINY_MODEL) as urls:
+        with pytest.raises(ValueError, match=r"rollout endpoint http://127\.0\.0\.1:\d+: loading the weights: HTTP "
+                                             r"400: update_weights: the trainer sends 24 parameters, this model "
+                                             r"takes 13 \(differing: model\.layers\.1\."):
+            train(cfg_of(tmp_path, "other", rollout_endpoints=urls))
+
+
+def test_an_endpoint_that_stops_mid_run_stops_it_with_a_checkpoint(tmp_path):
+    from conftest import gspo_serving as serving
+
+    holder = {}
+
+    def stop_after_step_2(step, metrics):
+        if step == 2:
+            holder["stop"].close()  # the endpoint's HTTP server stops: its next request is refused
+
+    with serving(tiny_cfg(tmp_path / "serve")) as server:
+        holder["stop"] = server
+        with pytest.raises(TrainingAborted, match=r"rollout endpoint http://127\.0\.0\.1:\d+: [^\n]*\n"
+                                                  r"stopped after step 2; checkpoint saved to .*checkpoint-2"):
+            train(cfg_of(tmp_path, "run", max_steps=4, rollout_endpoints=[server.url + "/v1"],
+                         rollout_timeout_s=20), callbacks=[stop_after_step_2])
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "run")] == [1, 2]
+    with endpoints(tmp_path / "again") as urls:  # another endpoint: the run goes on from its checkpoint
+        train(cfg_of(tmp_path, "run", max_steps=4, rollout_endpoints=urls, resume_from_checkpoint="latest"))
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "run")] == [1, 2, 3, 4]
+
+
+def test_one_request_seeded_s_samples_what_requests_seeded_s_s_plus_1_would(tmp_path):
+    with endpoints(tmp_path) as (url,):
+        def sample(seed, n, prompt=(1, 2, 3)):
+            body = {"model": "tiny-dense", "prompt": [list(prompt)], "n": n, "max_tokens": 6, "seed": seed,
+                    "logprobs": 0}
+            return [c["token_ids"] for c in httpx.post(url + "/completions", json=body, timeout=60).json()["choices"]]
+
+        together = sample(11, 3)
+        assert together == sample(11, 1) + sample(12, 1) + sample(13, 1)
+        assert sample([13, 11], 2) == [together[2], together[0]]  # gspo's extension: a seed per choice
+        assert len({tuple(t) for t in together}) > 1  # the seeds mattered
+        wrong = httpx.post(url + "/completions", json={"prompt": [1, 2], "n": 2, "seed": [1]}, timeout=30)
+        assert wrong.status_code == 400 and "one per choice" in wrong.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"rollout_endpoints": ["localhost:8000"]}, r"'localhost:8000' is not an http\(s\)://host:port URL"),
+    ({"rollout_endpoints": [1]}, r"1 is not an http\(s\)://host:port URL"),
+    ({"rollout_endpoints": ["http://a:1/v1", "http://a:1"]}, r"names an endpoint twice"),
+    ({"rollout_endpoints": ["http://a:1"], "rollout_workers": 1}, r"use one of them"),
+    ({"rollout_endpoints": ["http://a:1"], "generation_backend": "hf"}, r"generation_backend='hf' choose the "
+                                                                        r"trainer's own sampler"),
+    ({"rollout_endpoints": ["http://a:1"], "sampler_lag": 1}, r"sampler_lag=1"),
+    ({"rollout_endpoints": ["http://a:1"], "environment": "tools", "tools": ["python"]}, r"multi-turn episodes"),
+    ({"rollout_endpoints": ["http://a:1"], "routing_replay": "rollout", "model": "tiny-moe"},
+     r"routing_replay=rollout needs the sampler's experts"),
+    ({"max_staleness": 1}, r"set rollout_workers: 1 or rollout_endpoints"),
+])
+def test_rollout_endpoint_settings_are_checked(settings, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(TrainConfig, {"model": "tiny-dense", **settings})
+
+
+def test_rollout_endpoints_need_the_run_s_secret(monkeypatch):
+    monkeypatch.delenv("GSPO_ROLLOUT_SECRET")
+    with pytest.raises(ValueError, match="updates the endpoints' weights, which needs the run's secret"):
+        make_config(TrainConfig, {"model": "tiny-dense", "rollout_endpoints": ["http://127.0.0.1:1"]})
+    monkeypatch.setenv("GSPO_ROLLOUT_SECRET", SECRET)
+    cfg = make_config(TrainConfig, {"model": "tiny-dense", "rollout_endpoints": ["http://127.0.0.1:1"],
+                                    "max_staleness": 2})
+    assert cfg.max_staleness == 2
