@@ -194,7 +194,7 @@ def build_run(cfg: TrainConfig, topology: Topology, model=None, tokenizer=None, 
     sampler = build_sampler(model, tokenizer, *sampler_sections(cfg), seeded=cfg.seeded_sampling or topology.enabled,
                             load=(section(cfg, ModelSettings), section(cfg, LoraSettings)), rank=topology.rank,
                             recorder=routing.sampling_recorder, records=routing.records_sampling, version=first - 1,
-                            rng=(pending or {}).get("worker_rng"))
+                            rng=(pending or {}).get("worker_rng"), topology=topology)
     # each step's prompts and rollout: sampled as the step begins, or asked for max_staleness steps ahead
     feed = RolloutFeed(source, sampler, batch=B * W, share=topology.batch_share(B),
                        first_row=topology.rank * B * cfg.num_generations, ahead=cfg.max_staleness, after=first - 1,

@@ -89,8 +89,10 @@ def runs(tmp_path_factory):
     return tmp
 
 
-def assert_same_run(a: Path, b: Path, rel: float = 5e-5, metric_rel: float = 1e-3, metric_abs: float = 1e-9) -> None:
-    ma, mb = comparable(a), comparable(b)
+def assert_same_run(a: Path, b: Path, rel: float = 5e-5, metric_rel: float = 1e-3, metric_abs: float = 1e-9,
+                    ignore: tuple = ()) -> None:
+    """Runs a and b logged the same metrics (but those starting with `ignore`) and saved the same weights."""
+    ma, mb = ([{k: v for k, v in r.items() if not k.startswith(ignore)} for r in comparable(run)] for run in (a, b))
     assert [r["step"] for r in ma] == [r["step"] for r in mb]
     for ra, rb in zip(ma, mb):
         assert set(ra) == set(rb)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import TINY_MODEL, final_weights, gspo_serving, read_metrics, tiny_cfg
+from conftest import SMALL, TINY_MODEL, final_weights, gspo_serving, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, make_config
 from gspo.runtime import TrainingAborted
 from gspo.trainer import train
@@ -243,3 +243,28 @@ def test_rollout_endpoints_need_the_run_s_secret(monkeypatch):
     cfg = make_config(TrainConfig, {"model": "tiny-dense", "rollout_endpoints": ["http://127.0.0.1:1"],
                                     "max_staleness": 2})
     assert cfg.max_staleness == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_trainer_processes_on_an_endpoint_match_one(tmp_path, mode):
+    # Under torchrun each rank samples its share from the endpoint (seeded per row: the same tokens) and rank 0
+    # pushes the weights for all after a barrier; the run is the one-process run on the endpoint, to the float
+    # tolerance of test_dist.py (the ranks' requests share the endpoint's generator calls as timing has it).
+    import yaml
+
+    from conftest import gspo_env, run_gspo
+    from test_dist import assert_same_run
+
+    run = {"model": "tiny-dense", "model_overrides": SMALL, "task": "add3", "max_steps": 3, "num_generations": 4,
+           "num_minibatches": 2, "max_completion_length": 8, "learning_rate": 1e-3, "eval_num_prompts": 0,
+           "progress": False, "device": "cpu", "seeded_sampling": True, "max_staleness": 1, "distributed": mode}
+    with endpoints(tmp_path) as urls:
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump({**run, "rollout_endpoints": urls}))
+        env = gspo_env(GSPO_ROLLOUT_SECRET=SECRET)
+        for name, nproc, batch in (("one", 1, 4), ("two", 2, 2)):
+            done = run_gspo("train", "--config", tmp_path / "run.yaml", f"per_device_batch_size={batch}",
+                            f"output_dir={name}", cwd=tmp_path, nproc=nproc, env=env, timeout=240)
+            assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_run(tmp_path / "one", tmp_path / "two", ignore=("async/trainer_busy", "async/worker_busy"))
+    assert [r["async/staleness_max"] for r in read_metrics(tmp_path / "two")] == [0.0, 1.0, 1.0]

@@ -31,18 +31,21 @@ from gspo.rollout.sampler import Sampler, SamplerShape, keeps_sampler_logprobs, 
 
 
 def build_sampler(model, tokenizer, sampling, episodes, shape: SamplerShape, *, seeded: bool, load: tuple | None = None,
-                  rank: int = 0, recorder=lambda model: None, records: bool = False, version: int = 0, rng=None):
+                  rank: int = 0, recorder=lambda model: None, records: bool = False, version: int = 0, rng=None,
+                  topology=None):
     """The run's Sampler plug, from its SamplingSettings (the rollout channel's settings among them), EpisodeSettings
     and SamplerShape (`sampler_sections(cfg)` gives all three): `Sampler` in the trainer's process, with
     rollout_endpoints `EndpointSampler` (the same Sampler, its generator the endpoints), or with
     rollout_workers > 0 `RemoteSampler`, whose workers build the same Sampler from the same sections; under torchrun
     each trainer rank (`rank`) has workers of its own for its share of the batch. `load`: the run's (ModelSettings,
     LoraSettings), which a worker of an fsdp trainer loads the model by (the trainer holds a shard only); `version`:
-    the steps the weights have taken (a resumed run's); `rng`: a resumed worker's random state."""
+    the steps the weights have taken (a resumed run's); `rng`: a resumed worker's random state; `topology`: the
+    run's (rollout endpoints under torchrun: rank 0 pushes the weights for all)."""
     if sampling.rollout_endpoints:
         from gspo.rollout.endpoint.rollouts import EndpointSampler
 
-        return EndpointSampler(model, tokenizer, sampling, episodes, shape, seeded=seeded, version=version)
+        return EndpointSampler(model, tokenizer, sampling, episodes, shape, seeded=seeded, version=version,
+                               topology=topology)
     if not sampling.rollout_workers:
         return Sampler(model, tokenizer, sampling, episodes, shape, seeded=seeded, recorder=recorder, records=records)
     from gspo.rollout.remote.client import RemoteSampler

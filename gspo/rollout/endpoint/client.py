@@ -175,9 +175,7 @@ class Endpoints:
         tensors = {DTYPE_NAMES[dtype]: t for dtype, t in flat.items()}
         futures = [self.pool.submit(self._push_one, e, tensors, names, version, trained_only)
                    for e in range(len(self.bases))]
-        probes = [f.result() for f in futures]
-        self.version = str(version)
-        return probes
+        return [f.result() for f in futures]  # the caller sets self.version once the probes agree
 
     def _push_one(self, e: int, tensors: dict, names: list[str], version: int, trained_only: bool) -> list[float]:
         from gspo.rollout.remote.wire import send

@@ -8,12 +8,15 @@ then pushes the new weights to every endpoint and checks each on the probe: so w
 fixed by the order of the trainer's calls, never by timing, as with rollout workers. The weights' version each
 rollout was sampled with is the number of pushes before it; every endpoint's answer says the version it sampled
 with, and must agree.
+
+Under torchrun every rank samples its own share from the endpoints, and rank 0 alone pushes the weights: each
+`sync` first waits until every rank's rollouts asked so far are in (a barrier), every rank then takes part in
+gathering the weights (fsdp: a collective) and the probe, and rank 0's success or failure is shared with all.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,13 +30,15 @@ class EndpointSampler:
     pushes the policy's weights (all of them; later pushes carry what the optimizer changes: with LoRA the
     adapters) and checks them on the probe."""
 
-    def __init__(self, model, tokenizer, sampling, episodes, shape, *, seeded: bool, version: int = 0):
+    def __init__(self, model, tokenizer, sampling, episodes, shape, *, seeded: bool, version: int = 0,
+                 topology=None):
+        """`topology`: the run's Topology (gspo/plugs/parallel.py) under torchrun; None: one process."""
         from gspo.config import rollout_secret
         from gspo.rollout.endpoint.client import ENDPOINTS, Endpoints
         from gspo.rollout.sampler import Sampler
 
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("rollout_endpoints under torchrun is not supported yet: run one trainer process")
+        self.topology = topology if topology is not None and topology.enabled else None
+        self.pushes = self.topology is None or self.topology.is_main  # rank 0 pushes the weights for all
         urls = sampling.rollout_endpoints
         self.name = "endpoints"
         self.reason = (f"sampler: {len(urls)} rollout endpoint(s) ({', '.join(urls)}), weights by the four phases, "
@@ -110,22 +115,35 @@ class EndpointSampler:
         return self.versions[step]
 
     def _push(self, policy) -> dict:
-        """Push the policy's weights (version `self.version`) to every endpoint and check each on the probe."""
+        """Push the policy's weights (version `self.version`) to every endpoint and check each on the probe (under
+        torchrun: every rank gathers, rank 0 pushes, and every rank learns whether it worked)."""
         from gspo.rollout.endpoint.weights import sent_names
         from gspo.rollout.remote.worker import flat_weights, probe_logprobs
 
         trained_only = self.started  # after the first push: what the optimizer changes (LoRA: the adapters)
-        own = probe_logprobs(policy, self.vocab_size)
+        own = probe_logprobs(policy, self.vocab_size)  # fsdp: a forward, a collective like the gather below
         t0 = time.perf_counter()
         flat = flat_weights(policy, trained_only)
-        probes = self.endpoints.push(flat, sent_names(policy, trained_only), self.version, trained_only)
-        seconds = time.perf_counter() - t0
-        for base, probe in zip(self.endpoints.bases, probes):
-            diff = (own - own.new_tensor(probe)).abs().max().item() if len(probe) == own.numel() else float("inf")
-            if not diff <= 1e-5:
-                raise ValueError(f"rollout endpoint {base}: the pushed weights give log-probs {diff:.3g} away from "
-                                 "the policy's on the probe (does it serve the trainer's model?)")
-        return {"seconds": seconds, "bytes": float(sum(t.numel() * t.element_size() for t in flat.values()))}
+        failed = None
+        if self.pushes:
+            try:
+                probes = self.endpoints.push(flat, sent_names(policy, trained_only), self.version, trained_only)
+                for base, probe in zip(self.endpoints.bases, probes):
+                    diff = ((own - own.new_tensor(probe)).abs().max().item() if len(probe) == own.numel()
+                            else float("inf"))
+                    if not diff <= 1e-5:
+                        raise ValueError(f"rollout endpoint {base}: the pushed weights give log-probs {diff:.3g} away "
+                                         "from the policy's on the probe (does it serve the trainer's model?)")
+            except ValueError as err:  # EndpointLost among them
+                failed = err
+        if self.topology is not None and self.topology.any(failed is not None):  # rank 0's outcome, for all
+            failed = failed or _lost(f"rank 0 could not push the weights to the rollout endpoints (its error "
+                                     f"above); this is rank {self.topology.rank}")
+        if failed is not None:
+            raise failed
+        self.endpoints.version = str(self.version)  # what every answer must say from now on
+        return {"seconds": time.perf_counter() - t0,
+                "bytes": float(sum(t.numel() * t.element_size() for t in flat.values()))}
 
     def sync(self, policy) -> dict:
         """Wait for the rollouts asked so far, then push the updated weights; this step's timings.
@@ -138,6 +156,8 @@ class EndpointSampler:
             return {}
         t0 = time.perf_counter()
         self.thread.submit(lambda: None).result()  # the rollouts asked before this push have sampled
+        if self.topology is not None:  # on every rank
+            self.topology.barrier()
         self.waited += time.perf_counter() - t0
         self.version += 1
         try:
@@ -159,6 +179,12 @@ class EndpointSampler:
         if hasattr(self, "thread"):
             self.thread.shutdown(wait=False, cancel_futures=True)
         self.endpoints.close()  # a request in flight fails at once
+
+
+def _lost(message: str):
+    from gspo.rollout.endpoint.client import EndpointLost
+
+    return EndpointLost(message)
 
 
 __all__ = ["EndpointSampler"]
