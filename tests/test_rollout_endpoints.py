@@ -192,6 +192,43 @@ def test_an_endpoint_that_stops_mid_run_stops_it_with_a_checkpoint(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "run")] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
+def test_episodes_on_an_endpoint_train_and_resume_bit_for_bit(tmp_path):
+    # Multi-turn episodes: the trainer runs the environment, each turn's rows go to the endpoint. The first turn
+    # samples what the in-process sampler does (the rows' own seeds); later turns are seeded from (row seed,
+    # call), since an HTTP call cannot go on with a row's generator: the same run again, and resumed, is the same.
+    from test_episodes import EPISODES
+
+    def cfg(name, urls, **kw):
+        return cfg_of(tmp_path, name, **{"max_steps": 3, "rollout_endpoints": urls, "max_staleness": 1 if urls else 0,
+                                         **EPISODES, **kw})
+
+    with endpoints(tmp_path) as urls:
+        train(cfg("whole", urls))
+        train(cfg("parts", urls), callbacks=[lambda step, metrics: "stop" if step == 1 else None])
+        train(cfg("parts", urls, resume_from_checkpoint="latest"))
+        train(cfg("one_turn", urls, max_turns=1, max_staleness=0))
+    train(cfg("one_turn_here", None, max_turns=1, max_staleness=0))
+    here, there = (read_metrics(tmp_path / name / "run") for name in ("one_turn_here", "one_turn"))
+    assert [computed(r) for r in here] == [{k: v for k, v in computed(r).items() if not k.startswith("async/")}
+                                           for r in there]
+    whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
+    assert [computed(r) for r in whole] == [computed(r) for r in parts]
+    assert all(r["episode/turns_mean"] > 1 for r in whole)  # episodes of several turns were sampled
+    w, p = final_weights(tmp_path / "whole" / "run"), final_weights(tmp_path / "parts" / "run")
+    assert all(torch.equal(w[k], p[k]) for k in w)
+
+
+def test_a_turn_after_the_first_is_seeded_from_its_row_s_seed_and_call():
+    from gspo.rollout.policy import SeededSampler
+
+    seeded = SeededSampler([5, 7, 9], 1.0, "cpu")
+    assert seeded.turn_seeds() == [5, 7, 9]  # the first call: the rows' own seeds, as in the trainer's process
+    view = seeded.rows([0, 2])  # rows 0 and 2 still running
+    assert view.turn_seeds() == [5 * 1_000_003 + 1, 9 * 1_000_003 + 1]
+    assert seeded.rows([1, 2]).turn_seeds() == [7 * 1_000_003 + 1, 9 * 1_000_003 + 2]  # counted per row
+
+
 def test_the_endpoint_s_connections_send_without_nagle_s_delay(tmp_path):
     # asyncio sets TCP_NODELAY on accepted connections only where the listener was made with proto IPPROTO_TCP;
     # without it every answer after a connection's first waited ~40 ms (a weight update: 150 ms instead of 15)
@@ -225,7 +262,7 @@ def test_one_request_seeded_s_samples_what_requests_seeded_s_s_plus_1_would(tmp_
     ({"rollout_endpoints": ["http://a:1"], "generation_backend": "hf"}, r"generation_backend='hf' choose the "
                                                                         r"trainer's own sampler"),
     ({"rollout_endpoints": ["http://a:1"], "sampler_lag": 1}, r"sampler_lag=1"),
-    ({"rollout_endpoints": ["http://a:1"], "environment": "tools", "tools": ["python"]}, r"multi-turn episodes"),
+    ({"rollout_endpoints": ["http://a:1"], "agent": "x:y"}, r"rollout_endpoints are not supported with them"),
     ({"rollout_endpoints": ["http://a:1"], "routing_replay": "rollout", "model": "tiny-moe"},
      r"routing_replay=rollout needs the sampler's experts"),
     ({"max_staleness": 1}, r"set rollout_workers: 1 or rollout_endpoints"),

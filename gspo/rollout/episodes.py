@@ -98,14 +98,16 @@ def sample_episodes(generator, sampler, model, tokenizer, envs: list, rows: list
         context_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)  # (n, L)
         budget = max(limits.max_total_tokens - len(episodes[i].tokens) for i in active)
         was_training = model.training
-        model.eval()
+        if isinstance(sampler, torch.nn.Module):  # an engine samples instead (the policy may train meanwhile)
+            model.eval()
         recording = recorder() if recorder is not None else nullcontext()
         with torch.inference_mode(), recording as experts:  # what leaves it: Python lists, the experts copied
             turn_ids, turn_lp = generator.sample(
                 sampler, context_ids, context_mask, eos=eos, pad=pad,
                 max_new_tokens=min(limits.max_turn_tokens, budget), seeded=None if seeded is None else
                 seeded.rows(active), with_logprobs=with_logprobs, greedy=greedy, group_size=1, **options)  # (n, t) x2
-        model.train(was_training)
+        if isinstance(sampler, torch.nn.Module):
+            model.train(was_training)
         keep = completion_mask_from_ids(turn_ids, eos)  # (n, t) up to and including the first stop token
         call_record = experts.record() if experts is not None else None  # (R, n, L + t - 1, k) left-padded rows
         layers = None if call_record is None else call_record.layers

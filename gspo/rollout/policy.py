@@ -26,13 +26,25 @@ class SeededSampler:
     def __init__(self, seeds: list[int], temperature: float, device):
         self.seeds, self.temperature = list(seeds), temperature  # an engine seeds its own sampler from `seeds`
         self.generators = [torch.Generator(device=device).manual_seed(int(s) % 2**63) for s in seeds]
+        # calls that sampled each row so far, in cells a view of some rows shares (an engine that cannot go on
+        # with a row's stream across an episode's turns seeds each turn anew: `turn_seeds`)
+        self.calls = [[0] for _ in seeds]
 
     def rows(self, index: list[int]) -> SeededSampler:
         """The sampler of rows `index` only, drawing from the same generators (a multi-turn episode's rows that
         are still running: each row's stream goes on where its last turn left it)."""
         view = copy.copy(self)
         view.seeds, view.generators = [self.seeds[i] for i in index], [self.generators[i] for i in index]
+        view.calls = [self.calls[i] for i in index]
         return view
+
+    def turn_seeds(self) -> list[int]:
+        """A seed per row for an engine's next call: the row's own seed on its first call, then one derived from it
+        and the call's number (each turn of an episode draws afresh, from its row's seed alone); counts the call."""
+        out = [s if c[0] == 0 else (s * 1_000_003 + c[0]) % 2**63 for s, c in zip(self.seeds, self.calls)]
+        for c in self.calls:
+            c[0] += 1
+        return out
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         V = scores.shape[-1]

@@ -105,7 +105,7 @@ class Endpoints:
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         g = group_size if group_size > 1 and N % group_size == 0 and all(
             rows[i] == rows[i - i % group_size] for i in range(N)) else 1
-        seeds = list(seeded.seeds) if seeded is not None else None
+        seeds = seeded.turn_seeds() if seeded is not None else None  # an episode's later turns: seeded anew
         options = {"max_tokens": max_new_tokens, "temperature": 0.0 if greedy else temperature, "logprobs": 0,
                    "return_token_ids": True}
         options.update({k: v for k, v, off in (("top_p", top_p, 1.0), ("top_k", top_k, 0), ("min_p", min_p, 0.0),
