@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import SMALL, TINY_MODEL, final_weights, gspo_serving, read_metrics, tiny_cfg
+from conftest import SMALL, SMALL_MOE, TINY_MODEL, final_weights, gspo_serving, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, make_config
 from gspo.runtime import TrainingAborted
 from gspo.trainer import train
@@ -219,6 +219,46 @@ def test_episodes_on_an_endpoint_train_and_resume_bit_for_bit(tmp_path):
     assert all(torch.equal(w[k], p[k]) for k in w)
 
 
+@pytest.mark.slow
+def test_an_moe_endpoint_returns_its_experts_for_rollout_routing_replay(tmp_path):
+    # routing_replay=rollout (R3): gspo serve records the experts of every fed token and returns them per choice in
+    # vLLM's format (routed_experts: base64 .npy, (tokens - 1, layers, k)), laid out on the trainer's rows. They are
+    # the row's own tokens' experts: padding routes freely (-1), where the in-process record holds what the pad
+    # tokens were routed to, so the experts' batches differ in size and the run matches the in-process one to float
+    # tolerance (step 1 exactly); resumed with a rollout in flight, it is the uninterrupted run bit for bit.
+    from test_dist import assert_same_run
+    from test_workers import MOE_R3
+
+    moe = {**MOE_R3, "reward_funcs": [text_hash], "log_mismatch": True}
+    episodes = dict(environment="test_episodes:Countdown", max_turns=2, max_episode_tokens=32,
+                    max_completion_length=4)
+    train(tiny_cfg(tmp_path / "here", max_steps=2, **moe))
+    train(tiny_cfg(tmp_path / "episodes_here", max_steps=2, **moe, **{**episodes, "max_turns": 1}))
+    with endpoints(tmp_path, model="tiny-moe", model_overrides=SMALL_MOE) as urls:
+        train(tiny_cfg(tmp_path / "there", max_steps=2, rollout_endpoints=urls, **moe))
+        train(tiny_cfg(tmp_path / "episodes", max_steps=2, rollout_endpoints=urls, **moe, **{**episodes,
+                                                                                             "max_turns": 1}))
+
+        def cfg(name, **kw):
+            return tiny_cfg(tmp_path / name, max_steps=3, rollout_endpoints=urls, max_staleness=1, **moe, **episodes,
+                            **kw)
+
+        train(cfg("whole"))
+        train(cfg("parts"), callbacks=[lambda step, metrics: "stop" if step == 1 else None])
+        (record,) = torch.load(tmp_path / "parts" / "run" / "checkpoint-1" / "rollouts.pt",
+                               weights_only=True)["rollouts"]
+        assert record["routing"]["indices"].shape[:2] == (2, 8) and record["routing"]["indices"].max() >= 0
+        train(cfg("parts", resume_from_checkpoint="latest"))
+    for a, b in (("here", "there"), ("episodes_here", "episodes")):
+        # mismatch/* are ~1e-8 (noise); the routers' weights move by up to 2e-4 of their scale (pad tokens' experts)
+        assert_same_run(tmp_path / a / "run", tmp_path / b / "run", rel=1e-3, ignore=("async/", "mismatch/"))
+        first = [computed(read_metrics(tmp_path / name / "run")[0]) for name in (a, b)]
+        assert first[0] == {k: v for k, v in first[1].items() if not k.startswith("async/")}
+    whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
+    assert [computed(r) for r in whole] == [computed(r) for r in parts]
+    assert all("moe/expert_change_frac" in r and r["episode/turns_mean"] > 1 for r in whole)
+
+
 def test_a_turn_after_the_first_is_seeded_from_its_row_s_seed_and_call():
     from gspo.rollout.policy import SeededSampler
 
@@ -263,8 +303,6 @@ def test_one_request_seeded_s_samples_what_requests_seeded_s_s_plus_1_would(tmp_
                                                                         r"trainer's own sampler"),
     ({"rollout_endpoints": ["http://a:1"], "sampler_lag": 1}, r"sampler_lag=1"),
     ({"rollout_endpoints": ["http://a:1"], "agent": "x:y"}, r"rollout_endpoints are not supported with them"),
-    ({"rollout_endpoints": ["http://a:1"], "routing_replay": "rollout", "model": "tiny-moe"},
-     r"routing_replay=rollout needs the sampler's experts"),
     ({"max_staleness": 1}, r"set rollout_workers: 1 or rollout_endpoints"),
 ])
 def test_rollout_endpoint_settings_are_checked(settings, message):

@@ -409,9 +409,6 @@ def check_train(cfg: TrainConfig) -> None:
         raise ValueError("config: agent episodes (agent, environment: openenv:/verifiers:) run on the trainer's own "
                          "endpoint, in its process; rollout_workers, rollout_address and rollout_endpoints are not "
                          "supported with them")
-    if cfg.rollout_endpoints and cfg.routing_replay == "rollout":
-        raise ValueError("config: routing_replay=rollout needs the sampler's experts, which gspo serve does not return "
-                         "yet; use routing_replay=old_policy (or none) with rollout_endpoints")
     if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
         raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
                          "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")

@@ -58,6 +58,8 @@ class Endpoints:
         self.in_flight = [0] * len(urls)  # rows asked of each endpoint and not yet answered
         self.version: str | None = None  # the weights' version the trainer last pushed
         self.socks: list | None = None  # the wire to each endpoint, once joined (`_join`)
+        self.routing_layers: tuple | None = None  # the policy's routers' layers, while a call records (`recording`)
+        self.routed: list | None = None  # each row's experts, (fed tokens, R, k) per row, of the last call
         self.models, self.kinds = [], []
         for base in self.bases:
             listed = self._call(base, "GET", "/v1/models", None, "listing its model")
@@ -107,7 +109,7 @@ class Endpoints:
             rows[i] == rows[i - i % group_size] for i in range(N)) else 1
         seeds = seeded.turn_seeds() if seeded is not None else None  # an episode's later turns: seeded anew
         options = {"max_tokens": max_new_tokens, "temperature": 0.0 if greedy else temperature, "logprobs": 0,
-                   "return_token_ids": True}
+                   "return_token_ids": True, **({"return_routed_experts": True} if self.routing_layers else {})}
         options.update({k: v for k, v, off in (("top_p", top_p, 1.0), ("top_k", top_k, 0), ("min_p", min_p, 0.0),
                                                ("repetition_penalty", repetition_penalty, 1.0)) if v != off})
         groups = N // g
@@ -129,17 +131,21 @@ class Endpoints:
         finally:
             for lo, hi, where, _ in futures:
                 self.in_flight[where] -= hi - lo
-        width = max([len(ids) for ids, _ in out] + [1])
+        width = max([len(row[0]) for row in out] + [1])
         device = prompt_ids.device
         ids = torch.full((N, width), pad, dtype=torch.long)  # (N, T)
         mu = torch.zeros((N, width), dtype=torch.float32)  # (N, T)
-        for i, (tokens, logprobs) in enumerate(out):
+        if self.routing_layers is not None:  # laid out on (prompt_ids, completion) as the trainer's forwards see them
+            self.routed = [(len(rows[i]), row[2]) for i, row in enumerate(out)]
+            self.routed_shape = (prompt_ids.shape[1], width)
+        for i, (tokens, logprobs, _) in enumerate(out):
             ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             mu[i, :len(tokens)] = torch.tensor(logprobs, dtype=torch.float32)
         return ids.to(device), (mu.to(device) if with_logprobs else None)
 
-    def _complete(self, where: int, body: dict, expected: int) -> list[tuple[list[int], list[float]]]:
-        """(token ids, mu) of each choice of one /v1/completions request, checked against what it asked."""
+    def _complete(self, where: int, body: dict, expected: int) -> list[tuple]:
+        """(token ids, mu, routed experts or None) of each choice of one /v1/completions request, checked against
+        what it asked."""
         base = self.bases[where]
         answer = self._call(base, "POST", "/v1/completions", body, f"sampling {expected} completions")
         choices = answer.get("choices") if isinstance(answer, dict) else None
@@ -161,8 +167,36 @@ class Endpoints:
             if not ok:
                 raise EndpointLost(f"rollout endpoint {base}: choice {k} is not {body['max_tokens']} or fewer token "
                                    f"ids below {self.vocab_size} with their log-probs")
-            out.append((tokens, [float(x) for x in logprobs]))
+            routed = None
+            if self.routing_layers is not None:
+                prompt = body["prompt"][k // body["n"]]
+                routed = self._experts(base, k, choice.get("routed_experts"), len(prompt) + len(tokens) - 1)
+            out.append((tokens, [float(x) for x in logprobs], routed))
         return out
+
+    def _experts(self, base: str, k: int, encoded, fed: int) -> torch.Tensor:
+        """(fed, R, k') int64 experts of choice k: vLLM's format (base64 .npy bytes, read without pickle), checked."""
+        import base64
+        import io
+
+        import numpy as np
+
+        try:
+            array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+        except (TypeError, ValueError, OSError) as err:
+            raise EndpointLost(f"rollout endpoint {base}: choice {k} has no routed experts one can read ({err}); "
+                               "routing_replay=rollout needs them (gspo serve of an MoE model returns them)") from None
+        R = len(self.routing_layers)
+        if array.dtype.kind not in "iu" or array.ndim != 3 or array.shape[:2] != (fed, R) or (
+                array.size and (array.min() < 0)):
+            raise EndpointLost(f"rollout endpoint {base}: choice {k}'s routed experts are {array.dtype} "
+                               f"{array.shape}, not ({fed}, {R}, k) expert numbers")
+        return torch.from_numpy(array.astype(np.int64))
+
+    def recording(self, layers: tuple):
+        """A context in which each call returns its rows' experts: yields an object whose `record()` is the last
+        call's RoutingRecord (R, N, P + T - 1, k), laid out as gspo.plugs.moe.record_routing records a forward."""
+        return _Recording(self, tuple(layers))
 
     # -- weights ------------------------------------------------------------------------------------------------
     def push(self, flat: dict, names: list[str], version: int, trained_only: bool) -> list[list[float]]:
@@ -242,6 +276,28 @@ class Endpoints:
         self.http.close()
 
 
+class _Recording:
+    def __init__(self, endpoints: Endpoints, layers: tuple):
+        self.endpoints, self.layers = endpoints, layers
+
+    def __enter__(self):
+        self.endpoints.routing_layers, self.endpoints.routed = self.layers, None
+        return self
+
+    def __exit__(self, *exc):
+        self.endpoints.routing_layers = None
+
+    def record(self):
+        from gspo.plugs.moe import RoutingRecord
+
+        routed, (P, T) = self.endpoints.routed, self.endpoints.routed_shape
+        k = max((experts.shape[2] for _, experts in routed), default=1)
+        indices = torch.full((len(self.layers), len(routed), P + T - 1, k), -1, dtype=torch.long)  # (R, N, L, k)
+        for i, (prompt, experts) in enumerate(routed):  # the row's prompt is left-padded to P
+            indices[:, i, P - prompt:P - prompt + experts.shape[0]] = experts.permute(1, 0, 2)
+        return RoutingRecord(indices, self.layers)
+
+
 def _shares(groups: int, endpoints: int, most: int) -> list[tuple[int, int]]:
     """(first group, number of groups) of each request: the groups in contiguous shares, as even as possible over
     the endpoints, at most `most` groups each."""
@@ -264,8 +320,7 @@ def _unsupported(model) -> str:
     return "samples from rollout_endpoints only"
 
 
-ENDPOINTS = GeneratorBackend(lambda endpoints, *args, **kwargs: endpoints.sample(*args, **kwargs), _unsupported,
-                             routing_record=False)
+ENDPOINTS = GeneratorBackend(lambda endpoints, *args, **kwargs: endpoints.sample(*args, **kwargs), _unsupported)
 
 
 __all__ = ["ENDPOINTS", "EndpointLost", "Endpoints"]

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -33,6 +34,7 @@ class Sample:
     text: str  # decoded without special tokens, cut before a stop string
     eos: bool = False  # it ends on a stop token (of the model's), which `token_ids` keeps
     version: str | None = None  # the weights' version that sampled it (`Engine.version`)
+    routing: object = None  # (prompt + tokens - 1, R, k) int array: the experts each fed token was routed to
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Job:
     repetition_penalty: float = 1.0  # 1: off
     seeds: list[int] | None = None  # one per completion (seeded sampling), or None
     stop: tuple[str, ...] = ()  # stop strings: the completion ends with the token that completes one
+    routing: bool = False  # return the experts every router chose for each fed token (MoE models)
     future: Future = field(default_factory=Future)  # set to list[Sample] (n) or an exception
 
     def key(self) -> tuple:
@@ -165,7 +168,8 @@ class Engine:
             [s for job in jobs for s in job.seeds], temperature, device)
         was_training = self.model.training
         self.model.eval()
-        with self.lock, torch.inference_mode():
+        routed = any(job.routing for job in jobs)
+        with self.lock, torch.inference_mode(), _recording(self.sampler if routed else None) as recorder:
             out, lp = self.generator.sample(
                 self.sampler, ids, mask, eos=self.eos, pad=self.pad, max_new_tokens=max(j.max_tokens for j in jobs),
                 temperature=temperature, top_p=first.top_p, top_k=first.top_k, min_p=first.min_p,
@@ -175,13 +179,19 @@ class Engine:
         self.model.train(was_training)
         self.calls += 1
         keep = completion_mask_from_ids(out, self.eos)  # (n, t) up to and including the first stop token
+        record = recorder.record().indices if recorder is not None else None  # (R, n, width + t' - 1, k)
         results, row = [], 0
         for job in jobs:
             samples = []
             for _ in range(job.n):
                 tokens = out[row][keep[row]].tolist()
                 logprobs = lp[row][keep[row]].tolist() if lp is not None else [0.0] * len(tokens)
-                samples.append(replace(self.finish(tokens, logprobs, job), version=version))
+                sample = replace(self.finish(tokens, logprobs, job), version=version)
+                if job.routing and record is not None:  # the row's fed tokens: its prompt, then all kept but the last
+                    fed = len(job.prompt_ids) + len(sample.token_ids) - 1
+                    start = width - len(job.prompt_ids)
+                    sample.routing = record[:, row, start:start + fed].permute(1, 0, 2).numpy()  # (fed, R, k)
+                samples.append(sample)
                 row += 1
             results.append(samples)
         return results
@@ -200,6 +210,18 @@ class Engine:
                                   eos=stopped and end == len(tokens))
         return Sample(tokens, logprobs, "stop" if stopped else "length",
                       self.tokenizer.decode(tokens, skip_special_tokens=True), eos=stopped)
+
+
+@contextmanager
+def _recording(model):
+    """`record_routing(model)` where `model` is a module with MoE routers and routing was asked for; else None."""
+    from gspo.plugs.moe import find_routers, record_routing
+
+    if model is None or not isinstance(model, torch.nn.Module) or not find_routers(model):
+        yield None
+        return
+    with record_routing(model) as recorder:
+        yield recorder
 
 
 def engine_of(sampler, **kwargs) -> Engine:

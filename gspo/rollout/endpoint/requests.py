@@ -31,7 +31,8 @@ CHAT_FIELDS = {"model", "messages", "n", "temperature", "top_p", "max_tokens", "
                "prompt_token_ids", "parallel_tool_calls", "return_token_ids", "top_k", "min_p", "repetition_penalty"}
 COMPLETION_FIELDS = {"model", "prompt", "n", "temperature", "top_p", "max_tokens", "stop", "stream",
                      "stream_options", "logprobs", "seed", "user", "echo", "return_token_ids", "top_k", "min_p",
-                     "repetition_penalty"}  # top_k, min_p, repetition_penalty: vLLM's extra sampling parameters
+                     "repetition_penalty", "return_routed_experts"}  # top_k, min_p, repetition_penalty: vLLM's
+# extra sampling parameters; return_routed_experts: gspo's (vLLM returns them where its server is started with them)
 NOT_DONE = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "response_format": None,
             "best_of": 1, "suffix": None}  # refused unless they ask for what gspo does anyway
 
@@ -107,8 +108,11 @@ def job_of(body: dict, route: str, limits: Limits, prompt_ids: list[int], seed_b
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", "stop")
+    routing = body.get("return_routed_experts")
+    if routing not in (None, True, False):
+        raise BadRequest("return_routed_experts must be true or false", "return_routed_experts")
     return Job(prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-               repetition_penalty=repetition_penalty, seeds=seeds, stop=tuple(stop))
+               repetition_penalty=repetition_penalty, seeds=seeds, stop=tuple(stop), routing=bool(routing))
 
 
 def check_fields(body, route: str) -> None:

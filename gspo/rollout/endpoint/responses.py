@@ -72,9 +72,22 @@ def completion_response(samples: list[list[Sample]], prompts: list[list[int]], m
         "id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),
         "model": model, "prompt_token_ids": prompts[0] if len(prompts) == 1 else prompts,
         "choices": [{"index": k, "text": s.text, "finish_reason": s.finish_reason,
-                     "logprobs": _completion_logprobs(s, tokenizer) if logprobs else None, "token_ids": s.token_ids}
+                     "logprobs": _completion_logprobs(s, tokenizer) if logprobs else None, "token_ids": s.token_ids,
+                     **({"routed_experts": npy_base64(s.routing)} if s.routing is not None else {})}
                     for k, s in enumerate(choices)],
         "usage": usage(prompts, choices), "weight_version": choices[0].version if choices else None}
+
+
+def npy_base64(array) -> str:
+    """An integer array as vLLM returns routed experts: the .npy bytes of it, base64-encoded (no pickle inside)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def usage(prompts: list[list[int]], samples: list[Sample]) -> dict:

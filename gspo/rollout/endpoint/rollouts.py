@@ -31,9 +31,11 @@ class EndpointSampler:
     adapters) and checks them on the probe."""
 
     def __init__(self, model, tokenizer, sampling, episodes, shape, *, seeded: bool, version: int = 0,
-                 topology=None):
-        """`topology`: the run's Topology (gspo/plugs/parallel.py) under torchrun; None: one process."""
+                 topology=None, records: bool = False):
+        """`topology`: the run's Topology (gspo/plugs/parallel.py) under torchrun; None: one process. `records`:
+        routing_replay=rollout: every answer returns the experts its tokens were routed to (Rollout.routing)."""
         from gspo.config import rollout_secret
+        from gspo.plugs.moe import find_routers
         from gspo.rollout.endpoint.client import ENDPOINTS, Endpoints
         from gspo.rollout.sampler import Sampler
 
@@ -50,8 +52,10 @@ class EndpointSampler:
         try:
             # its own tokenizer: its thread renders prompts while the trainer's decodes (a fast tokenizer's state is
             # not shared across threads)
+            layers = tuple(router.layer for router in find_routers(model)) if records else ()
             self.sampler = Sampler(model, copy.deepcopy(tokenizer), sampling, episodes, shape, seeded=seeded,
-                                   engine=(self.name, ENDPOINTS, self.endpoints))
+                                   engine=(self.name, ENDPOINTS, self.endpoints), records=records,
+                                   recorder=lambda endpoints: endpoints.recording(layers))
             self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gspo-rollouts")
             self.version, self.lost, self.started = version, None, False
             self.futures: dict = {}  # step -> Future of (Rollout, seconds sampling)
