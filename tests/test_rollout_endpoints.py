@@ -117,6 +117,50 @@ def test_a_run_on_an_endpoint_stopped_with_rollouts_in_flight_resumes_bit_for_bi
     assert all(torch.equal(w[k], p[k]) for k in w)
 
 
+@contextlib.contextmanager
+def serve_process(tmp_path, *overrides):
+    """`gspo serve` of the tiny model (SMALL) in a process of its own (its torch random state its own); its URL."""
+    import json
+    import subprocess
+
+    from conftest import gspo_argv, gspo_env
+
+    process = subprocess.Popen(gspo_argv("serve", "model=tiny-dense", f"model_overrides={json.dumps(SMALL)}",
+                                         *overrides, "--port", "0"), cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                               env=gspo_env(GSPO_ROLLOUT_SECRET=SECRET))
+    try:
+        line = ""
+        while "gspo serve:" not in line:
+            line = process.stderr.readline()
+            assert line or process.poll() is None, "gspo serve exited before listening"
+        yield line.split(" at ")[1].split(" ")[0]
+    finally:
+        process.kill()
+        process.wait(30)
+
+
+@pytest.mark.slow
+def test_an_unseeded_run_on_an_endpoint_resumes_bit_for_bit(tmp_path):
+    # Unseeded, rows draw from the endpoint's own random state: the trainer keeps it after every rollout (GET
+    # /rng_state), the checkpoint holds the state after the last rollout it keeps, and the resumed run sets it
+    # (POST /rng_state) before sampling on: the uninterrupted run, bit for bit (the endpoint in a process of its
+    # own: a thread would share the trainer's random state).
+    def cfg(name, urls, **kw):
+        return cfg_of(tmp_path, name, max_steps=4, seeded_sampling=False, rollout_endpoints=urls, max_staleness=1,
+                      learning_rate=1e-2, reward_funcs=[text_hash], **kw)
+
+    with serve_process(tmp_path) as url:
+        train(cfg("whole", [url]))
+        train(cfg("parts", [url]), callbacks=[lambda step, metrics: "stop" if step == 2 else None])
+        pending = torch.load(tmp_path / "parts" / "run" / "checkpoint-2" / "rollouts.pt", weights_only=True)
+        assert pending["steps"] == [3] and len(pending["worker_rng"]) == 1
+        train(cfg("parts", [url], resume_from_checkpoint="latest"))
+    whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
+    assert [computed(r) for r in whole] == [computed(r) for r in parts]
+    w, p = final_weights(tmp_path / "whole" / "run"), final_weights(tmp_path / "parts" / "run")
+    assert all(torch.equal(w[k], p[k]) for k in w)
+
+
 def test_the_weight_routes_need_the_secret_in_order_and_the_trainer_s_proof(tmp_path, monkeypatch):
     from gspo.rollout.remote.wire import WireError, accept_peers, listen
 

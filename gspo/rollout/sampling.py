@@ -45,7 +45,7 @@ def build_sampler(model, tokenizer, sampling, episodes, shape: SamplerShape, *, 
         from gspo.rollout.endpoint.rollouts import EndpointSampler
 
         return EndpointSampler(model, tokenizer, sampling, episodes, shape, seeded=seeded, version=version,
-                               topology=topology, records=records)
+                               topology=topology, records=records, rng=rng)
     if not sampling.rollout_workers:
         return Sampler(model, tokenizer, sampling, episodes, shape, seeded=seeded, recorder=recorder, records=records)
     from gspo.rollout.remote.client import RemoteSampler

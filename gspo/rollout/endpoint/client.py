@@ -236,6 +236,21 @@ class Endpoints:
             raise EndpointLost(f"rollout endpoint {base}: finish_weight_update answered no probe")
         return [float(x) for x in probe]
 
+    def rng_states(self) -> list[str]:
+        """Each endpoint's random state (base64 of torch's), what its unseeded sampling draws from next."""
+        states = [self._call(base, "GET", "/rng_state", None, "reading its random state").get("rng_state")
+                  for base in self.bases]
+        if not all(isinstance(state, str) for state in states):
+            raise EndpointLost("rollout endpoints: a random state that is not base64 text")
+        return states
+
+    def set_rng_states(self, states: list[str]) -> None:
+        if len(states) != len(self.bases):
+            raise ValueError(f"resume: the checkpoint holds the random states of {len(states)} rollout endpoint(s), "
+                             f"this run has {len(self.bases)}")
+        for base, state in zip(self.bases, states):
+            self._call(base, "POST", "/rng_state", {"rng_state": state}, "setting its random state")
+
     def _join(self) -> None:
         """/init_weight_transfer_engine on every endpoint: each joins a listener of the trainer's own (on the address
         this machine reaches it from), both proving the run's secret."""

@@ -31,9 +31,10 @@ class EndpointSampler:
     adapters) and checks them on the probe."""
 
     def __init__(self, model, tokenizer, sampling, episodes, shape, *, seeded: bool, version: int = 0,
-                 topology=None, records: bool = False):
+                 topology=None, records: bool = False, rng: list | None = None):
         """`topology`: the run's Topology (gspo/plugs/parallel.py) under torchrun; None: one process. `records`:
-        routing_replay=rollout: every answer returns the experts its tokens were routed to (Rollout.routing)."""
+        routing_replay=rollout: every answer returns the experts its tokens were routed to (Rollout.routing). `rng`:
+        a checkpoint's random states of the endpoints (unseeded sampling), set before the first rollout."""
         from gspo.config import rollout_secret
         from gspo.plugs.moe import find_routers
         from gspo.rollout.endpoint.client import ENDPOINTS, Endpoints
@@ -55,13 +56,20 @@ class EndpointSampler:
             layers = tuple(router.layer for router in find_routers(model)) if records else ()
             self.sampler = Sampler(model, copy.deepcopy(tokenizer), sampling, episodes, shape, seeded=seeded,
                                    engine=(self.name, ENDPOINTS, self.endpoints), records=records,
-                                   recorder=lambda endpoints: endpoints.recording(layers))
+                                   recorder=lambda endpoints: endpoints.recording(layers) if records else None)
             self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gspo-rollouts")
             self.version, self.lost, self.started = version, None, False
             self.futures: dict = {}  # step -> Future of (Rollout, seconds sampling)
             self.versions: dict[int, int] = {}  # step -> the weights' version that sampled it
             self.asked_version: dict[int, int] = {}
             self.pushed = self._push(model)  # every endpoint starts from the policy's weights
+            # unseeded sampling draws from each endpoint's own random state: kept after every rollout (one trainer
+            # process, the endpoints its own), so a checkpoint resumes where they stood
+            self.keeps_rng = not seeded and self.topology is None
+            self.rngs: dict[int, list] = {}  # step -> each endpoint's random state after its rollout
+            if self.keeps_rng:  # resumed: where they stood; new: each its own stream, reproducible for the seed
+                self.endpoints.set_rng_states(list(rng) if rng is not None else [
+                    _state_b64(shape.seed + 1000 * (e + 1)) for e in range(len(urls))])
         except BaseException:
             self.endpoints.close()
             raise
@@ -82,7 +90,8 @@ class EndpointSampler:
     def _sample(self, prompts, step, first_row, rows):
         t0 = time.perf_counter()
         rollout = self.sampler.sample(prompts, step, first_row, rows)
-        return rollout, time.perf_counter() - t0
+        rng = self.endpoints.rng_states() if self.keeps_rng else None
+        return rollout, time.perf_counter() - t0, rng
 
     def receive(self, step: int, wait: bool = True):
         """Step `step`'s rollout (asked for with `request`); without `wait`, only one that is done, else None."""
@@ -94,7 +103,7 @@ class EndpointSampler:
         self._check()
         t0 = time.perf_counter()
         try:
-            rollout, busy = future.result()
+            rollout, busy, rng = future.result()
         except EndpointLost as err:
             self.lost = err
             raise
@@ -102,8 +111,11 @@ class EndpointSampler:
         self.busy += busy
         del self.futures[step]
         self.versions[step] = self.asked_version.pop(step)
+        if rng is not None:
+            self.rngs[step] = rng
         for old in sorted(self.versions)[:-KEEP_VERSIONS]:
             del self.versions[old]
+            self.rngs.pop(old, None)
         return rollout
 
     def sample(self, prompts: list[str], step: int, first_row: int, rows: list | None = None):
@@ -111,8 +123,10 @@ class EndpointSampler:
         self.request(prompts, step, first_row, rows)
         return self.receive(step)
 
-    def rng_after(self, step: int) -> None:
-        """None: the endpoints' random state is theirs (with seeded_sampling every row's tokens follow its seed)."""
+    def rng_after(self, step: int) -> list | None:
+        """Each endpoint's random state right after step `step`'s rollout (unseeded sampling, one trainer process);
+        None otherwise (seeded: every row's tokens follow its seed)."""
+        return self.rngs.get(step)
 
     def version_of(self, step: int) -> int:
         """The version of the weights (the number of `sync`s before) that sampled step `step`'s rollout."""
@@ -183,6 +197,15 @@ class EndpointSampler:
         if hasattr(self, "thread"):
             self.thread.shutdown(wait=False, cancel_futures=True)
         self.endpoints.close()  # a request in flight fails at once
+
+
+def _state_b64(seed: int) -> str:
+    """The base64 of torch's random state just after manual_seed(seed)."""
+    import base64
+
+    import torch
+
+    return base64.b64encode(torch.Generator().manual_seed(seed).get_state().numpy().tobytes()).decode()
 
 
 def _lost(message: str):

@@ -227,6 +227,15 @@ def make_app(endpoint: Endpoint, *, secret: bytes | None, open_loopback: bool = 
         await phase(request, None, lambda _: endpoint.weights.shutdown())
         return {"message": "Weight transfer shut down"}
 
+    @app.get("/rng_state")
+    async def get_rng_state(request: Request):
+        return {"rng_state": await phase(request, None, lambda _: endpoint.weights.rng_state())}
+
+    @app.post("/rng_state")
+    async def set_rng_state(request: Request):
+        await phase(request, "rng_state", lambda state: endpoint.weights.set_rng_state(state))
+        return {"message": "Random state set"}
+
     @app.get("/weight_info")
     async def weight_info():
         return {"weight_version": endpoint.engine.version}

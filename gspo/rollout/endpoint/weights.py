@@ -29,7 +29,7 @@ READ_TIMEOUT_S = 600.0  # the longest pause inside one weights message
 TO_ENDPOINT = {"weights": Kind({"version": (int,), "trained_only": (bool,)}, {name: ((name,), 1) for name in DTYPES},
                                optional=tuple(DTYPES))}
 ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-          "/shutdown_weight_transfer_engine", "/weight_info")
+          "/shutdown_weight_transfer_engine", "/weight_info", "/rng_state")  # the run's secret always
 
 
 def sent_names(model, trained_only: bool) -> list[str]:
@@ -121,6 +121,32 @@ class WeightReceiver:
                 self.engine.version = version
             self.pending = None
             return probe_logprobs(self.model, self.vocab_size).tolist()
+
+    def rng_state(self) -> str:
+        """The endpoint's torch random state (what unseeded sampling draws from), base64: a trainer's checkpoint
+        keeps it so a resumed run samples on as the uninterrupted one."""
+        import base64
+
+        import torch
+
+        with self.engine.lock:
+            return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+    def set_rng_state(self, state) -> None:
+        import base64
+        import binascii
+
+        import torch
+
+        own = torch.get_rng_state()
+        try:
+            raw = base64.b64decode(state, validate=True) if isinstance(state, str) else b""
+        except (binascii.Error, ValueError):
+            raw = b""
+        if len(raw) != own.numel():
+            raise BadRequest(f"rng_state must be the base64 of torch's {own.numel()}-byte random state", "rng_state")
+        with self.engine.lock:
+            torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
     def shutdown(self) -> None:
         with self.lock:
