@@ -108,7 +108,7 @@ PRESETS = {"tiny-dense": tiny_dense_config, "tiny-moe": tiny_moe_config}
 @dataclasses.dataclass(frozen=True)
 class PackagedModel:
     """A real pretrained model that a pip package ships as a GGUF file. Its name loads it wherever a model is named
-    (`model: smollm2` in `gspo train`, gspo.Trainer, `gspo eval`, `gspo sft`, `gspo rollout-server`, `gspo demo
+    (`model: smollm2` in `gspo train`, gspo.Trainer, `gspo eval`, `gspo sft`, `gspo serve`, `gspo demo
     --model`): the file is found in the installed package without importing it and converted once into a checkpoint
     (gspo/gguf.py); nothing is downloaded."""
 

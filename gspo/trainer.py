@@ -17,10 +17,11 @@ gspo/data/source.py), the auxiliary term (SFT: gspo/plugs/auxiliary.py), the bas
 reference policy of the KL term (gspo/plugs/reference.py: none, a frozen copy, or LoRA's base with the
 adapters off: gspo/plugs/lora.py) and the forwards' precision (gspo/plugs/precision.py: bf16 autocast or
 none). The sampler is the policy itself (gspo/rollout/decode.py or HF `generate`), a copy of it (low
-precision, stale: sampler_dtype, sampler_lag), an inference engine colocated in this process (vllm) or a
-worker process sampling up to max_staleness steps ahead (gspo/rollout/remote/client.py, fed by
-gspo/rollout/feed.py); where its distribution mu is not pi_old, `mismatch/*` measure by how much and a rollout
-correction (gspo/algo/correction.py) weighs the updates by pi_old/mu. The whole rollout stays in memory.
+precision, stale: sampler_dtype, sampler_lag), an inference engine colocated in this process (vllm) or
+endpoints sampling up to max_staleness steps ahead (rollout_endpoints, or rollout_workers the run starts:
+gspo/rollout/endpoint/rollouts.py, fed by gspo/rollout/feed.py); where its distribution mu is not pi_old,
+`mismatch/*` measure by how much and a rollout correction (gspo/algo/correction.py) weighs the updates by pi_old/mu.
+The whole rollout stays in memory.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from gspo.checkpoint import capture_rng
 from gspo.config import TrainConfig
 from gspo.models import resolve_device
 from gspo.plugs.parallel import Topology
-from gspo.rollout.remote.client import RolloutWorkerLost
+from gspo.rollout.endpoint.client import EndpointLost
 from gspo.run import Run, build_run
 from gspo.runtime import (
     Progress,
@@ -147,7 +148,7 @@ def train_loop(run: Run, callbacks: Callbacks) -> dict:
     except StepAbandoned as stopped:  # a signal before the step's first optimizer step: drop it whole
         saved = run.checkpoints.save(step - 1, resume_rng)
         raise TrainingInterrupted(stopped.signum, step - 1, saved) from None
-    except RolloutWorkerLost as lost:  # raised as step `step` waits for its rollout: nothing of it applied
+    except EndpointLost as lost:  # raised as step `step` waits for its rollout: nothing of it applied
         raise worker_lost(run, lost, step, resume_rng) from None
     except RuntimeError as err:  # a failed collective: another rank ended? Found while our SIGTERM handler is in
         stop.abandonable = False  # place (torchrun's SIGTERM follows a rank's death: never the default action)
@@ -185,7 +186,7 @@ def end_of_step(run: Run, callbacks: Callbacks, progress: Progress, stop: StopSi
     return last
 
 
-def worker_lost(run: Run, lost: RolloutWorkerLost, step: int, resume_rng: dict) -> TrainingAborted:
+def worker_lost(run: Run, lost: EndpointLost, step: int, resume_rng: dict) -> TrainingAborted:
     """The error ending a run whose rollout worker was lost as step `step` waited for it (nothing of the step was
     applied): alone, the run first saves step - 1; under torchrun the other ranks stop as this one ends."""
     if run.topology.enabled:

@@ -166,7 +166,7 @@ def test_a_run_trains_a_sync_agent_and_says_what_its_episodes_did(tmp_path):
 def test_an_agent_is_checked_before_the_run(tmp_path):
     with pytest.raises(ValueError, match="agent and environment both set"):
         tiny_cfg(tmp_path, agent="test_agents:two_calls", environment="tools", tools=["python"])
-    with pytest.raises(ValueError, match="rollout_workers, rollout_address and rollout_endpoints are not supported"):
+    with pytest.raises(ValueError, match="rollout_workers and rollout_endpoints are not supported with them"):
         tiny_cfg(tmp_path, agent="test_agents:two_calls", rollout_workers=1)
     with pytest.raises(ValueError, match=r"agent='two_calls': expected \"module:function\""):
         tiny_cfg(tmp_path, agent="two_calls")

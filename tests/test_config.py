@@ -61,9 +61,9 @@ def test_each_section_check_runs_on_its_own_fields_and_names_the_field():
                                                    "processes or endpoints; set rollout_workers: 1 or "
                                                    "rollout_endpoints"),
                             ({"rollout_workers": 1, "max_staleness": -1}, "max_staleness=-1 must be >= 0"),
-                            ({"rollout_workers": 1, "rollout_address": "somewhere"},
-                             "rollout_address='somewhere': expected host:port"),
-                            ({"rollout_address": "10.0.0.5:29600"}, "set rollout_workers to how many will join")]:
+                            ({"rollout_workers": 1, "rollout_address": "10.0.0.5:29600"},
+                             "rollout_address='10.0.0.5:29600' and gspo rollout-server are retired: .* start `gspo "
+                             "serve")]:
         with pytest.raises(ValueError, match=message):
             make_config(TrainConfig, values)
     # checks across sections: in the config class's own check
@@ -149,7 +149,7 @@ def test_the_split_config_keeps_every_name_where_it_was():
     import gspo.config as config
     import gspo.config.train as train
 
-    for name in ("SamplingSettings", "EpisodeSettings", "TaskSettings", "split_address", "rollout_secret",
+    for name in ("SamplingSettings", "EpisodeSettings", "TaskSettings", "rollout_secret",
                  "reshaping", "SECRET_ENV", "MIN_SECRET_CHARS", "renamed", "TrainConfig", "TRAIN_SECTIONS"):
         assert getattr(train, name) is getattr(config, name, getattr(train, name)), name
     assert config.renamed({"num_iterations": 2}) == {"num_epochs": 2}  # TRL's name, for a TrainConfig by default

@@ -26,7 +26,6 @@ from conftest import (
     changed,
     comparable,
     final_weights,
-    gspo_argv,
     gspo_env,
     initial_weights,
     read_metrics,
@@ -389,35 +388,17 @@ def without_async(run_dir) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_torchrun_ranks_with_rollout_workers_train_as_without(tmp_path, mode):
-    """Each rank has a worker of its own for its share of the batch (fsdp: every rank gathers each parameter
-    whole, then broadcasts to its worker, which loaded the model from the config). Sampling under torchrun is
-    seeded, so at max_staleness 0 the run is the run without workers, metric for metric and bit for bit."""
+    """Each rank has a worker of its own (a gspo serve endpoint it starts) for its share of the batch (fsdp: every
+    rank gathers each parameter whole, then pushes it to its worker, which loaded the model from the config).
+    Sampling under torchrun is seeded, so at max_staleness 0 the run is the run without workers, metric for metric
+    and bit for bit."""
     (tmp_path / "rewards_mod.py").write_text(REWARD)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({**RUN, "max_steps": 2, "eval_num_prompts": 0,
                                                        "per_device_batch_size": 2, "distributed": mode}))
     for name, extra in (("plain", []), ("workers", ["rollout_workers=1"])):
         proc = run(tmp_path, 2, f"output_dir={name}", *extra)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
-    names = ["workers"]
-    if mode == "ddp":  # and rollout servers started on their own, one per trainer rank, rank r's at port + r
-        port, secret = two_free_ports(), tmp_path / "secret"  # the run's secret, in a file only its owner reads
-        secret.write_text("a secret of this test's run\n")
-        secret.chmod(0o600)
-        servers = [subprocess.Popen(gspo_argv("rollout-server", "--config", "run.yaml", "--connect",
-                                              f"127.0.0.1:{port + r}", "--rank", 1, "rollout_workers=1",
-                                              "rollout_secret_file=secret"),
-                                    cwd=tmp_path, env=gspo_env(tmp_path), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True) for r in range(2)]
-        try:
-            proc = run(tmp_path, 2, "output_dir=servers", "rollout_workers=1", f"rollout_address=127.0.0.1:{port}",
-                       "rollout_secret_file=secret")
-            outs = [server.communicate(timeout=60)[0] for server in servers]
-        finally:
-            for server in servers:
-                server.kill()
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert [server.returncode for server in servers] == [0, 0], outs
-        names.append("servers")
+    names = ["workers"]  # (rollout endpoints shared by the ranks: tests/test_rollout_endpoints.py)
     a = saved_tensors(tmp_path / "plain")
     for name in names:
         assert without_async(tmp_path / "plain") == without_async(tmp_path / name), name
@@ -425,22 +406,6 @@ def test_torchrun_ranks_with_rollout_workers_train_as_without(tmp_path, mode):
         assert [r["async/staleness_max"] for r in metrics] == [0.0, 0.0] and metrics[0]["async/sync_bytes"] > 0
         b = saved_tensors(tmp_path / name)
         assert a.keys() == b.keys() and changed(a, b) == [], name
-
-
-def two_free_ports() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (a trainer rank r waits at rollout_address's port + r)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 @pytest.mark.slow

@@ -162,7 +162,7 @@ def test_an_unseeded_run_on_an_endpoint_resumes_bit_for_bit(tmp_path):
 
 
 def test_the_weight_routes_need_the_secret_in_order_and_the_trainer_s_proof(tmp_path, monkeypatch):
-    from gspo.rollout.remote.wire import WireError, accept_peers, listen
+    from gspo.rollout.endpoint.wire import WireError, accept_peers, listen
 
     def post(url, path, body=None, key=SECRET):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -237,51 +237,64 @@ def test_an_endpoint_that_stops_mid_run_stops_it_with_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_episodes_on_an_endpoint_train_and_resume_bit_for_bit(tmp_path):
-    # Multi-turn episodes: the trainer runs the environment, each turn's rows go to the endpoint. The first turn
-    # samples what the in-process sampler does (the rows' own seeds); later turns are seeded from (row seed,
-    # call), since an HTTP call cannot go on with a row's generator: the same run again, and resumed, is the same.
+def test_episodes_on_an_endpoint_are_the_in_process_episodes_and_resume_bit_for_bit(tmp_path):
+    # Multi-turn episodes: the trainer runs the environment, each turn's rows go to the endpoint with their seeds and
+    # how many tokens each seed's stream sampled already (seed_offset), so a later turn goes on with the row's own
+    # stream as the in-process sampler does: the same run, and resumed with a rollout in flight, the same again.
     from test_episodes import EPISODES
 
     def cfg(name, urls, **kw):
-        return cfg_of(tmp_path, name, **{"max_steps": 3, "rollout_endpoints": urls, "max_staleness": 1 if urls else 0,
+        return cfg_of(tmp_path, name, **{"max_steps": 3, "rollout_endpoints": urls, "log_mismatch": True,
                                          **EPISODES, **kw})
 
+    train(cfg("here", None))
     with endpoints(tmp_path) as urls:
-        train(cfg("whole", urls))
-        train(cfg("parts", urls), callbacks=[lambda step, metrics: "stop" if step == 1 else None])
-        train(cfg("parts", urls, resume_from_checkpoint="latest"))
-        train(cfg("one_turn", urls, max_turns=1, max_staleness=0))
-    train(cfg("one_turn_here", None, max_turns=1, max_staleness=0))
-    here, there = (read_metrics(tmp_path / name / "run") for name in ("one_turn_here", "one_turn"))
+        train(cfg("there", urls))
+        train(cfg("whole", urls, max_staleness=1))
+        train(cfg("parts", urls, max_staleness=1), callbacks=[lambda step, metrics: "stop" if step == 1 else None])
+        train(cfg("parts", urls, max_staleness=1, resume_from_checkpoint="latest"))
+    here, there = (read_metrics(tmp_path / name / "run") for name in ("here", "there"))
     assert [computed(r) for r in here] == [{k: v for k, v in computed(r).items() if not k.startswith("async/")}
                                            for r in there]
+    assert all(r["episode/turns_mean"] > 1 for r in here)  # episodes of several turns were sampled
     whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
     assert [computed(r) for r in whole] == [computed(r) for r in parts]
-    assert all(r["episode/turns_mean"] > 1 for r in whole)  # episodes of several turns were sampled
     w, p = final_weights(tmp_path / "whole" / "run"), final_weights(tmp_path / "parts" / "run")
     assert all(torch.equal(w[k], p[k]) for k in w)
 
 
+def test_a_row_s_stream_goes_on_where_its_earlier_turns_left_it():
+    # an endpoint's SeededSampler given a seed_offset draws what the trainer's own one draws after as many steps
+    from gspo.rollout.policy import SeededSampler
+
+    scores = torch.randn(2, 50)  # (N, V)
+    here = SeededSampler([5, 7], 1.0, "cpu")
+    for _ in range(3):
+        here(None, scores)
+    there = SeededSampler([5, 7], 1.0, "cpu", offsets=[3, 3])
+    assert torch.equal(here(None, scores), there(None, scores))
+    view = here.rows([1])
+    view.advance([4])
+    assert here.offsets() == [0, 4] and view.offsets() == [4]  # counted per row, in cells the views share
+
+
 @pytest.mark.slow
 def test_an_moe_endpoint_returns_its_experts_for_rollout_routing_replay(tmp_path):
-    # routing_replay=rollout (R3): gspo serve records the experts of every fed token and returns them per choice in
-    # vLLM's format (routed_experts: base64 .npy, (tokens - 1, layers, k)), laid out on the trainer's rows. They are
-    # the row's own tokens' experts: padding routes freely (-1), where the in-process record holds what the pad
-    # tokens were routed to, so the experts' batches differ in size and the run matches the in-process one to float
-    # tolerance (step 1 exactly); resumed with a rollout in flight, it is the uninterrupted run bit for bit.
-    from test_dist import assert_same_run
+    # routing_replay=rollout (R3): gspo serve records the experts of every position it fed and returns them per choice
+    # in vLLM's format (routed_experts: base64 .npy, (positions, layers, k)); asked for "padded" they include the
+    # row's padding in its call, which the trainer's own sampler records too, so laid out on the trainer's rows the
+    # record is the in-process one: the seeded run on an endpoint is the in-process run, single-turn and over
+    # episodes, and resumes bit for bit with a rollout in flight.
     from test_workers import MOE_R3
 
     moe = {**MOE_R3, "reward_funcs": [text_hash], "log_mismatch": True}
     episodes = dict(environment="test_episodes:Countdown", max_turns=2, max_episode_tokens=32,
                     max_completion_length=4)
     train(tiny_cfg(tmp_path / "here", max_steps=2, **moe))
-    train(tiny_cfg(tmp_path / "episodes_here", max_steps=2, **moe, **{**episodes, "max_turns": 1}))
+    train(tiny_cfg(tmp_path / "episodes_here", max_steps=2, **moe, **episodes))
     with endpoints(tmp_path, model="tiny-moe", model_overrides=SMALL_MOE) as urls:
         train(tiny_cfg(tmp_path / "there", max_steps=2, rollout_endpoints=urls, **moe))
-        train(tiny_cfg(tmp_path / "episodes", max_steps=2, rollout_endpoints=urls, **moe, **{**episodes,
-                                                                                             "max_turns": 1}))
+        train(tiny_cfg(tmp_path / "episodes", max_steps=2, rollout_endpoints=urls, **moe, **episodes))
 
         def cfg(name, **kw):
             return tiny_cfg(tmp_path / name, max_steps=3, rollout_endpoints=urls, max_staleness=1, **moe, **episodes,
@@ -293,24 +306,14 @@ def test_an_moe_endpoint_returns_its_experts_for_rollout_routing_replay(tmp_path
                                weights_only=True)["rollouts"]
         assert record["routing"]["indices"].shape[:2] == (2, 8) and record["routing"]["indices"].max() >= 0
         train(cfg("parts", resume_from_checkpoint="latest"))
-    for a, b in (("here", "there"), ("episodes_here", "episodes")):
-        # mismatch/* are ~1e-8 (noise); the routers' weights move by up to 2e-4 of their scale (pad tokens' experts)
-        assert_same_run(tmp_path / a / "run", tmp_path / b / "run", rel=1e-3, ignore=("async/", "mismatch/"))
-        first = [computed(read_metrics(tmp_path / name / "run")[0]) for name in (a, b)]
-        assert first[0] == {k: v for k, v in first[1].items() if not k.startswith("async/")}
-    whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
-    assert [computed(r) for r in whole] == [computed(r) for r in parts]
-    assert all("moe/expert_change_frac" in r and r["episode/turns_mean"] > 1 for r in whole)
-
-
-def test_a_turn_after_the_first_is_seeded_from_its_row_s_seed_and_call():
-    from gspo.rollout.policy import SeededSampler
-
-    seeded = SeededSampler([5, 7, 9], 1.0, "cpu")
-    assert seeded.turn_seeds() == [5, 7, 9]  # the first call: the rows' own seeds, as in the trainer's process
-    view = seeded.rows([0, 2])  # rows 0 and 2 still running
-    assert view.turn_seeds() == [5 * 1_000_003 + 1, 9 * 1_000_003 + 1]
-    assert seeded.rows([1, 2]).turn_seeds() == [7 * 1_000_003 + 1, 9 * 1_000_003 + 2]  # counted per row
+    for a, b in (("here", "there"), ("episodes_here", "episodes"), ("whole", "parts")):
+        ra, rb = ([{k: v for k, v in computed(r).items() if not k.startswith("async/")}
+                   for r in read_metrics(tmp_path / name / "run")] for name in (a, b))
+        assert ra == rb, (a, b)
+        w0, w1 = final_weights(tmp_path / a / "run"), final_weights(tmp_path / b / "run")
+        assert all(torch.equal(w0[k], w1[k]) for k in w0), (a, b)
+    assert all("moe/expert_change_frac" in r and r["episode/turns_mean"] > 1
+               for r in read_metrics(tmp_path / "episodes" / "run"))
 
 
 def test_the_endpoint_s_connections_send_without_nagle_s_delay(tmp_path):
@@ -387,3 +390,12 @@ def test_two_trainer_processes_on_an_endpoint_match_one(tmp_path, mode):
             assert done.returncode == 0, done.stderr[-3000:]
     assert_same_run(tmp_path / "one", tmp_path / "two", ignore=("async/trainer_busy", "async/worker_busy"))
     assert [r["async/staleness_max"] for r in read_metrics(tmp_path / "two")] == [0.0, 1.0, 1.0]
+
+
+def test_the_retired_rollout_server_says_what_to_run_instead(capsys):
+    from gspo.apps.cli import main
+
+    assert main(["rollout-server", "--config", "run.yaml", "--connect", "127.0.0.1:29600", "--rank", "1"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("gspo: error: gspo rollout-server is retired: on each machine that samples, start `gspo "
+                           "serve --config") and "rollout_endpoints" in line and "\n" not in line

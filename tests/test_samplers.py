@@ -3,10 +3,6 @@
 built from (gspo/rollout/sampler.py) and the registry it picks its generator from (gspo/rollout/registry.py)."""
 
 import ast
-import dataclasses
-import datetime
-import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -158,45 +154,6 @@ def test_the_shape_keeps_mu_where_the_run_reads_it_or_mu_may_differ(tmp_path, se
     assert shape == SamplerShape(num_generations=4, per_device_batch_size=2, seed=cfg.seed, keep_logprobs=kept,
                                  chat_template_kwargs=None, sandbox=cfg.sandbox)
     assert (sampling.max_completion_length, episodes.environment) == (12, None)
-
-
-def test_a_worker_rebuilds_the_sections_the_trainer_sends_and_nothing_else(tmp_path):
-    from gspo.rollout.remote.wire import WireError
-    from gspo.rollout.remote.worker import sections_message, sections_of
-
-    cfg = tiny_cfg(tmp_path, environment="tools", tools=["tools_mod:calc"], chat_template_kwargs={"x": [1, 2]},
-                   log_mismatch=True, rollout_workers=1, rollout_address="127.0.0.1:29999",
-                   rollout_secret="a secret of this test's run")
-    sampling, episodes, shape = sampler_sections(cfg)
-    message = json.loads(json.dumps(sections_message(sampling, episodes, shape)))  # as the wire carries it
-    assert set(message) == {"sampling", "episodes", "shape"} and message["sampling"]["rollout_secret"] is None
-    assert sections_of(message) == (dataclasses.replace(sampling, rollout_secret=None), episodes, shape)
-    assert message["shape"] == {"num_generations": 4, "per_device_batch_size": 2, "seed": cfg.seed,
-                                "keep_logprobs": True, "chat_template_kwargs": {"x": [1, 2]}, "sandbox": cfg.sandbox}
-    with pytest.raises(ValueError, match=r"rollout workers: setting chat_template_kwargs\['day'\] is a date"):
-        sections_message(sampling, episodes, dataclasses.replace(shape, chat_template_kwargs={
-            "day": datetime.date(2025, 1, 1)}))
-    message["shape"]["use_sampler_logprobs"] = True  # what an older trainer sent (the whole config's fields)
-    with pytest.raises(WireError, match=r"setup settings \['use_sampler_logprobs'\] of 'shape' are not this "):
-        sections_of(message)
-    with pytest.raises(WireError, match=r"setup settings of sections \['sampling'\], not this version's"):
-        sections_of({"sampling": message["sampling"]})
-
-
-def test_a_rollout_server_takes_whether_mu_is_kept_from_the_trainer_and_refuses_other_differences(tmp_path):
-    from gspo.rollout.remote.worker import _sections, sections_message
-
-    server = sampler_sections(tiny_cfg(tmp_path))  # its own config keeps no mu
-    trainer = sampler_sections(tiny_cfg(tmp_path, log_mismatch=True, rollout_timeout_s=9.0))  # the trainer reads mu
-    near, far = socket.socketpair()
-    with near, far:
-        sampling, episodes, shape = _sections(near, sections_message(*trainer), server)
-        assert shape.keep_logprobs and not server[2].keep_logprobs  # the trainer's to say
-        assert (sampling, episodes) == server[:2] and sampling.rollout_timeout_s == 300.0  # the channel's: its own
-        other = sampler_sections(tiny_cfg(tmp_path, num_generations=2))
-        with pytest.raises(ValueError, match=r"sampling settings differ from this rollout server's config "
-                                             r"\(num_generations: trainer 2, here 4\)"):
-            _sections(near, sections_message(*other), server)
 
 
 # ------------------------------------------------------------------------------- joining workers' shares

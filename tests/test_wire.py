@@ -1,4 +1,4 @@
-"""The rollout channel's wire (rollout/remote/wire.py): a listener binds exactly its host, both sides prove the run's
+"""The weight wire (rollout/endpoint/wire.py): a listener binds exactly its host, both sides prove the run's
 secret before anything else is read, a message is tensors plus a schema-checked JSON header, and nothing that
 arrives is unpickled: every malformed frame is one WireError naming what was wrong."""
 
@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.rollout.remote.wire import (
+from gspo.rollout.endpoint.wire import (
     DTYPES,
     MAGIC,
     MAX_HEADER_BYTES,
@@ -151,7 +151,7 @@ def test_a_client_without_the_secret_is_dropped_and_counted_and_nothing_it_sent_
     listener.close()
     assert sorted(out["peers"]) == [1]
     assert len(refused) == 3 and all(line.startswith("127.0.0.1:") for line in refused)
-    assert "does not speak gspo's rollout protocol" in refused[0] and "did not prove the run's secret" in refused[1]
+    assert "does not speak gspo's weight wire" in refused[0] and "did not prove the run's secret" in refused[1]
     assert "closed the connection" in refused[2]
     assert not Evil.path.exists()
     honest.close()
@@ -164,7 +164,7 @@ def test_a_proven_peer_cannot_take_a_rank_twice_or_one_not_waited_for():
     out, refused, thread = accept_in_thread(listener, ranks=range(1, 3))
     first = connect("127.0.0.1", port, SECRET, 1, 5)
     time.sleep(0.3)  # joined before the next
-    with pytest.raises(WireError, match="refused rank 1: a rollout server of that rank joined already"):
+    with pytest.raises(WireError, match="refused rank 1: a peer of that rank joined already"):
         connect("127.0.0.1", port, SECRET, 1, 5)
     with pytest.raises(WireError, match="refused rank 7: it waits for no such rank"):
         connect("127.0.0.1", port, SECRET, 7, 5)
@@ -205,8 +205,8 @@ def test_a_trainer_that_speaks_pickle_is_not_a_trainer(tmp_path):
         conn.close()
 
     threading.Thread(target=old_trainer, daemon=True).start()
-    with pytest.raises(WireError, match=r"127.0.0.1:\d+ answered b'\\x80\\x04.*it does not speak gspo's rollout "
-                                        r"protocol"):
+    with pytest.raises(WireError, match=r"127.0.0.1:\d+ answered b'\\x80\\x04.*it does not speak gspo's weight "
+                                        r"wire"):
         connect("127.0.0.1", listener.getsockname()[1], SECRET, 1, 5)
     listener.close()
     assert not Evil.path.exists()
@@ -235,7 +235,7 @@ def test_an_http_server_is_named_as_not_speaking_the_protocol():
     try:
         t0 = time.perf_counter()
         with pytest.raises(WireError, match=r"answered b'<!DOCTYPE HTML>\\n': it does not speak gspo's "
-                                            r"rollout protocol"):  # its 400 page: our greeting is no HTTP request
+                                            r"weight wire"):  # its 400 page: our greeting is no HTTP request
             connect("127.0.0.1", server.server_address[1], SECRET, 1, 30)
         assert time.perf_counter() - t0 < 5
     finally:

@@ -1,29 +1,28 @@
-"""Rollout workers (gspo/rollout/remote/client.py, gspo/rollout/feed.py): a worker process samples what the trainer's
-process would, follows the broadcast weights, runs max_staleness steps ahead exactly as the in-process lag
-stand-in does, resumes bit for bit, and a dead or silent worker is named within the timeout and stops the run
-with a checkpoint."""
+"""Rollout workers (`rollout_workers`: gspo serve endpoints the trainer starts itself, gspo/rollout/endpoint/spawned.py,
+sampled from as rollout endpoints: rollouts.py, gspo/rollout/feed.py): a worker samples what the trainer's process
+would, follows the pushed weights, runs max_staleness steps ahead exactly as the in-process lag stand-in does,
+resumes bit for bit, answers nobody without the run's secret, and a dead or silent worker is named within the
+timeout and stops the run with a checkpoint."""
 
 import copy
+import dataclasses
 import importlib.util
 import multiprocessing
 import os
 import pickle
 import signal
 import socket
-import subprocess
-import threading
 import time
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
-from conftest import SMALL, SMALL_MOE, final_weights, free_port, gspo_argv, gspo_env, read_metrics, tiny_cfg
-from gspo.config import TrainConfig, load_config
+from conftest import SMALL, SMALL_MOE, final_weights, read_metrics, tiny_cfg
 from gspo.models import load_model
 from gspo.rollout import Sampler, sampler_sections
-from gspo.rollout.remote.client import RemoteSampler, RolloutWorkerLost
+from gspo.rollout.endpoint.client import EndpointLost
+from gspo.rollout.endpoint.rollouts import EndpointSampler
 from gspo.runtime import TrainingAborted
 from gspo.trainer import train
 
@@ -36,6 +35,12 @@ def seeded_sampler(model, tok, cfg) -> Sampler:
     return Sampler(model, tok, *sampler_sections(cfg), seeded=True)
 
 
+def workers_of(model, tok, cfg, workers: int = 1, seeded: bool = True, timeout_s: float = 60) -> EndpointSampler:
+    """The sampler of `cfg` with `workers` rollout workers (started now, each with a copy of `model`)."""
+    cfg = dataclasses.replace(cfg, rollout_workers=workers, rollout_timeout_s=timeout_s)
+    return EndpointSampler(model, tok, *sampler_sections(cfg), seeded=seeded)
+
+
 pytestmark = pytest.mark.slow  # each test spawns a worker (a fresh interpreter importing torch)
 
 
@@ -44,7 +49,7 @@ def test_a_worker_samples_what_the_process_samples_and_follows_the_weights(tmp_p
     model, tok = load_model("tiny-dense", overrides=SMALL)
     cfg = tiny_cfg(tmp_path, seeded_sampling=True)
     before = copy.deepcopy(model)
-    remote = RemoteSampler(model, tok, *sampler_sections(cfg), seeded=True, workers=1, timeout_s=60)
+    remote = workers_of(model, tok, cfg)
     try:
         local, remote_1 = seeded_sampler(model, tok, cfg).sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)
         assert torch.equal(local.input_ids, remote_1.input_ids) and local.completions == remote_1.completions
@@ -73,35 +78,37 @@ class Evil:
         return (os.system, (f"touch {self.path}",))
 
 
-def test_a_local_process_racing_the_worker_runs_no_code_and_the_trainer_listens_on_loopback_only(tmp_path):
-    # before: with rollout_workers: 1 the trainer's TCPStore listened on 0.0.0.0 (every interface), and a process
-    # that joined the group before the real worker (still importing torch) had its pickled ("ready", obj)
-    # unpickled by the trainer. Here a local process connects to every socket the trainer opens, as it opens.
-    from test_wire import dropped, listening
+def test_a_worker_answers_nobody_without_the_run_s_secret_and_listens_on_loopback_only(tmp_path):
+    # before (issue 47): with rollout_workers: 1 the trainer's TCPStore listened on every interface and unpickled
+    # what a racing local process sent. A worker is now a gspo serve endpoint on loopback whose secret only the
+    # trainer and the worker know (handed over in the spawn pipe): a local process's request to sample or to touch
+    # the weights is refused before its body is read, and a pickle sent raw runs nothing.
+    import httpx
+
+    from test_wire import listening
 
     model, tok = load_model("tiny-dense", overrides=SMALL)
-    cfg, ran, seen, done = tiny_cfg(tmp_path, seeded_sampling=True), tmp_path / "ran", [], threading.Event()
-
-    known = set(listening())
-
-    def attacker():
-        while not done.is_set():
-            for host, port in set(listening()) - known:
-                seen.append(host)
-                known.add((host, port))
-                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-                    s.sendall(pickle.dumps(("ready", Evil(ran))))
-                    assert dropped(s)
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=attacker, daemon=True)
-    thread.start()
-    remote = RemoteSampler(model, tok, *sampler_sections(cfg), seeded=True, workers=1, timeout_s=60)
+    cfg, ran = tiny_cfg(tmp_path, seeded_sampling=True), tmp_path / "ran"
+    remote = workers_of(model, tok, cfg)
     try:
-        done.set()
-        thread.join(10)
-        assert seen == ["127.0.0.1"] and remote.refused == 1  # one listener, on loopback; the attacker dropped
-        assert not [port for _, port in listening()]  # closed once the worker joined: nobody else can
+        (url,) = remote.endpoints.bases
+        port = int(url.rsplit(":", 1)[1])
+        assert [host for host, p in listening(remote.processes[0].pid) if p == port] == ["127.0.0.1"]
+        for path, body in (("/v1/completions", {"prompt": [1, 2], "max_tokens": 2}), ("/v1/models", None),
+                           ("/start_weight_update", None), ("/rng_state", {"rng_state": ""}),
+                           ("/init_weight_transfer_engine", {"init_info": {"backend": "gspo", "host": "127.0.0.1",
+                                                                          "port": 1, "rank": 1}})):
+            answer = httpx.request("GET" if body is None and path == "/v1/models" else "POST", url + path, json=body,
+                                   headers={"Authorization": "Bearer not the run's secret at all"}, timeout=10)
+            assert answer.status_code == 401, (path, answer.text)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            raw.sendall(pickle.dumps(("ready", Evil(ran))))
+            raw.settimeout(2)
+            try:  # not an HTTP request: refused (400), the connection closed, or still waited on; never unpickled
+                reply = raw.recv(200)
+            except TimeoutError:
+                reply = b""
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 400"), reply
         local, far = seeded_sampler(model, tok, cfg).sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)
         assert torch.equal(local.input_ids, far.input_ids) and local.completions == far.completions
     finally:
@@ -112,21 +119,21 @@ def test_a_local_process_racing_the_worker_runs_no_code_and_the_trainer_listens_
 def test_two_workers_share_a_step_as_one_sampler_would(tmp_path):
     model, tok = load_model("tiny-dense", overrides=SMALL)
     cfg = tiny_cfg(tmp_path, seeded_sampling=True, log_mismatch=True)  # mu kept
-    remote = RemoteSampler(model, tok, *sampler_sections(cfg), seeded=True, workers=2, timeout_s=60)
+    remote = workers_of(model, tok, cfg, workers=2)
     try:
         local = seeded_sampler(model, tok, cfg)
         one, two = local.sample(PROMPTS, 1, 0), remote.sample(PROMPTS, 1, 0)  # shares of 2 and 1 prompts
         assert torch.equal(one.input_ids, two.input_ids) and torch.equal(one.attention_mask, two.attention_mask)
         assert torch.equal(one.completion_mask, two.completion_mask) and one.completions == two.completions
         assert (one.sampler_logprobs - two.sampler_logprobs).abs().max() < 1e-5  # other batch shapes: rounding
-        assert len(remote.rng_after(1)) == 2 and remote.version_of(1) == 0
+        assert remote.rng_after(1) is None and remote.version_of(1) == 0  # seeded: no random state to keep
     finally:
         remote.close()
 
 
 def test_a_dead_worker_is_named_within_the_timeout(tmp_path):
     model, tok = load_model("tiny-dense", overrides=SMALL)
-    remote = RemoteSampler(model, tok, *sampler_sections(tiny_cfg(tmp_path)), seeded=False, workers=1, timeout_s=5)
+    remote = workers_of(model, tok, tiny_cfg(tmp_path), seeded=False, timeout_s=5)
     try:
         pid = remote.processes[0].pid
         os.kill(pid, signal.SIGKILL)
@@ -160,15 +167,15 @@ def worker(process_list=None):
 
 def test_a_silent_worker_is_named_after_the_timeout(tmp_path):
     model, tok = load_model("tiny-dense", overrides=SMALL)
-    remote = RemoteSampler(model, tok, *sampler_sections(tiny_cfg(tmp_path)), seeded=False, workers=1, timeout_s=3)
+    remote = workers_of(model, tok, tiny_cfg(tmp_path), seeded=False, timeout_s=3)
     try:
         os.kill(remote.processes[0].pid, signal.SIGSTOP)  # alive, never answers
         t0 = time.perf_counter()
-        with pytest.raises(RolloutWorkerLost, match=r"step 1: waiting for its rollout: rollout worker 1: no answer "
-                                                    r"within rollout_timeout_s=3"):
+        with pytest.raises(EndpointLost, match=r"step 1: waiting for its rollout: rollout worker 1: no answer "
+                                               r"within rollout_timeout_s=3"):
             remote.sample(PROMPTS, 1, 0)
         assert 2.5 < time.perf_counter() - t0 < 30
-        with pytest.raises(RolloutWorkerLost, match="no answer"):  # lost for good: no second wait
+        with pytest.raises(EndpointLost, match="no answer"):  # lost for good: no second wait
             remote.request(PROMPTS, 2, 0)
     finally:
         os.kill(remote.processes[0].pid, signal.SIGKILL)
@@ -230,7 +237,8 @@ def test_a_run_stopped_with_rollouts_in_flight_resumes_bit_for_bit(tmp_path, sta
     train(cfg("whole"))
     train(cfg("parts"), callbacks=[lambda step, metrics: "stop" if step == 2 else None])
     pending = torch.load(tmp_path / "parts" / "run" / "checkpoint-2" / "rollouts.pt", weights_only=True)
-    assert pending["steps"] == list(range(3, 3 + staleness)) and len(pending["worker_rng"]) == workers
+    assert pending["steps"] == list(range(3, 3 + staleness))
+    assert (pending["worker_rng"] is None) if seeded else len(pending["worker_rng"]) == workers  # seeded: none needed
     train(cfg("parts", resume_from_checkpoint="latest"))
     whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
     assert [r["step"] for r in parts] == [1, 2, 3, 4]
@@ -279,41 +287,15 @@ def test_a_worker_samples_with_the_run_s_sampler_a_bf16_copy_here(tmp_path):
     assert all(r["mismatch/kl"] > 1e-8 for r in worker)  # bf16 mu against the fp32 trainer
 
 
-def test_a_rollout_server_started_on_its_own_joins_the_trainer_by_address(tmp_path, monkeypatch):
-    # `gspo rollout-server` (a separate process, as on another machine) loads the model from the run's config,
-    # joins the trainer waiting at rollout_address and samples one step ahead: the run a spawned worker makes.
-    settings = dict(model="tiny-dense", model_overrides=SMALL, task="add3", max_steps=3, per_device_batch_size=2,
-                    num_generations=4, max_completion_length=12, learning_rate=1e-2, eval_num_prompts=0,
-                    progress=False, device="cpu", seeded_sampling=True, rollout_workers=1, max_staleness=1,
-                    log_mismatch=True)
-    address = f"127.0.0.1:{free_port()}"
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({**settings, "rollout_address": address, "output_dir": str(tmp_path / "far")}))
-    monkeypatch.setenv("GSPO_ROLLOUT_SECRET", SECRET)  # the trainer's; the server's below
-    server = subprocess.Popen(gspo_argv("rollout-server", "--config", config, "--connect", address, "--rank", 1),
-                              env=gspo_env(GSPO_ROLLOUT_SECRET=SECRET), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    try:
-        train(load_config(TrainConfig, str(config), []))
-        out, _ = server.communicate(timeout=60)
-    finally:
-        server.kill()
-    assert server.returncode == 0, out
-    train(load_config(TrainConfig, str(config), ["rollout_address=null", f"output_dir={tmp_path / 'near'}"]))
-    far, near = read_metrics(tmp_path / "far"), read_metrics(tmp_path / "near")
-    assert [computed(r) for r in far] == [computed(r) for r in near]
-    assert [r["async/staleness_max"] for r in far] == [0.0, 1.0, 1.0]
-
-
 def test_a_worker_that_cannot_build_its_sampler_says_why(tmp_path):
-    # The worker answers "ready" or its traceback once its Sampler is built: here a vllm engine without vllm.
+    # The worker says in its pipe that it listens, or its traceback once building its Sampler failed: here a vllm
+    # engine without vllm.
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here: the worker's engine would start")
     model, tok = load_model("tiny-dense", overrides=SMALL)
-    with pytest.raises(RolloutWorkerLost, match=r"(?s)starting the rollout workers: rollout worker 1 failed:\n"
-                                                r"Traceback.*backend='vllm' cannot run this model: .*vllm"):
-        RemoteSampler(model, tok, *sampler_sections(tiny_cfg(tmp_path, generation_backend="vllm")), seeded=False,
-                      workers=1, timeout_s=60)
+    with pytest.raises(EndpointLost, match=r"(?s)starting the rollout workers: rollout worker 1 failed:\n"
+                                           r"Traceback.*backend='vllm' cannot run this model: .*vllm"):
+        workers_of(model, tok, tiny_cfg(tmp_path, generation_backend="vllm"), seeded=False)
 
 
 MOE_R3 = dict(model="tiny-moe", model_overrides=SMALL_MOE, routing_replay="rollout", seeded_sampling=True,

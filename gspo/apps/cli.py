@@ -1,4 +1,4 @@
-"""`gspo <command>`: train, sft, bench, eval, serve, plot, demo, lab, rollout-server."""
+"""`gspo <command>`: train, sft, bench, eval, serve, plot, demo, lab."""
 
 from __future__ import annotations
 
@@ -59,13 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the figures (default 1)")
     p.add_argument("--peak-seconds", type=float, default=5.0, help="seconds of matmuls before and after the run")
     p.add_argument("--out", help="also write the figures as JSON to this file")
-    p = _config_parser(sub, "rollout-server", TrainConfig, "a rollout worker on its own (this machine or another): "
-                       "loads the run's model, joins the trainer waiting at rollout_address, samples until it ends")
-    p.add_argument("--connect", required=True, metavar="HOST:PORT", help="the trainer's rollout_address")
-    p.add_argument("--rank", type=int, required=True, help="this worker's number, 1 .. rollout_workers")
-    p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
-                   help="how long to wait for the trainer to answer (default 120 s); the run's secret comes from "
-                        "GSPO_ROLLOUT_SECRET or the config's rollout_secret_file / rollout_secret")
     p = _config_parser(sub, "serve", TrainConfig, "an OpenAI-compatible, token-in/token-out endpoint in front of a "
                        "model (model=...): /v1/chat/completions, /v1/completions, /v1/models (docs/agents.md)")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1, loopback only); any "
@@ -128,7 +121,18 @@ def _add_lab(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides; they win over the YAML file")
 
 
+RETIRED = {"rollout-server": "gspo rollout-server is retired: on each machine that samples, start `gspo serve "
+                              "--config <the run's config> --host <its address> --port <port>` with the run's secret "
+                              "(GSPO_ROLLOUT_SECRET) and list http://<address>:<port>/v1 in the trainer's "
+                              "rollout_endpoints (docs/distributed.md)"}
+"""Commands gspo no longer has -> what to do instead."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] in RETIRED:
+        print(f"gspo: error: {RETIRED[words[0]]}", file=sys.stderr)
+        return USER_ERROR
     args = parse_args(build_parser(), argv)
     try:
         return _run(args, argv)
@@ -206,13 +210,6 @@ def _bench(args) -> None:
     print(format_bench(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
-
-
-def _rollout_server(args) -> None:
-    from gspo.rollout.remote.worker import serve_rollouts
-
-    serve_rollouts(load_config(TrainConfig, args.config, args.overrides), args.connect, args.rank,
-                   start_timeout_s=args.start_timeout)
 
 
 def _serve(args) -> None:
@@ -352,8 +349,8 @@ def _lab(args) -> None:
         run_lab(cfg, command=args.command_line, log=lambda line: print(line, flush=True))
 
 
-_COMMANDS = {"train": _train, "bench": _bench, "rollout-server": _rollout_server, "serve": _serve, "sft": _sft,
-             "eval": _eval, "plot": _plot, "demo": _demo, "lab": _lab}
+_COMMANDS = {"train": _train, "bench": _bench, "serve": _serve, "sft": _sft, "eval": _eval, "plot": _plot,
+             "demo": _demo, "lab": _lab}
 """`gspo <command>` -> the function that runs it (on the parsed arguments)."""
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from gspo.config.machinery import (
     utf8_text,
     validate,
 )
-from gspo.config.sampling import BUILTIN_TOOL_NAMES, TOOL_CALL_STYLES, SamplerShape
+from gspo.config.sampling import BUILTIN_TOOL_NAMES, TOOL_CALL_STYLES, SamplerShape, split_endpoint
 from gspo.config.sft import SFTConfig
 from gspo.config.shared import (
     MODEL_DTYPES,
@@ -66,7 +66,6 @@ from gspo.config.train import (
     renamed,
     rollout_secret,
     sampler_sections,
-    split_address,
 )
 
 __all__ = ["AdvantageSettings", "BUILTIN_TOOL_NAMES", "BatchSettings", "CHECKS", "CheckpointSettings",
@@ -77,5 +76,5 @@ __all__ = ["AdvantageSettings", "BUILTIN_TOOL_NAMES", "BatchSettings", "CHECKS",
            "TOOL_CALL_STYLES", "TRAIN_SECTIONS", "TaskSettings", "TaskSpec", "TrainConfig", "WEIGHTINGS",
            "check_choice", "check_implemented", "check_positive", "checks", "coerce_fields", "config_help",
            "field_docs", "keeps_sampler_logprobs", "load_config", "make_config", "own_names", "parse_tasks",
-           "prefixed", "renamed", "sampler_sections", "rollout_secret", "section", "sections", "split_address",
+           "prefixed", "renamed", "sampler_sections", "rollout_secret", "section", "sections", "split_endpoint",
            "to_dict", "utf8_text", "validate"]

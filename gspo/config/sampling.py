@@ -53,34 +53,23 @@ class SamplingSettings:
     vllm_sleep: bool = True
     """vllm on CUDA: the engine frees its memory while the trainer updates and wakes for each rollout."""
     rollout_workers: int = 0
-    """Sampling processes beside the trainer, each with its own copy and a share of the prompts; 0: none."""
+    """Sampling processes beside the trainer (gspo serve endpoints it starts, on loopback), each with its own copy
+    and a share of the prompts; 0: none."""
     rollout_timeout_s: float = 300.0
-    """Longest wait for a rollout worker's answer; a dead or silent worker is then named and the run stops."""
+    """Longest wait for a rollout worker's or endpoint's answer; a dead or silent one is named and the run stops."""
     max_staleness: int = 0
-    """Workers sample this many steps ahead: a rollout trains weights at most k updates newer; 0: no overlap."""
+    """Workers or endpoints sample this many steps ahead: a rollout trains weights at most k updates newer."""
     rollout_address: str | None = None
-    """host:port where the trainer listens for rollout_workers started with `gspo rollout-server` (it binds that host
-    only); null: it starts its own, on loopback. Under torchrun, trainer rank r listens at port + r."""
+    """Retired (with `gspo rollout-server`): sampling machines run `gspo serve`, listed in rollout_endpoints."""
     rollout_endpoints: list | None = None
     """URLs of OpenAI-compatible endpoints to sample from (`gspo serve`, e.g. http://10.0.0.5:8000/v1), token in and
     token out, their weights updated by the trainer (needs the run's secret); null: sample in the trainer's process
     or its rollout_workers (docs/distributed.md)."""
     rollout_secret: str | None = None
-    """The secret the trainer and its rollout servers prove to each other (rollout_address); never saved or logged,
+    """The secret the trainer and its rollout endpoints prove to each other (rollout_endpoints); never saved or logged,
     refused as a command-line override (ps shows those). Else rollout_secret_file, else GSPO_ROLLOUT_SECRET."""
     rollout_secret_file: str | None = None
     """A file holding the run's secret (its first line), readable by its owner only (chmod 600)."""
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """("host", port) of "host:port" (an IPv6 host in brackets: "[::1]:29600"); a ValueError naming the setting
-    otherwise."""
-    host, _, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"rollout_address={address!r}: expected host:port (e.g. 10.0.0.5:29600)")
-    return host, int(port)
 
 
 def split_endpoint(url) -> tuple[str, str, int]:
@@ -167,13 +156,10 @@ def _check_sampling(s: SamplingSettings) -> None:
         _check_endpoints(s)
     check_positive(s, "rollout_timeout_s")
     if s.rollout_address is not None:
-        prefixed(split_address, s.rollout_address)
-        if not s.rollout_workers:
-            raise ValueError(f"config: rollout_address={s.rollout_address!r} waits for rollout servers; set "
-                             "rollout_workers to how many will join")
-        if rollout_secret(s) is None:
-            raise ValueError(f"config: rollout_address={s.rollout_address!r}: rollout servers must prove the run's "
-                             f"secret; set {SECRET_ENV} (or rollout_secret_file) for the trainer and every server")
+        raise ValueError(f"config: rollout_address={s.rollout_address!r} and gspo rollout-server are retired: on each "
+                         "machine that samples start `gspo serve --config <this config> --host <address> --port "
+                         "<port>` with the run's secret, and set rollout_endpoints: [http://<address>:<port>/v1, ...] "
+                         "(docs/distributed.md)")
     if s.rollout_workers and s.sampler_lag:
         raise ValueError(f"config: sampler_lag={s.sampler_lag} simulates in one process the staleness that rollout "
                          "workers have for real; set max_staleness instead")
@@ -189,9 +175,9 @@ def _check_endpoints(s: SamplingSettings) -> None:
     bases = [split_endpoint(url)[0] for url in s.rollout_endpoints]
     if len(set(bases)) < len(bases):
         raise ValueError(f"config: rollout_endpoints names an endpoint twice: {s.rollout_endpoints}")
-    if s.rollout_workers or s.rollout_address is not None:
-        raise ValueError("config: rollout_endpoints samples from endpoints; rollout_workers and rollout_address start "
-                         "or wait for gspo's own workers: use one of them")
+    if s.rollout_workers:
+        raise ValueError("config: rollout_endpoints samples from endpoints started on their own; rollout_workers "
+                         "starts endpoints of the run's own: use one of them")
     if rollout_secret(s) is None:
         raise ValueError(f"config: rollout_endpoints: the trainer updates the endpoints' weights, which needs the "
                          f"run's secret; set {SECRET_ENV} (or rollout_secret_file) for the trainer and each gspo serve")

@@ -31,7 +31,6 @@ from gspo.config.sampling import (  # noqa: F401  (the secret and address helper
     SamplingSettings,
     reshaping,
     rollout_secret,
-    split_address,
 )
 from gspo.config.shared import (
     DataSettings,
@@ -405,10 +404,9 @@ def check_train(cfg: TrainConfig) -> None:
         raise ValueError(f"config: rollout_workers={cfg.rollout_workers} share per_device_batch_size="
                          f"{cfg.per_device_batch_size} prompts per step; more workers than prompts would sit idle")
     agents = cfg.agent is not None or (cfg.environment or "").startswith(("openenv:", "verifiers:"))
-    if agents and (cfg.rollout_workers or cfg.rollout_address or cfg.rollout_endpoints):
+    if agents and (cfg.rollout_workers or cfg.rollout_endpoints):
         raise ValueError("config: agent episodes (agent, environment: openenv:/verifiers:) run on the trainer's own "
-                         "endpoint, in its process; rollout_workers, rollout_address and rollout_endpoints are not "
-                         "supported with them")
+                         "endpoint, in its process; rollout_workers and rollout_endpoints are not supported with them")
     if cfg.use_sampler_logprobs and cfg.routing_replay == "old_policy":
         raise ValueError("config: routing_replay=old_policy records the experts in the pi_old forward, which "
                          "use_sampler_logprobs skips; use routing_replay=rollout (experts from the sampler)")
@@ -450,9 +448,11 @@ def check_train(cfg: TrainConfig) -> None:
 def keeps_sampler_logprobs(sampling, correction, objective) -> bool:
     """Whether a run keeps the sampler's log-probs (mu), from its SamplingSettings, CorrectionSettings and
     ObjectiveSettings: it trains on them (use_sampler_logprobs, a rollout correction), or mu may differ from pi_old
-    (a copy, a lag, stale workers), or log_mismatch. (An engine's are kept regardless: the Sampler adds that.)"""
+    (a copy, a lag, stale workers, endpoints that serve another engine's numerics), or log_mismatch. (An engine's
+    are kept regardless: the Sampler adds that.)"""
     return bool(objective.use_sampler_logprobs or correction.rollout_correction != "none" or sampling.sampler_dtype
-                or sampling.sampler_lag or sampling.max_staleness or correction.log_mismatch)
+                or sampling.sampler_lag or sampling.max_staleness or correction.log_mismatch
+                or sampling.rollout_endpoints)
 
 
 def sampler_sections(cfg) -> tuple:

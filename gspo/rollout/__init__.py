@@ -2,8 +2,8 @@
 generators (registry.py: gspo's own decode loop, HF `generate`, vLLM, each imported on first use), `generate` and
 the built-in generators (generation.py; decode.py: gspo's loop, a preallocated KV cache, the same tokens as HF
 `generate` for the same seed), seeded rows and the policy's copies (policy.py), the trainer's Sampler plug built
-from its own sections (sampler.py) and the run's sampler, in this process or in workers (sampling.py:
-`build_sampler`; remote/: the workers).
+from its own sections (sampler.py) and the run's sampler, in this process or on endpoints (sampling.py:
+`build_sampler`; endpoint/: the OpenAI-compatible endpoint, rollout endpoints and workers, the weights' wire).
 
 Layout: `input_ids` (N, P+T) are left-padded prompts (width P) followed by right-padded
 completions (width T), N = B*G, rows grouped by prompt. The completion mask covers each

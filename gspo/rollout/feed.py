@@ -1,5 +1,5 @@
 """Where each step's prompts and rollout come from: drawn and sampled when the step begins, or asked for
-`ahead` steps early from rollout workers (`max_staleness`, gspo/rollout/remote/client.py).
+`ahead` steps early from rollout endpoints or workers (`max_staleness`, gspo/rollout/endpoint/rollouts.py).
 
 `RolloutFeed.next(step)` first asks the sampler for every step up to `step + ahead` not yet asked for
 (drawing their prompts from the prompt source, in step order), then waits for step `step`'s rollout. A
@@ -23,7 +23,7 @@ from dataclasses import asdict, fields
 
 from gspo.data.rows import Row
 from gspo.rollout.batch import Rollout
-from gspo.rollout.remote.client import RolloutWorkerLost
+from gspo.rollout.endpoint.client import EndpointLost
 
 PENDING_FILE = "rollouts.pt"  # the checkpoint's file of rollouts asked for but not yet trained on
 
@@ -89,7 +89,7 @@ class RolloutFeed:
             if step not in self.ready:
                 try:
                     self._receive(step, wait)
-                except RolloutWorkerLost:  # raised again by the next step's receive, which stops the run
+                except EndpointLost:  # raised again by the next step's receive, which stops the run
                     break
             if step not in self.ready:
                 break

@@ -23,31 +23,40 @@ class SeededSampler:
     decoding) after this processor. Row i draws V uniforms per step from generator i only.
     """
 
-    def __init__(self, seeds: list[int], temperature: float, device):
+    def __init__(self, seeds: list[int], temperature: float, device, offsets: list[int] | None = None):
+        """`offsets`: tokens each row's stream has sampled already (an endpoint going on with an episode's row in a
+        later turn: its generator skips that many steps' draws before its first)."""
         self.seeds, self.temperature = list(seeds), temperature  # an engine seeds its own sampler from `seeds`
         self.generators = [torch.Generator(device=device).manual_seed(int(s) % 2**63) for s in seeds]
-        # calls that sampled each row so far, in cells a view of some rows shares (an engine that cannot go on
-        # with a row's stream across an episode's turns seeds each turn anew: `turn_seeds`)
-        self.calls = [[0] for _ in seeds]
+        self.skip = list(offsets) if offsets and any(offsets) else None
+        # tokens each row's stream has sampled through an engine, in cells a view of some rows shares (rollout
+        # endpoints: the client counts them, so the next turn's request says where the stream stands)
+        self.drawn = [[0] for _ in seeds]
 
     def rows(self, index: list[int]) -> SeededSampler:
         """The sampler of rows `index` only, drawing from the same generators (a multi-turn episode's rows that
         are still running: each row's stream goes on where its last turn left it)."""
         view = copy.copy(self)
         view.seeds, view.generators = [self.seeds[i] for i in index], [self.generators[i] for i in index]
-        view.calls = [self.calls[i] for i in index]
+        view.drawn = [self.drawn[i] for i in index]
         return view
 
-    def turn_seeds(self) -> list[int]:
-        """A seed per row for an engine's next call: the row's own seed on its first call, then one derived from it
-        and the call's number (each turn of an episode draws afresh, from its row's seed alone); counts the call."""
-        out = [s if c[0] == 0 else (s * 1_000_003 + c[0]) % 2**63 for s, c in zip(self.seeds, self.calls)]
-        for c in self.calls:
-            c[0] += 1
-        return out
+    def offsets(self) -> list[int]:
+        """Tokens each row's stream has sampled through an engine so far (`drawn`)."""
+        return [cell[0] for cell in self.drawn]
+
+    def advance(self, steps: list[int]) -> None:
+        """Count `steps` more tokens drawn by each row's stream (an engine's call ran that many decode steps)."""
+        for cell, n in zip(self.drawn, steps):
+            cell[0] += n
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         V = scores.shape[-1]
+        if self.skip is not None:  # draws of the steps the streams took before (each step: V uniforms per row)
+            for g, n in zip(self.generators, self.skip):
+                for _ in range(n):
+                    torch.rand(V, generator=g, device=scores.device)
+            self.skip = None
         uniform = torch.stack([torch.rand(V, generator=g, device=scores.device) for g in self.generators])  # (N, V)
         gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-12, max=1 - 1e-7)))  # (N, V)
         return scores.float() / self.temperature + gumbel

@@ -1,7 +1,8 @@
 """The trainer's Sampler plug, built from its own sections: SamplingSettings, EpisodeSettings and `SamplerShape`, the
 few values it shares with the rest of the run (never the whole config: gspo.config's `sampler_sections` is the one
-place that reads those out of a TrainConfig). A rollout worker rebuilds the same three from the trainer's setup
-message (gspo/rollout/remote/worker.py) and samples with this same plug."""
+place that reads those out of a TrainConfig). A rollout worker (a gspo serve endpoint the trainer starts:
+gspo/rollout/endpoint/spawned.py) is handed the same three and samples with this same plug; on rollout endpoints the
+trainer's own plug samples with the endpoints as its generator."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Sampler:
         is a multi-turn episode, its chat messages rendered with the shape's chat_template_kwargs, its python tool in
         the shape's `sandbox`) and the values it shares with the run (`shape`); never the whole config. `engine`:
         (name, GeneratorBackend, handle) of an engine started elsewhere (rollout endpoints: gspo/rollout/endpoint/
-        client.py), which samples instead of the one generation_backend names; its mu is always kept."""
+        client.py), which samples instead of the one generation_backend names."""
         from gspo.env import chat_template_kwargs, environment_factory
         from gspo.rollout.agents import agent_of
         from gspo.rollout.episodes import EpisodeLimits
@@ -52,8 +53,8 @@ class Sampler:
             self.name, backend, handle = engine
             self.reason = f"sampler: {self.name}"
         self.backend = backend
-        # an engine's mu always differs a little
-        with_logprobs = shape.keep_logprobs or backend.start is not None or handle is not None
+        # an engine's mu always differs a little (rollout endpoints: their shape says so, rollout_endpoints set)
+        with_logprobs = shape.keep_logprobs or backend.start is not None
         needs = {"seeded_rows": seeded, "routing_record": records, "logprobs": with_logprobs}
         missing = [what for what, needed in needs.items() if needed and not getattr(backend, what)]
         if missing:

@@ -1,5 +1,5 @@
 """The run's sampler, `build_sampler`: the Sampler plug in this process (gspo/rollout/sampler.py) or, with
-rollout_workers, RemoteSampler (gspo/rollout/remote/client.py, imported only then).
+rollout_endpoints or rollout_workers, EndpointSampler (gspo/rollout/endpoint/rollouts.py, imported only then).
 
 This module held all of sampling before it was split by concern: the generator registry (registry.py), `generate`
 and the built-in generators (generation.py), seeded rows, the policy's copies and memory sizing (policy.py), the
@@ -34,25 +34,20 @@ def build_sampler(model, tokenizer, sampling, episodes, shape: SamplerShape, *, 
                   rank: int = 0, recorder=lambda model: None, records: bool = False, version: int = 0, rng=None,
                   topology=None):
     """The run's Sampler plug, from its SamplingSettings (the rollout channel's settings among them), EpisodeSettings
-    and SamplerShape (`sampler_sections(cfg)` gives all three): `Sampler` in the trainer's process, with
-    rollout_endpoints `EndpointSampler` (the same Sampler, its generator the endpoints), or with
-    rollout_workers > 0 `RemoteSampler`, whose workers build the same Sampler from the same sections; under torchrun
-    each trainer rank (`rank`) has workers of its own for its share of the batch. `load`: the run's (ModelSettings,
-    LoraSettings), which a worker of an fsdp trainer loads the model by (the trainer holds a shard only); `version`:
-    the steps the weights have taken (a resumed run's); `rng`: a resumed worker's random state; `topology`: the
-    run's (rollout endpoints under torchrun: rank 0 pushes the weights for all)."""
-    if sampling.rollout_endpoints:
+    and SamplerShape (`sampler_sections(cfg)` gives all three): `Sampler` in the trainer's process, or
+    `EndpointSampler` (the same Sampler, its generator the endpoints) with rollout_endpoints (servers of their own,
+    shared by the trainer's ranks) or rollout_workers > 0 (gspo serve endpoints it starts itself, each building the
+    same Sampler from the same sections; under torchrun each trainer rank has workers of its own for its share of
+    the batch). `load`: the run's (ModelSettings, LoraSettings), which a worker of an fsdp trainer loads the model
+    by (the trainer holds a shard only); `version`: the steps the weights have taken (a resumed run's); `rng`: a
+    resumed run's random states of the endpoints; `topology`: the run's (shared endpoints under torchrun: rank 0
+    pushes the weights for all). `rank`: unused, kept for callers."""
+    if sampling.rollout_endpoints or sampling.rollout_workers:
         from gspo.rollout.endpoint.rollouts import EndpointSampler
 
         return EndpointSampler(model, tokenizer, sampling, episodes, shape, seeded=seeded, version=version,
-                               topology=topology, records=records, rng=rng)
-    if not sampling.rollout_workers:
-        return Sampler(model, tokenizer, sampling, episodes, shape, seeded=seeded, recorder=recorder, records=records)
-    from gspo.rollout.remote.client import RemoteSampler
-
-    return RemoteSampler(model, tokenizer, sampling, episodes, shape, seeded=seeded, workers=sampling.rollout_workers,
-                         timeout_s=sampling.rollout_timeout_s, version=version, rng=rng,
-                         address=sampling.rollout_address, records=records, trainer_rank=rank, load=load)
+                               topology=topology, records=records, rng=rng, load=load)
+    return Sampler(model, tokenizer, sampling, episodes, shape, seeded=seeded, recorder=recorder, records=records)
 
 
 __all__ = ["GENERATORS", "GeneratorBackend", "PolicySampler", "Sampler", "SamplerShape", "SeededSampler",

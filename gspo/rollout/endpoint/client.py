@@ -28,13 +28,13 @@ import torch
 
 from gspo.config.sampling import split_endpoint
 from gspo.rollout.registry import GeneratorBackend
-from gspo.rollout.remote.client import RolloutWorkerLost
 
 MAX_ROWS_PER_REQUEST = 256  # completions per request at most (gspo serve samples a request in calls of its max_rows)
 
 
-class EndpointLost(RolloutWorkerLost):
-    """A rollout endpoint failed, went silent or answered what was not asked; the message names it."""
+class EndpointLost(ValueError):
+    """A rollout endpoint (or rollout worker) failed, went silent or answered what was not asked; the message names
+    it. The trainer then stops with a checkpoint of the last step it finished."""
 
 
 class Endpoints:
@@ -42,15 +42,17 @@ class Endpoints:
 
     `urls`: each endpoint's base URL (gspo serve's or vllm serve's, with or without /v1); `secret`: the run's,
     sent as the bearer token; `timeout_s`: the longest wait for one answer (rollout_timeout_s); `vocab_size`:
-    token ids outside it are refused."""
+    token ids outside it are refused; `names`: what errors call each (default "rollout endpoint <url>")."""
 
-    def __init__(self, urls: list[str], secret: bytes, *, timeout_s: float, vocab_size: int):
+    def __init__(self, urls: list[str], secret: bytes, *, timeout_s: float, vocab_size: int,
+                 names: list[str] | None = None):
         from gspo.rollout.endpoint.server import need
 
         need("serve", "httpx")
         import httpx
 
         self.bases = [split_endpoint(u)[0] for u in urls]
+        self.named = dict(zip(self.bases, names or [f"rollout endpoint {base}" for base in self.bases]))
         self.timeout_s, self.vocab_size, self.secret = timeout_s, vocab_size, secret
         self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
                                  headers={"Authorization": "Bearer " + secret.decode()})
@@ -66,7 +68,7 @@ class Endpoints:
             data = listed.get("data") if isinstance(listed, dict) else None
             if not (isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"),
                                                                                                   str)):
-                raise EndpointLost(f"rollout endpoint {base}: /v1/models lists no model")
+                raise EndpointLost(f"{self.named[base]}: /v1/models lists no model")
             self.models.append(data[0]["id"])
             self.kinds.append(data[0].get("owned_by"))
         others = [f"{b} (owned_by {k!r})" for b, k in zip(self.bases, self.kinds) if k != "gspo"]
@@ -82,10 +84,10 @@ class Endpoints:
         try:
             response = self.http.request(method, base + path, json=body)
         except httpx.TimeoutException:
-            raise EndpointLost(f"rollout endpoint {base}: no answer within rollout_timeout_s={self.timeout_s:g} "
+            raise EndpointLost(f"{self.named[base]}: no answer within rollout_timeout_s={self.timeout_s:g} "
                                f"({what})") from None
         except httpx.HTTPError as err:
-            raise EndpointLost(f"rollout endpoint {base}: {what}: {type(err).__name__}: {err}") from None
+            raise EndpointLost(f"{self.named[base]}: {what}: {type(err).__name__}: {err}") from None
         try:
             answer = response.json()
         except ValueError:
@@ -93,9 +95,9 @@ class Endpoints:
         if response.status_code != 200:
             detail = answer.get("error") if isinstance(answer, dict) else None
             detail = detail.get("message") if isinstance(detail, dict) else detail or response.text[:200]
-            raise EndpointLost(f"rollout endpoint {base}: {what}: HTTP {response.status_code}: {detail}")
+            raise EndpointLost(f"{self.named[base]}: {what}: HTTP {response.status_code}: {detail}")
         if answer is None:
-            raise EndpointLost(f"rollout endpoint {base}: {what}: the answer is not JSON")
+            raise EndpointLost(f"{self.named[base]}: {what}: the answer is not JSON")
         return answer
 
     # -- sampling -----------------------------------------------------------------------------------------------
@@ -107,9 +109,10 @@ class Endpoints:
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         g = group_size if group_size > 1 and N % group_size == 0 and all(
             rows[i] == rows[i - i % group_size] for i in range(N)) else 1
-        seeds = seeded.turn_seeds() if seeded is not None else None  # an episode's later turns: seeded anew
+        seeds = list(seeded.seeds) if seeded is not None else None
+        offsets = seeded.offsets() if seeded is not None else None  # an episode's later turn: where its stream is
         options = {"max_tokens": max_new_tokens, "temperature": 0.0 if greedy else temperature, "logprobs": 0,
-                   "return_token_ids": True, **({"return_routed_experts": True} if self.routing_layers else {})}
+                   "return_token_ids": True, **({"return_routed_experts": "padded"} if self.routing_layers else {})}
         options.update({k: v for k, v, off in (("top_p", top_p, 1.0), ("top_k", top_k, 0), ("min_p", min_p, 0.0),
                                                ("repetition_penalty", repetition_penalty, 1.0)) if v != off})
         groups = N // g
@@ -123,6 +126,8 @@ class Endpoints:
             if seeds is not None and not greedy:
                 share = seeds[lo:hi]
                 body["seed"] = share[0] if share == list(range(share[0], share[0] + len(share))) else share
+                if any(offsets[lo:hi]):
+                    body["seed_offset"] = offsets[lo:hi]
             futures.append((lo, hi, where, self.pool.submit(self._complete, where, body, hi - lo)))
         out: list = [None] * N
         try:
@@ -131,6 +136,9 @@ class Endpoints:
         finally:
             for lo, hi, where, _ in futures:
                 self.in_flight[where] -= hi - lo
+        if seeded is not None:  # each request's rows were sampled in one call, their streams all advanced by its steps
+            seeded.advance([max(len(row[0]) for row in out[lo:hi]) for lo, hi, _, _ in futures
+                            for _ in range(hi - lo)])
         width = max([len(row[0]) for row in out] + [1])
         device = prompt_ids.device
         ids = torch.full((N, width), pad, dtype=torch.long)  # (N, T)
@@ -150,11 +158,11 @@ class Endpoints:
         answer = self._call(base, "POST", "/v1/completions", body, f"sampling {expected} completions")
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or len(choices) != expected:
-            raise EndpointLost(f"rollout endpoint {base}: answered {len(choices) if isinstance(choices, list) else 0} "
+            raise EndpointLost(f"{self.named[base]}: answered {len(choices) if isinstance(choices, list) else 0} "
                                f"completions, asked for {expected}")
         version = answer.get("weight_version")
         if self.version is not None and version != self.version:
-            raise EndpointLost(f"rollout endpoint {base}: sampled with weights version {version!r}; the trainer "
+            raise EndpointLost(f"{self.named[base]}: sampled with weights version {version!r}; the trainer "
                                f"pushed {self.version!r} (another trainer updates it?)")
         out = []
         for k, choice in enumerate(sorted(choices, key=lambda c: c.get("index", -1) if isinstance(c, dict) else -1)):
@@ -165,17 +173,22 @@ class Endpoints:
                   and all(type(t) is int and 0 <= t < self.vocab_size for t in tokens)
                   and all(isinstance(x, (int, float)) and not x > 0 and not math.isnan(x) for x in logprobs))
             if not ok:
-                raise EndpointLost(f"rollout endpoint {base}: choice {k} is not {body['max_tokens']} or fewer token "
+                raise EndpointLost(f"{self.named[base]}: choice {k} is not {body['max_tokens']} or fewer token "
                                    f"ids below {self.vocab_size} with their log-probs")
             routed = None
             if self.routing_layers is not None:
+                padding = choice.get("routed_experts_padding", 0)
+                if type(padding) is not int or padding < 0:
+                    raise EndpointLost(f"{self.named[base]}: choice {k}'s routed_experts_padding is not a count")
                 prompt = body["prompt"][k // body["n"]]
-                routed = self._experts(base, k, choice.get("routed_experts"), len(prompt) + len(tokens) - 1)
+                routed = padding, self._experts(base, k, choice.get("routed_experts"),
+                                                padding + len(prompt) + len(tokens) - 1)
             out.append((tokens, [float(x) for x in logprobs], routed))
         return out
 
     def _experts(self, base: str, k: int, encoded, fed: int) -> torch.Tensor:
-        """(fed, R, k') int64 experts of choice k: vLLM's format (base64 .npy bytes, read without pickle), checked."""
+        """(at least fed, R, k') int64 experts of choice k: vLLM's format (base64 .npy bytes, read without pickle),
+        checked."""
         import base64
         import io
 
@@ -184,13 +197,13 @@ class Endpoints:
         try:
             array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
         except (TypeError, ValueError, OSError) as err:
-            raise EndpointLost(f"rollout endpoint {base}: choice {k} has no routed experts one can read ({err}); "
+            raise EndpointLost(f"{self.named[base]}: choice {k} has no routed experts one can read ({err}); "
                                "routing_replay=rollout needs them (gspo serve of an MoE model returns them)") from None
         R = len(self.routing_layers)
-        if array.dtype.kind not in "iu" or array.ndim != 3 or array.shape[:2] != (fed, R) or (
+        if array.dtype.kind not in "iu" or array.ndim != 3 or array.shape[0] < fed or array.shape[1] != R or (
                 array.size and (array.min() < 0)):
-            raise EndpointLost(f"rollout endpoint {base}: choice {k}'s routed experts are {array.dtype} "
-                               f"{array.shape}, not ({fed}, {R}, k) expert numbers")
+            raise EndpointLost(f"{self.named[base]}: choice {k}'s routed experts are {array.dtype} "
+                               f"{array.shape}, not ({fed} or more, {R}, k) expert numbers")
         return torch.from_numpy(array.astype(np.int64))
 
     def recording(self, layers: tuple):
@@ -200,9 +213,9 @@ class Endpoints:
 
     # -- weights ------------------------------------------------------------------------------------------------
     def push(self, flat: dict, names: list[str], version: int, trained_only: bool) -> list[list[float]]:
-        """Load `flat` (`gspo.rollout.remote.worker.flat_weights`: one buffer per dtype, parameters `names` in
+        """Load `flat` (`gspo.rollout.endpoint.weights.flat_weights`: one buffer per dtype, parameters `names` in
         order) into every endpoint by the four phases, as weights version `version`; each endpoint's probe."""
-        from gspo.rollout.remote.wire import DTYPE_NAMES
+        from gspo.rollout.endpoint.wire import DTYPE_NAMES
 
         if self.socks is None:
             self._join()
@@ -212,7 +225,7 @@ class Endpoints:
         return [f.result() for f in futures]  # the caller sets self.version once the probes agree
 
     def _push_one(self, e: int, tensors: dict, names: list[str], version: int, trained_only: bool) -> list[float]:
-        from gspo.rollout.remote.wire import send
+        from gspo.rollout.endpoint.wire import send
 
         base = self.bases[e]
         self._call(base, "POST", "/start_weight_update", None, "starting a weight update")
@@ -228,12 +241,12 @@ class Endpoints:
         try:
             sending.result()
         except OSError as err:
-            raise EndpointLost(f"rollout endpoint {base}: sending the weights: {err}") from None
+            raise EndpointLost(f"{self.named[base]}: sending the weights: {err}") from None
         answer = self._call(base, "POST", "/finish_weight_update", {"weight_version": str(version)},
                             "finishing the weight update")
         probe = answer.get("probe") if isinstance(answer, dict) else None
         if not (isinstance(probe, list) and all(isinstance(x, (int, float)) for x in probe)):
-            raise EndpointLost(f"rollout endpoint {base}: finish_weight_update answered no probe")
+            raise EndpointLost(f"{self.named[base]}: finish_weight_update answered no probe")
         return [float(x) for x in probe]
 
     def rng_states(self) -> list[str]:
@@ -258,10 +271,10 @@ class Endpoints:
 
     def _join_one(self, e: int):
         from gspo.rollout.endpoint.weights import BACKEND
-        from gspo.rollout.remote.wire import accept_peers, listen
+        from gspo.rollout.endpoint.wire import accept_peers, listen
 
         base = self.bases[e]
-        host = _local_address(base)
+        host = _local_address(base, self.named[base])
         listener = listen(host, 0)
         port = listener.getsockname()[1]
         call = self.pool.submit(self._call, base, "POST", "/init_weight_transfer_engine",
@@ -278,7 +291,7 @@ class Endpoints:
                                                              file=sys.stderr, flush=True))
             call.result()
         except TimeoutError as err:
-            raise EndpointLost(f"rollout endpoint {base}: it did not join the trainer at {host}:{port}: {err}"
+            raise EndpointLost(f"{self.named[base]}: it did not join the trainer at {host}:{port}: {err}"
                                ) from None
         finally:
             listener.close()
@@ -306,10 +319,13 @@ class _Recording:
         from gspo.plugs.moe import RoutingRecord
 
         routed, (P, T) = self.endpoints.routed, self.endpoints.routed_shape
-        k = max((experts.shape[2] for _, experts in routed), default=1)
-        indices = torch.full((len(self.layers), len(routed), P + T - 1, k), -1, dtype=torch.long)  # (R, N, L, k)
-        for i, (prompt, experts) in enumerate(routed):  # the row's prompt is left-padded to P
-            indices[:, i, P - prompt:P - prompt + experts.shape[0]] = experts.permute(1, 0, 2)
+        k = max((experts.shape[2] for _, (_, experts) in routed), default=1)
+        L = P + T - 1
+        indices = torch.full((len(self.layers), len(routed), L, k), -1, dtype=torch.long)  # (R, N, L, k)
+        for i, (prompt, (padding, experts)) in enumerate(routed):  # the row's prompt ends at position P here
+            start = P - prompt - padding  # where the endpoint's first position lands (its padding may be wider)
+            lo, hi = max(start, 0), min(start + experts.shape[0], L)
+            indices[:, i, lo:hi] = experts[lo - start:hi - start].permute(1, 0, 2)
         return RoutingRecord(indices, self.layers)
 
 
@@ -321,14 +337,14 @@ def _shares(groups: int, endpoints: int, most: int) -> list[tuple[int, int]]:
     return [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
 
 
-def _local_address(base: str) -> str:
+def _local_address(base: str, name: str) -> str:
     """The address of this machine that reaches endpoint `base` (loopback for a loopback endpoint)."""
     _, host, port = split_endpoint(base)
     try:
         with socket.create_connection((host, port), timeout=10) as probe:
             return probe.getsockname()[0]
     except OSError as err:
-        raise EndpointLost(f"rollout endpoint {base}: cannot be reached ({err})") from None
+        raise EndpointLost(f"{name}: cannot be reached ({err})") from None
 
 
 def _unsupported(model) -> str:

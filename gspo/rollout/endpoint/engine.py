@@ -34,7 +34,8 @@ class Sample:
     text: str  # decoded without special tokens, cut before a stop string
     eos: bool = False  # it ends on a stop token (of the model's), which `token_ids` keeps
     version: str | None = None  # the weights' version that sampled it (`Engine.version`)
-    routing: object = None  # (prompt + tokens - 1, R, k) int array: the experts each fed token was routed to
+    routing: object = None  # (fed, R, k) int array: the experts each fed token was routed to (`Job.routing`)
+    routing_padding: int | None = None  # "padded": the left-padding positions `routing` starts with
 
 
 @dataclass
@@ -50,8 +51,11 @@ class Job:
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
     seeds: list[int] | None = None  # one per completion (seeded sampling), or None
+    offsets: list[int] | None = None  # per completion: tokens its seed's stream sampled before (a later turn)
     stop: tuple[str, ...] = ()  # stop strings: the completion ends with the token that completes one
-    routing: bool = False  # return the experts every router chose for each fed token (MoE models)
+    routing: bool | str = False  # return the experts every router chose (MoE models): True for each of the row's
+    # own tokens but the last (vLLM's routed_experts); "padded": for every position the row was fed at in its call,
+    # its left padding and the pad tokens after its end included (what the trainer's own sampler records)
     future: Future = field(default_factory=Future)  # set to list[Sample] (n) or an exception
 
     def key(self) -> tuple:
@@ -165,7 +169,8 @@ class Engine:
         first = jobs[0]
         greedy, temperature = first.temperature == 0, first.temperature or 1.0
         seeded = None if first.seeds is None or greedy else SeededSampler(  # reshaping refused with seeds (job_of)
-            [s for job in jobs for s in job.seeds], temperature, device)
+            [s for job in jobs for s in job.seeds], temperature, device,
+            offsets=[k for job in jobs for k in (job.offsets or [0] * job.n)])
         was_training = self.model.training
         self.model.eval()
         routed = any(job.routing for job in jobs)
@@ -187,7 +192,10 @@ class Engine:
                 tokens = out[row][keep[row]].tolist()
                 logprobs = lp[row][keep[row]].tolist() if lp is not None else [0.0] * len(tokens)
                 sample = replace(self.finish(tokens, logprobs, job), version=version)
-                if job.routing and record is not None:  # the row's fed tokens: its prompt, then all kept but the last
+                if job.routing == "padded" and record is not None:  # every position of the row's call
+                    sample.routing = record[:, row].permute(1, 0, 2).numpy()  # (width + t' - 1, R, k)
+                    sample.routing_padding = width - len(job.prompt_ids)
+                elif job.routing and record is not None:  # the row's own fed tokens: its prompt, all kept but the last
                     fed = len(job.prompt_ids) + len(sample.token_ids) - 1
                     start = width - len(job.prompt_ids)
                     sample.routing = record[:, row, start:start + fed].permute(1, 0, 2).numpy()  # (fed, R, k)

@@ -31,8 +31,9 @@ CHAT_FIELDS = {"model", "messages", "n", "temperature", "top_p", "max_tokens", "
                "prompt_token_ids", "parallel_tool_calls", "return_token_ids", "top_k", "min_p", "repetition_penalty"}
 COMPLETION_FIELDS = {"model", "prompt", "n", "temperature", "top_p", "max_tokens", "stop", "stream",
                      "stream_options", "logprobs", "seed", "user", "echo", "return_token_ids", "top_k", "min_p",
-                     "repetition_penalty", "return_routed_experts"}  # top_k, min_p, repetition_penalty: vLLM's
-# extra sampling parameters; return_routed_experts: gspo's (vLLM returns them where its server is started with them)
+                     "repetition_penalty", "return_routed_experts", "seed_offset"}  # top_k, min_p, repetition_penalty:
+# vLLM's extra sampling parameters; return_routed_experts (vLLM returns them where its server is started with them)
+# and seed_offset: gspo's
 NOT_DONE = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "response_format": None,
             "best_of": 1, "suffix": None}  # refused unless they ask for what gspo does anyway
 
@@ -104,15 +105,24 @@ def job_of(body: dict, route: str, limits: Limits, prompt_ids: list[int], seed_b
         raise BadRequest("seed: seeded sampling draws from the full distribution; top_p, top_k, min_p and "
                          "repetition_penalty reshape it", "seed")
     seeds = None if temperature == 0 or reshaped else seeds
+    offsets = body.get("seed_offset")  # gspo's: tokens each choice's seed already sampled (an episode's later turn)
+    if offsets is not None:
+        offsets = [offsets] * (first_choice + n) if type(offsets) is int else offsets
+        if seed is None or not isinstance(offsets, list) or len(offsets) < first_choice + n or not all(
+                type(k) is int and 0 <= k <= 1 << 20 for k in offsets):
+            raise BadRequest("seed_offset: with a seed, a count of tokens (or one per choice) that each choice's "
+                             "seed already sampled", "seed_offset")
+        offsets = offsets[first_choice:first_choice + n]
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", "stop")
     routing = body.get("return_routed_experts")
-    if routing not in (None, True, False):
-        raise BadRequest("return_routed_experts must be true or false", "return_routed_experts")
+    if routing not in (None, True, False, "padded"):
+        raise BadRequest("return_routed_experts must be true, false or \"padded\"", "return_routed_experts")
     return Job(prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-               repetition_penalty=repetition_penalty, seeds=seeds, stop=tuple(stop), routing=bool(routing))
+               repetition_penalty=repetition_penalty, seeds=seeds, offsets=offsets if seeds else None, stop=tuple(stop),
+               routing=routing or False)
 
 
 def check_fields(body, route: str) -> None:

@@ -73,7 +73,8 @@ def completion_response(samples: list[list[Sample]], prompts: list[list[int]], m
         "model": model, "prompt_token_ids": prompts[0] if len(prompts) == 1 else prompts,
         "choices": [{"index": k, "text": s.text, "finish_reason": s.finish_reason,
                      "logprobs": _completion_logprobs(s, tokenizer) if logprobs else None, "token_ids": s.token_ids,
-                     **({"routed_experts": npy_base64(s.routing)} if s.routing is not None else {})}
+                     **({"routed_experts": npy_base64(s.routing)} if s.routing is not None else {}),
+                     **({"routed_experts_padding": s.routing_padding} if s.routing_padding is not None else {})}
                     for k, s in enumerate(choices)],
         "usage": usage(prompts, choices), "weight_version": choices[0].version if choices else None}
 

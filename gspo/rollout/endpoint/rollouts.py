@@ -20,6 +20,8 @@ import copy
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from gspo.rollout.endpoint.client import EndpointLost
+
 KEEP_VERSIONS = 16  # the versions of this many latest rollouts are kept (for checkpoints)
 
 
@@ -31,26 +33,51 @@ class EndpointSampler:
     adapters) and checks them on the probe."""
 
     def __init__(self, model, tokenizer, sampling, episodes, shape, *, seeded: bool, version: int = 0,
-                 topology=None, records: bool = False, rng: list | None = None):
-        """`topology`: the run's Topology (gspo/plugs/parallel.py) under torchrun; None: one process. `records`:
-        routing_replay=rollout: every answer returns the experts its tokens were routed to (Rollout.routing). `rng`:
-        a checkpoint's random states of the endpoints (unseeded sampling), set before the first rollout."""
+                 topology=None, records: bool = False, rng: list | None = None, load: tuple | None = None):
+        """`sampling.rollout_endpoints`: the endpoints to sample from (shared by every trainer rank); else
+        `sampling.rollout_workers` endpoints this sampler starts itself (gspo/rollout/endpoint/spawned.py; each
+        trainer rank its own). `topology`: the run's Topology (gspo/plugs/parallel.py) under torchrun; None: one
+        process. `records`: routing_replay=rollout: every answer returns the experts its tokens were routed to
+        (Rollout.routing). `rng`: a checkpoint's random states of the endpoints (unseeded sampling), set before the
+        first rollout. `load`: the run's (ModelSettings, LoraSettings), which a started endpoint of an fsdp trainer
+        loads the model by (the trainer's copy is sharded)."""
         from gspo.config import rollout_secret
         from gspo.plugs.moe import find_routers
-        from gspo.rollout.endpoint.client import ENDPOINTS, Endpoints
-        from gspo.rollout.sampler import Sampler
+        from gspo.rollout.endpoint.client import ENDPOINTS, MAX_ROWS_PER_REQUEST, Endpoints
+        from gspo.rollout.endpoint.server import need
+        from gspo.rollout.endpoint.spawned import spawn_endpoints
 
+        need("serve", "fastapi", "uvicorn", "httpx")  # workers are gspo serve endpoints: said before one starts
         self.topology = topology if topology is not None and topology.enabled else None
-        self.pushes = self.topology is None or self.topology.is_main  # rank 0 pushes the weights for all
-        urls = sampling.rollout_endpoints
-        self.name = "endpoints"
-        self.reason = (f"sampler: {len(urls)} rollout endpoint(s) ({', '.join(urls)}), weights by the four phases, "
-                       f"rollouts asked for {sampling.max_staleness} step(s) ahead")
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.processes, self.pipes = [], []
         t0 = time.perf_counter()
-        self.endpoints = Endpoints(urls, rollout_secret(sampling), timeout_s=sampling.rollout_timeout_s,
-                                   vocab_size=self.vocab_size)
+        if sampling.rollout_endpoints:
+            urls, secret, self.shared = list(sampling.rollout_endpoints), rollout_secret(sampling), True
+            what = f"{len(urls)} rollout endpoint(s) ({', '.join(urls)})"
+        else:
+            load = _own_load(model, load)
+            self.processes, self.pipes, urls, secret = spawn_endpoints(
+                model, tokenizer, (sampling, episodes, shape), count=sampling.rollout_workers, seeded=seeded,
+                load=load, device=str(next(model.parameters()).device), rows=MAX_ROWS_PER_REQUEST,
+                timeout_s=sampling.rollout_timeout_s)
+            self.shared = False
+            what = f"{len(urls)} rollout worker process(es) (gspo serve endpoints of its own, on loopback)"
+        self.pushes = not self.shared or self.topology is None or self.topology.is_main  # shared: rank 0 pushes
+        self.name = "endpoints" if self.shared else "workers"
+        self.reason = (f"sampler: {what}, weights by the four phases, rollouts asked for {sampling.max_staleness} "
+                       "step(s) ahead")
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.lost = None
         try:
+            names = None if self.shared else [f"rollout worker {i + 1}" for i in range(len(urls))]
+            self.endpoints = Endpoints(urls, secret, timeout_s=sampling.rollout_timeout_s, vocab_size=self.vocab_size,
+                                       names=names)
+        except BaseException:
+            self.close()
+            raise
+        try:
+            from gspo.rollout.sampler import Sampler
+
             # its own tokenizer: its thread renders prompts while the trainer's decodes (a fast tokenizer's state is
             # not shared across threads)
             layers = tuple(router.layer for router in find_routers(model)) if records else ()
@@ -58,20 +85,22 @@ class EndpointSampler:
                                    engine=(self.name, ENDPOINTS, self.endpoints), records=records,
                                    recorder=lambda endpoints: endpoints.recording(layers) if records else None)
             self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gspo-rollouts")
-            self.version, self.lost, self.started = version, None, False
+            self.version, self.started = version, False
             self.futures: dict = {}  # step -> Future of (Rollout, seconds sampling)
             self.versions: dict[int, int] = {}  # step -> the weights' version that sampled it
             self.asked_version: dict[int, int] = {}
             self.pushed = self._push(model)  # every endpoint starts from the policy's weights
             # unseeded sampling draws from each endpoint's own random state: kept after every rollout (one trainer
-            # process, the endpoints its own), so a checkpoint resumes where they stood
-            self.keeps_rng = not seeded and self.topology is None
+            # process, or endpoints of its own), so a checkpoint resumes where they stood
+            self.keeps_rng = not seeded and (self.topology is None or not self.shared)
             self.rngs: dict[int, list] = {}  # step -> each endpoint's random state after its rollout
             if self.keeps_rng:  # resumed: where they stood; new: each its own stream, reproducible for the seed
                 self.endpoints.set_rng_states(list(rng) if rng is not None else [
                     _state_b64(shape.seed + 1000 * (e + 1)) for e in range(len(urls))])
-        except BaseException:
-            self.endpoints.close()
+        except BaseException as err:
+            self.close()
+            if isinstance(err, EndpointLost):
+                raise self._named(err, "starting the rollout workers") from None
             raise
         self.started = True
         self.start_s = time.perf_counter() - t0
@@ -95,8 +124,6 @@ class EndpointSampler:
 
     def receive(self, step: int, wait: bool = True):
         """Step `step`'s rollout (asked for with `request`); without `wait`, only one that is done, else None."""
-        from gspo.rollout.endpoint.client import EndpointLost
-
         future = self.futures.get(step)
         if future is None or (not wait and not future.done()):
             return None
@@ -105,8 +132,9 @@ class EndpointSampler:
         try:
             rollout, busy, rng = future.result()
         except EndpointLost as err:
-            self.lost = err
-            raise
+            what = f"step {step}: waiting for its rollout"
+            self.lost = self._named(EndpointLost(f"{what}: {err}"), what)
+            raise self.lost from None
         self.waited += time.perf_counter() - t0
         self.busy += busy
         del self.futures[step]
@@ -135,8 +163,7 @@ class EndpointSampler:
     def _push(self, policy) -> dict:
         """Push the policy's weights (version `self.version`) to every endpoint and check each on the probe (under
         torchrun: every rank gathers, rank 0 pushes, and every rank learns whether it worked)."""
-        from gspo.rollout.endpoint.weights import sent_names
-        from gspo.rollout.remote.worker import flat_weights, probe_logprobs
+        from gspo.rollout.endpoint.weights import flat_weights, probe_logprobs, sent_names
 
         trained_only = self.started  # after the first push: what the optimizer changes (LoRA: the adapters)
         own = probe_logprobs(policy, self.vocab_size)  # fsdp: a forward, a collective like the gather below
@@ -150,12 +177,12 @@ class EndpointSampler:
                     diff = ((own - own.new_tensor(probe)).abs().max().item() if len(probe) == own.numel()
                             else float("inf"))
                     if not diff <= 1e-5:
-                        raise ValueError(f"rollout endpoint {base}: the pushed weights give log-probs {diff:.3g} away "
-                                         "from the policy's on the probe (does it serve the trainer's model?)")
+                        raise ValueError(f"{self.endpoints.named[base]}: the pushed weights give log-probs {diff:.3g} "
+                                         "away from the policy's on the probe (does it serve the trainer's model?)")
             except ValueError as err:  # EndpointLost among them
                 failed = err
         if self.topology is not None and self.topology.any(failed is not None):  # rank 0's outcome, for all
-            failed = failed or _lost(f"rank 0 could not push the weights to the rollout endpoints (its error "
+            failed = failed or EndpointLost(f"rank 0 could not push the weights to the rollout endpoints (its error "
                                      f"above); this is rank {self.topology.rank}")
         if failed is not None:
             raise failed
@@ -168,20 +195,18 @@ class EndpointSampler:
 
         A lost endpoint is not raised here (the step's updates are done and its metrics still logged): the next
         `request` or `receive` raises it, before anything of the next step is applied."""
-        from gspo.rollout.endpoint.client import EndpointLost
-
         if self.lost is not None:
             return {}
         t0 = time.perf_counter()
         self.thread.submit(lambda: None).result()  # the rollouts asked before this push have sampled
-        if self.topology is not None:  # on every rank
+        if self.topology is not None and self.shared:  # on every rank: their endpoints are rank 0's to update
             self.topology.barrier()
         self.waited += time.perf_counter() - t0
         self.version += 1
         try:
             pushed = self._push(policy)
         except EndpointLost as err:
-            self.lost = err
+            self.lost = self._named(EndpointLost(f"pushing the weights: {err}"), "pushing the weights")
             return {}
         now = time.perf_counter()
         interval = now - self.mark
@@ -193,10 +218,41 @@ class EndpointSampler:
             stats["time/sampler_start_s"], self.synced = self.start_s, True
         return stats
 
+    def _named(self, err, what: str):
+        """`err`, or where an endpoint process of this sampler's has ended one naming it and its exit status."""
+        from gspo.rollout.endpoint.spawned import dead
+
+        for process in self.processes:  # a killed process's connections close before it can be reaped
+            process.join(timeout=1.0)
+        ended = dead(self.processes)
+        return EndpointLost(f"{what}: {'; '.join(ended)}") if ended else err
+
     def close(self) -> None:
+        from gspo.rollout.endpoint.spawned import stop_endpoints
+
         if hasattr(self, "thread"):
             self.thread.shutdown(wait=False, cancel_futures=True)
-        self.endpoints.close()  # a request in flight fails at once
+        if hasattr(self, "endpoints"):
+            self.endpoints.close()  # a request in flight fails at once
+        stop_endpoints(self.processes, self.pipes)
+
+
+def _own_load(model, load: tuple | None) -> tuple | None:
+    """What a started endpoint loads the model by: nothing (it gets a copy of the policy), or under fsdp (the
+    trainer holds a shard only) the run's (ModelSettings, LoraSettings); a ValueError where that cannot be."""
+    from gspo.algo.logprobs import is_fsdp2
+    from gspo.given import is_marker
+
+    if not is_fsdp2(model):
+        return None
+    if load is None:
+        raise ValueError("rollout_workers under distributed=fsdp: build_sampler needs load=(ModelSettings, "
+                         "LoraSettings), which each worker loads the model by (the trainer's copy is sharded)")
+    if is_marker(load[0].model):
+        raise ValueError("rollout_workers under distributed=fsdp: each worker loads the model the config names "
+                         "(the trainer's copy is sharded), and a model object given from Python cannot be loaded "
+                         "there; name the model by path, or use distributed=ddp")
+    return load
 
 
 def _state_b64(seed: int) -> str:
@@ -206,12 +262,6 @@ def _state_b64(seed: int) -> str:
     import torch
 
     return base64.b64encode(torch.Generator().manual_seed(seed).get_state().numpy().tobytes()).decode()
-
-
-def _lost(message: str):
-    from gspo.rollout.endpoint.client import EndpointLost
-
-    return EndpointLost(message)
 
 
 __all__ = ["EndpointSampler"]

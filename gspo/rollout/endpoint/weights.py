@@ -2,7 +2,7 @@
 /init_weight_transfer_engine, then per update /start_weight_update, /update_weights, /finish_weight_update.
 
 The control travels by HTTP, each call bearing the run's secret; the tensors travel over gspo's wire
-(gspo/rollout/remote/wire.py), backend "gspo": at init the endpoint connects to the trainer's listener and both
+(gspo/rollout/endpoint/wire.py), backend "gspo": at init the endpoint connects to the trainer's listener and both
 prove the run's secret (HMAC over fresh nonces) before either reads anything else; a weights message is a
 schema-checked JSON header and raw tensor bytes, never a pickle. Not a torch.distributed group: its store and
 gloo's sockets read whatever a stranger sends before any secret is proved (docs/distributed.md, "Threat model").
@@ -10,7 +10,7 @@ gloo's sockets read whatever a stranger sends before any secret is proved (docs/
 Between /start_weight_update and /finish_weight_update the endpoint samples nothing: the update takes the engine's
 lock, so a generator call runs wholly on the old weights or wholly on the new ones; /finish_weight_update sets the
 weights' version, which every later response carries (`weight_version`), and answers with the probe's log-probs
-(a fixed sequence's, gspo.rollout.remote.worker.probe_logprobs), which the trainer compares with its own.
+(a fixed sequence's, `probe_logprobs`), which the trainer compares with its own.
 """
 
 from __future__ import annotations
@@ -18,18 +18,79 @@ from __future__ import annotations
 import math
 import threading
 
-from gspo.rollout.endpoint.requests import BadRequest
-from gspo.rollout.remote.wire import DTYPE_NAMES, DTYPES, Kind, WireError, connect, recv
-from gspo.rollout.remote.worker import check_fit, load_flat_weights, probe_logprobs, sent_parameters
+import torch
 
+from gspo.rollout.endpoint.requests import BadRequest
+from gspo.rollout.endpoint.wire import DTYPE_NAMES, DTYPES, Kind, WireError, connect, recv
+
+PROBE_LENGTH = 16  # tokens of the probe sequence every weight update is checked on
 BACKEND = "gspo"  # the weight-transfer backend's name, as init_info and WeightTransferConfig name it
 CONNECT_TIMEOUT_S = 30.0
 READ_TIMEOUT_S = 600.0  # the longest pause inside one weights message
-# what the trainer sends over the wire: one flat buffer per dtype the model has (gspo.rollout.remote.worker)
+# what the trainer sends over the wire: one flat buffer per dtype the model has (`flat_weights`)
 TO_ENDPOINT = {"weights": Kind({"version": (int,), "trained_only": (bool,)}, {name: ((name,), 1) for name in DTYPES},
                                optional=tuple(DTYPES))}
 ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
           "/shutdown_weight_transfer_engine", "/weight_info", "/rng_state")  # the run's secret always
+
+
+def sent_parameters(model, trained_only: bool) -> list:
+    """The parameters a weight broadcast carries, in order (tied ones once): all of them, or (`trained_only`, every
+    broadcast after the first) those the optimizer changes: with LoRA the adapters, the frozen base went once."""
+    return [p for p in model.parameters() if p.requires_grad or not trained_only]
+
+
+def flat_weights(model, trained_only: bool = False) -> dict[torch.dtype, torch.Tensor]:
+    """The parameters of `model` (`sent_parameters`) flattened into one CPU buffer per dtype (gloo sends from
+    the wire). Under fsdp each parameter is gathered whole first, parameter by parameter: a collective, so every
+    rank calls this at the same point (each then broadcasts to its own workers)."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for p in sent_parameters(model, trained_only):
+        whole = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()  # fsdp: a DTensor shard
+        by_dtype.setdefault(p.dtype, []).append(whole.reshape(-1).cpu())
+    return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
+
+
+def load_flat_weights(model, flat: dict[torch.dtype, torch.Tensor], trained_only: bool = False) -> None:
+    """Copy buffers of `flat_weights` back into `model`'s parameters, in the same order."""
+    params = sent_parameters(model, trained_only)
+    check_fit(model, {DTYPE_NAMES[dtype]: t.numel() for dtype, t in flat.items()}, trained_only)
+    offsets = dict.fromkeys(flat, 0)
+    with torch.no_grad():
+        for p in params:
+            start = offsets[p.dtype]
+            p.copy_(flat[p.dtype][start : start + p.numel()].view_as(p))
+            offsets[p.dtype] = start + p.numel()
+
+
+def check_fit(model, sent: dict[str, int], trained_only: bool) -> None:
+    """A ValueError unless `sent` (dtype name -> values) is what `model`'s broadcast carries."""
+    own: dict[str, int] = {}
+    for p in sent_parameters(model, trained_only):  # counted, not copied: flat_weights would concatenate them
+        own[DTYPE_NAMES[p.dtype]] = own.get(DTYPE_NAMES[p.dtype], 0) + p.numel()
+    if own != sent:
+        raise ValueError(f"the broadcast weights do not fit this model: {sent} values per dtype sent, this model "
+                         f"has {own} (an endpoint must serve the trainer's model, with the same LoRA settings)")
+
+
+def probe_logprobs(model, vocab_size: int) -> torch.Tensor:
+    """(L-1,) log-probs of a fixed random sequence under `model`: the weights' fingerprint after a broadcast."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (1, PROBE_LENGTH), generator=g)  # (1, L)
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(next(model.parameters()).device)).logits.float()  # (1, L, V)
+    return torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
+
+
+def load_worker_model(model_settings, lora_settings) -> tuple:
+    """(device, model, tokenizer): the run's model loaded as its config names it, with the run's LoRA adapters,
+    for a worker that cannot be handed a copy (a worker of an fsdp trainer, whose copy is sharded); its weights then
+    come from the trainer's first push."""
+    from gspo.models import seeded_model
+    from gspo.plugs.lora import attach_adapters
+
+    device, model, tokenizer = seeded_model(model_settings)
+    return device, attach_adapters(model, lora_settings), tokenizer
 
 
 def sent_names(model, trained_only: bool) -> list[str]:
@@ -162,4 +223,5 @@ class WeightReceiver:
         self.sock, self.pending = None, None
 
 
-__all__ = ["BACKEND", "ROUTES", "TO_ENDPOINT", "WeightReceiver", "sent_names"]
+__all__ = ["BACKEND", "PROBE_LENGTH", "ROUTES", "TO_ENDPOINT", "WeightReceiver", "check_fit", "flat_weights",
+           "load_flat_weights", "load_worker_model", "probe_logprobs", "sent_names", "sent_parameters"]

@@ -1,8 +1,9 @@
-"""The wire every process of a run talks over: authenticated TCP connections carrying tensors and a small JSON
-header checked against a schema. Nothing read from a socket is unpickled or executed (docs/reliability.md,
-"The rollout channel").
+"""The wire the weights travel over, from the trainer to its rollout endpoints (gspo/rollout/endpoint/weights.py):
+authenticated TCP connections carrying tensors and a small JSON header checked against a schema. Nothing read from
+a socket is unpickled or executed (docs/distributed.md, "Threat model").
 
-Trust. A listener binds exactly the host it is given (loopback for spawned workers). Before anything else is
+Trust. A listener binds exactly the host it is given (the address the trainer reaches an endpoint from). Before
+anything else is
 read, each side proves it holds the run's secret, an HMAC-SHA256 over the other side's fresh random challenge:
 
     connector -> listener   MAGIC, nonce_c
@@ -99,7 +100,7 @@ def _read_exact(sock: socket.socket, n: int, into=None) -> bytearray:
 
 def _check_byteorder() -> None:
     if sys.byteorder != "little":
-        raise WireError("the rollout channel sends tensors little-endian; this machine is big-endian")
+        raise WireError("the weight wire sends tensors little-endian; this machine is big-endian")
 
 
 # ---- the handshake ----
@@ -119,7 +120,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.listen(MAX_HANDSHAKES)
     except OSError as err:
         sock.close()
-        hint = {98: ": another run or program holds this port; give rollout_address another one",
+        hint = {98: ": another run or program holds this port",
                 99: ": no interface of this machine has this address"}.get(err.errno, "")
         raise WireError(f"cannot listen at {host}:{port}: {err.strerror}{hint}") from None
     return sock
@@ -130,7 +131,7 @@ def _prove_listener(conn: socket.socket, secret: bytes) -> int:
     conn.settimeout(HANDSHAKE_TIMEOUT_S)
     magic = _read_exact(conn, len(MAGIC))
     if magic != MAGIC:
-        raise WireError(f"it does not speak gspo's rollout protocol (it sent {bytes(magic)!r})")
+        raise WireError(f"it does not speak gspo's weight wire (it sent {bytes(magic)!r})")
     nonce_c, nonce_l = bytes(_read_exact(conn, NONCE_BYTES)), os.urandom(NONCE_BYTES)
     conn.sendall(MAGIC + nonce_l + _mac(secret, b"listener", nonce_c, nonce_l))
     answer = bytes(_read_exact(conn, 4 + MAC_BYTES))
@@ -241,7 +242,7 @@ def _keep_alive(sock: socket.socket) -> None:
 def _prove_connector(sock: socket.socket, secret: bytes, rank: int, where: str) -> None:
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     nonce_c = os.urandom(NONCE_BYTES)
-    not_ours = "it does not speak gspo's rollout protocol (is it the trainer's rollout_address?)"
+    not_ours = "it does not speak gspo's weight wire (is it the trainer's listener?)"
     try:
         sock.sendall(MAGIC + nonce_c)
         magic = _read_exact(sock, len(MAGIC))
@@ -266,7 +267,7 @@ def _prove_connector(sock: socket.socket, secret: bytes, rank: int, where: str) 
         raise WireError(f"{where} dropped the connection during the handshake") from None
     if status != ACCEPTED:
         raise WireError(f"the trainer at {where} refused rank {rank}: " + (
-            "a rollout server of that rank joined already" if status == RANK_TAKEN else "it waits for no such rank"))
+            "a peer of that rank joined already" if status == RANK_TAKEN else "it waits for no such rank"))
 
 
 # ---- messages ----
@@ -289,9 +290,9 @@ def send(sock: socket.socket, kind: str, fields: dict | None = None, tensors: di
         header = json.dumps({"kind": kind, **(fields or {}),
                              "tensors": [[name, DTYPE_NAMES[t.dtype], shape] for name, t, shape in parts]}).encode()
     except (TypeError, ValueError, KeyError, RecursionError) as err:
-        raise ValueError(f"rollout channel: a {kind!r} message cannot be sent: {err}") from None
+        raise ValueError(f"weight wire: a {kind!r} message cannot be sent: {err}") from None
     if len(header) > MAX_HEADER_BYTES:
-        raise ValueError(f"rollout channel: a {kind!r} message's header is {len(header)} bytes, over "
+        raise ValueError(f"weight wire: a {kind!r} message's header is {len(header)} bytes, over "
                          f"{MAX_HEADER_BYTES} (prompts and data rows of one step)")
     sock.sendall(_LENGTH.pack(len(header)) + header)
     for _, t, _ in parts:
