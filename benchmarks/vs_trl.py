@@ -131,7 +131,7 @@ def run_gspo(spec: dict) -> dict:
     stamps, records, gen_s, first_prompts, eval_starts = {}, {}, [], [], []
     from gspo.data.source import SingleTask
     from gspo.rollout import Sampler  # the trainer's rollout sampler only
-    from gspo.rollout.remote.client import RemoteSampler
+    from gspo.rollout.endpoint.rollouts import EndpointSampler
 
     original_log, original_generate, original_evaluate = tracking.MetricsLogger.log, Sampler.sample, SingleTask.evaluate
 
@@ -141,6 +141,8 @@ def run_gspo(spec: dict) -> dict:
         return original_log(self, step, metrics)
 
     def generate(self, prompts, *args, **kwargs):
+        if self.name in ("workers", "endpoints"):  # a worker's sampling, on the endpoint sampler's thread: the
+            return original_generate(self, prompts, *args, **kwargs)  # trainer's wait is time/generate_s
         if not first_prompts:
             first_prompts.extend(prompts[:4])
         t0 = time.perf_counter()
@@ -152,7 +154,7 @@ def run_gspo(spec: dict) -> dict:
         eval_starts.append(time.perf_counter())
         return original_evaluate(self, *args, **kwargs)
 
-    original_request = RemoteSampler.request
+    original_request = EndpointSampler.request
 
     def request(self, prompts, *args, **kwargs):  # a worker samples: its prompts, the wait is time/generate_s
         if not first_prompts:
@@ -160,7 +162,7 @@ def run_gspo(spec: dict) -> dict:
         return original_request(self, prompts, *args, **kwargs)
 
     tracking.MetricsLogger.log, Sampler.sample, SingleTask.evaluate = log, generate, evaluate
-    RemoteSampler.request = request
+    EndpointSampler.request = request
     cfg = rl_config(spec)
     summary = trainer.train(cfg)
     N = spec["B"] * spec["G"]
