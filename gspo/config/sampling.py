@@ -62,9 +62,9 @@ class SamplingSettings:
     rollout_address: str | None = None
     """Retired (with `gspo rollout-server`): sampling machines run `gspo serve`, listed in rollout_endpoints."""
     rollout_endpoints: list | None = None
-    """URLs of OpenAI-compatible endpoints to sample from (`gspo serve`, e.g. http://10.0.0.5:8000/v1), token in and
-    token out, their weights updated by the trainer (needs the run's secret); null: sample in the trainer's process
-    or its rollout_workers (docs/distributed.md)."""
+    """URLs of OpenAI-compatible endpoints to sample from (`gspo serve` or `vllm serve`, e.g. http://10.0.0.5:8000/v1),
+    token in and token out, their weights updated by the trainer (needs the run's secret); null: sample in the
+    trainer's process or its rollout_workers (docs/distributed.md)."""
     rollout_secret: str | None = None
     """The secret the trainer and its rollout endpoints prove to each other (rollout_endpoints); never saved or logged,
     refused as a command-line override (ps shows those). Else rollout_secret_file, else GSPO_ROLLOUT_SECRET."""

@@ -29,6 +29,7 @@ import torch
 from gspo.config.sampling import split_endpoint
 from gspo.rollout.registry import GeneratorBackend
 
+KINDS = ("gspo", "vllm")  # the servers an endpoint may be (its /v1/models' owned_by)
 MAX_ROWS_PER_REQUEST = 256  # completions per request at most (gspo serve samples a request in calls of its max_rows)
 
 
@@ -71,10 +72,10 @@ class Endpoints:
                 raise EndpointLost(f"{self.named[base]}: /v1/models lists no model")
             self.models.append(data[0]["id"])
             self.kinds.append(data[0].get("owned_by"))
-        others = [f"{b} (owned_by {k!r})" for b, k in zip(self.bases, self.kinds) if k != "gspo"]
+        others = [f"{b} (owned_by {k!r})" for b, k in zip(self.bases, self.kinds) if k not in KINDS]
         if others:
-            raise ValueError(f"rollout_endpoints: {', '.join(others)}: gspo samples from and updates gspo serve "
-                             "endpoints; vllm serve endpoints are not supported yet")
+            raise ValueError(f"rollout_endpoints: {', '.join(others)}: gspo samples from and updates gspo serve and "
+                             "vllm serve endpoints only")
 
     # -- HTTP ---------------------------------------------------------------------------------------------------
     def _call(self, base: str, method: str, path: str, body: dict | None, what: str):
@@ -112,7 +113,7 @@ class Endpoints:
         seeds = list(seeded.seeds) if seeded is not None else None
         offsets = seeded.offsets() if seeded is not None else None  # an episode's later turn: where its stream is
         options = {"max_tokens": max_new_tokens, "temperature": 0.0 if greedy else temperature, "logprobs": 0,
-                   "return_token_ids": True, **({"return_routed_experts": "padded"} if self.routing_layers else {})}
+                   "return_token_ids": True}
         options.update({k: v for k, v, off in (("top_p", top_p, 1.0), ("top_k", top_k, 0), ("min_p", min_p, 0.0),
                                                ("repetition_penalty", repetition_penalty, 1.0)) if v != off})
         groups = N // g
@@ -122,13 +123,8 @@ class Endpoints:
             where = min(range(len(self.bases)), key=lambda e: (self.in_flight[e], e))
             self.in_flight[where] += count * g
             lo, hi = first * g, (first + count) * g
-            body = {"model": self.models[where], "prompt": rows[lo:hi:g], "n": g, **options}
-            if seeds is not None and not greedy:
-                share = seeds[lo:hi]
-                body["seed"] = share[0] if share == list(range(share[0], share[0] + len(share))) else share
-                if any(offsets[lo:hi]):
-                    body["seed_offset"] = offsets[lo:hi]
-            futures.append((lo, hi, where, self.pool.submit(self._complete, where, body, hi - lo)))
+            for a, b, body in self._requests(where, rows, lo, hi, g, options, None if greedy else seeds, offsets):
+                futures.append((a, b, where, self.pool.submit(self._complete, where, body, b - a)))
         out: list = [None] * N
         try:
             for lo, hi, _, future in futures:
@@ -151,6 +147,27 @@ class Endpoints:
             mu[i, :len(tokens)] = torch.tensor(logprobs, dtype=torch.float32)
         return ids.to(device), (mu.to(device) if with_logprobs else None)
 
+    def _requests(self, where: int, rows: list, lo: int, hi: int, g: int, options: dict, seeds, offsets):
+        """(first row, end row, body) of each request that samples rows lo..hi on endpoint `where`: gspo serve takes
+        them in one (a seed per choice, how far each seed's stream went, the experts with their padding); vLLM, which
+        seeds a request's prompts alike and goes on with no stream, one per row when seeded (a later turn's seed
+        derived from the row's seed and how far it went)."""
+        base = {"model": self.models[where], **options}
+        if self.kinds[where] == "gspo":
+            body = {**base, "prompt": rows[lo:hi:g], "n": g,
+                    **({"return_routed_experts": "padded"} if self.routing_layers else {})}
+            if seeds is not None:
+                share = seeds[lo:hi]
+                body["seed"] = share[0] if share == list(range(share[0], share[0] + len(share))) else share
+                if any(offsets[lo:hi]):
+                    body["seed_offset"] = offsets[lo:hi]
+            return [(lo, hi, body)]
+        if seeds is None:
+            return [(lo, hi, {**base, "prompt": rows[lo:hi:g], "n": g})]
+        return [(i, i + 1, {**base, "prompt": [rows[i]], "n": 1,
+                            "seed": seeds[i] if not offsets[i] else (seeds[i] * 1_000_003 + offsets[i]) % 2**63})
+                for i in range(lo, hi)]
+
     def _complete(self, where: int, body: dict, expected: int) -> list[tuple]:
         """(token ids, mu, routed experts or None) of each choice of one /v1/completions request, checked against
         what it asked."""
@@ -160,8 +177,8 @@ class Endpoints:
         if not isinstance(choices, list) or len(choices) != expected:
             raise EndpointLost(f"{self.named[base]}: answered {len(choices) if isinstance(choices, list) else 0} "
                                f"completions, asked for {expected}")
-        version = answer.get("weight_version")
-        if self.version is not None and version != self.version:
+        version = answer.get("weight_version")  # gspo serve's (vLLM's answers carry none)
+        if self.kinds[where] == "gspo" and self.version is not None and version != self.version:
             raise EndpointLost(f"{self.named[base]}: sampled with weights version {version!r}; the trainer "
                                f"pushed {self.version!r} (another trainer updates it?)")
         out = []
@@ -212,28 +229,27 @@ class Endpoints:
         return _Recording(self, tuple(layers))
 
     # -- weights ------------------------------------------------------------------------------------------------
-    def push(self, flat: dict, names: list[str], version: int, trained_only: bool) -> list[list[float]]:
-        """Load `flat` (`gspo.rollout.endpoint.weights.flat_weights`: one buffer per dtype, parameters `names` in
-        order) into every endpoint by the four phases, as weights version `version`; each endpoint's probe."""
-        from gspo.rollout.endpoint.wire import DTYPE_NAMES
-
+    def push(self, version: int, payloads: dict) -> list[list[float]]:
+        """Load the weights into every endpoint by the four phases, as weights version `version`; each endpoint's
+        probe. `payloads`: per kind of endpoint ("gspo", "vllm") (tensors: one flat buffer per dtype name,
+        update_info without the version): gspo serve takes the parameters in the policy's order (`flat_weights`,
+        their names), vLLM the checkpoint's tensors with each one's name, dtype and shape."""
         if self.socks is None:
             self._join()
-        tensors = {DTYPE_NAMES[dtype]: t for dtype, t in flat.items()}
-        futures = [self.pool.submit(self._push_one, e, tensors, names, version, trained_only)
+        futures = [self.pool.submit(self._push_one, e, version, *payloads[self.kinds[e]])
                    for e in range(len(self.bases))]
         return [f.result() for f in futures]  # the caller sets self.version once the probes agree
 
-    def _push_one(self, e: int, tensors: dict, names: list[str], version: int, trained_only: bool) -> list[float]:
+    def _push_one(self, e: int, version: int, tensors: dict, info: dict) -> list[float]:
         from gspo.rollout.endpoint.wire import send
 
         base = self.bases[e]
         self._call(base, "POST", "/start_weight_update", None, "starting a weight update")
         sock = self.socks[e]
-        sending = self.pool.submit(send, sock, "weights", {"version": version, "trained_only": trained_only}, tensors)
+        sending = self.pool.submit(send, sock, "weights", {"version": version,
+                                                           "trained_only": info.get("trained_only", False)}, tensors)
         try:  # the endpoint reads the tensors while it answers this
-            self._call(base, "POST", "/update_weights",
-                       {"update_info": {"version": version, "trained_only": trained_only, "names": names}},
+            self._call(base, "POST", "/update_weights", {"update_info": {"version": version, **info}},
                        "loading the weights")
         except EndpointLost:
             sock.close()  # a refused update: the send stops at once (the connection is done)
@@ -245,9 +261,26 @@ class Endpoints:
         answer = self._call(base, "POST", "/finish_weight_update", {"weight_version": str(version)},
                             "finishing the weight update")
         probe = answer.get("probe") if isinstance(answer, dict) else None
+        if self.kinds[e] == "vllm":
+            probe = self._prompt_logprobs(e)
         if not (isinstance(probe, list) and all(isinstance(x, (int, float)) for x in probe)):
             raise EndpointLost(f"{self.named[base]}: finish_weight_update answered no probe")
         return [float(x) for x in probe]
+
+    def _prompt_logprobs(self, e: int) -> list[float]:
+        """vLLM's log-probs of the probe's tokens (its prompt_logprobs), what gspo serve answers as its probe."""
+        from gspo.rollout.endpoint.weights import probe_ids
+
+        ids = probe_ids(self.vocab_size)[0].tolist()
+        answer = self._call(self.bases[e], "POST", "/v1/completions",
+                            {"model": self.models[e], "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                             "prompt_logprobs": 0}, "checking the weights on the probe")
+        try:
+            listed = answer["choices"][0]["prompt_logprobs"][1:]
+            return [float(position[str(token)]["logprob"]) for position, token in zip(listed, ids[1:], strict=True)]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise EndpointLost(f"{self.named[self.bases[e]]}: its prompt_logprobs of the probe cannot be read"
+                               ) from None
 
     def rng_states(self) -> list[str]:
         """Each endpoint's random state (base64 of torch's), what its unseeded sampling draws from next."""

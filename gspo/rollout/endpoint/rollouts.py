@@ -91,8 +91,9 @@ class EndpointSampler:
             self.asked_version: dict[int, int] = {}
             self.pushed = self._push(model)  # every endpoint starts from the policy's weights
             # unseeded sampling draws from each endpoint's own random state: kept after every rollout (one trainer
-            # process, or endpoints of its own), so a checkpoint resumes where they stood
-            self.keeps_rng = not seeded and (self.topology is None or not self.shared)
+            # process, or endpoints of its own; gspo serve's), so a checkpoint resumes where they stood
+            self.keeps_rng = (not seeded and (self.topology is None or not self.shared)
+                              and all(kind == "gspo" for kind in self.endpoints.kinds))  # vLLM: no such route
             self.rngs: dict[int, list] = {}  # step -> each endpoint's random state after its rollout
             if self.keeps_rng:  # resumed: where they stood; new: each its own stream, reproducible for the seed
                 self.endpoints.set_rng_states(list(rng) if rng is not None else [
@@ -163,22 +164,36 @@ class EndpointSampler:
     def _push(self, policy) -> dict:
         """Push the policy's weights (version `self.version`) to every endpoint and check each on the probe (under
         torchrun: every rank gathers, rank 0 pushes, and every rank learns whether it worked)."""
+        import torch
+
         from gspo.rollout.endpoint.weights import flat_weights, probe_logprobs, sent_names
+        from gspo.rollout.endpoint.wire import DTYPE_NAMES
 
         trained_only = self.started  # after the first push: what the optimizer changes (LoRA: the adapters)
         own = probe_logprobs(policy, self.vocab_size)  # fsdp: a forward, a collective like the gather below
         t0 = time.perf_counter()
-        flat = flat_weights(policy, trained_only)
+        kinds = set(self.endpoints.kinds)
+        payloads, sent = {}, 0.0
+        if "gspo" in kinds:  # the parameters in the policy's order (fsdp: gathered, a collective)
+            flat = flat_weights(policy, trained_only)
+            payloads["gspo"] = ({DTYPE_NAMES[d]: t for d, t in flat.items()},
+                                {"trained_only": trained_only, "names": sent_names(policy, trained_only)})
+            sent += sum(t.numel() * t.element_size() for t in flat.values())
+        if "vllm" in kinds:  # the checkpoint's tensors (LoRA merged, MoE experts as saved), all of them each time
+            payloads["vllm"] = vllm_payload(policy)
+            sent += sum(t.numel() * t.element_size() for t in payloads["vllm"][0].values())
         failed = None
         if self.pushes:
             try:
-                probes = self.endpoints.push(flat, sent_names(policy, trained_only), self.version, trained_only)
-                for base, probe in zip(self.endpoints.bases, probes):
-                    diff = ((own - own.new_tensor(probe)).abs().max().item() if len(probe) == own.numel()
-                            else float("inf"))
-                    if not diff <= 1e-5:
-                        raise ValueError(f"{self.endpoints.named[base]}: the pushed weights give log-probs {diff:.3g} "
-                                         "away from the policy's on the probe (does it serve the trainer's model?)")
+                probes = self.endpoints.push(self.version, payloads)
+                for base, kind, probe in zip(self.endpoints.bases, self.endpoints.kinds, probes):
+                    diffs = ((own - own.new_tensor(probe)).abs() if len(probe) == own.numel()
+                             else torch.full((1,), float("inf")))
+                    # gspo serve runs the trainer's own kernels: 1e-5; vLLM its own (fp32: 1e-3, 16-bit: 0.03 mean)
+                    if not (diffs.max() <= 1e-5 or (kind == "vllm" and (diffs.max() <= 1e-3 or diffs.mean() <= 0.03))):
+                        raise ValueError(f"{self.endpoints.named[base]}: the pushed weights give log-probs "
+                                         f"{diffs.max().item():.3g} away from the policy's on the probe (does it serve "
+                                         "the trainer's model?)")
             except ValueError as err:  # EndpointLost among them
                 failed = err
         if self.topology is not None and self.topology.any(failed is not None):  # rank 0's outcome, for all
@@ -187,8 +202,7 @@ class EndpointSampler:
         if failed is not None:
             raise failed
         self.endpoints.version = str(self.version)  # what every answer must say from now on
-        return {"seconds": time.perf_counter() - t0,
-                "bytes": float(sum(t.numel() * t.element_size() for t in flat.values()))}
+        return {"seconds": time.perf_counter() - t0, "bytes": float(sent)}
 
     def sync(self, policy) -> dict:
         """Wait for the rollouts asked so far, then push the updated weights; this step's timings.
@@ -235,6 +249,23 @@ class EndpointSampler:
         if hasattr(self, "endpoints"):
             self.endpoints.close()  # a request in flight fails at once
         stop_endpoints(self.processes, self.pipes)
+
+
+def vllm_payload(policy) -> tuple[dict, dict]:
+    """What a vLLM endpoint loads: (one flat buffer per dtype name, the layout: names, dtype_names, shapes) of the
+    policy's checkpoint tensors (gspo/rollout/vllm_engine.py: LoRA merged, MoE experts as saved)."""
+    import torch
+
+    from gspo.rollout.endpoint.wire import DTYPE_NAMES
+    from gspo.rollout.vllm_engine import checkpoint_weights
+
+    state = checkpoint_weights(policy, next(policy.parameters()).dtype)
+    parts: dict[str, list] = {}
+    for t in state.values():
+        parts.setdefault(DTYPE_NAMES[t.dtype], []).append(t.reshape(-1).cpu())
+    info = {"trained_only": False, "names": list(state), "dtype_names": [DTYPE_NAMES[t.dtype] for t in state.values()],
+            "shapes": [list(t.shape) for t in state.values()]}
+    return {name: torch.cat(ts) for name, ts in parts.items()}, info
 
 
 def _own_load(model, load: tuple | None) -> tuple | None:

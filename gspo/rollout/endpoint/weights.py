@@ -73,10 +73,14 @@ def check_fit(model, sent: dict[str, int], trained_only: bool) -> None:
                          f"has {own} (an endpoint must serve the trainer's model, with the same LoRA settings)")
 
 
+def probe_ids(vocab_size: int) -> torch.Tensor:
+    """(1, L) the probe's tokens: a fixed random sequence."""
+    return torch.randint(0, vocab_size, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0))
+
+
 def probe_logprobs(model, vocab_size: int) -> torch.Tensor:
     """(L-1,) log-probs of a fixed random sequence under `model`: the weights' fingerprint after a broadcast."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab_size, (1, PROBE_LENGTH), generator=g)  # (1, L)
+    ids = probe_ids(vocab_size)  # (1, L)
     with torch.no_grad():
         logits = model(input_ids=ids.to(next(model.parameters()).device)).logits.float()  # (1, L, V)
     return torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
@@ -224,4 +228,4 @@ class WeightReceiver:
 
 
 __all__ = ["BACKEND", "PROBE_LENGTH", "ROUTES", "TO_ENDPOINT", "WeightReceiver", "check_fit", "flat_weights",
-           "load_flat_weights", "load_worker_model", "probe_logprobs", "sent_names", "sent_parameters"]
+           "load_flat_weights", "load_worker_model", "probe_ids", "probe_logprobs", "sent_names", "sent_parameters"]

@@ -1,0 +1,100 @@
+"""The "gspo" WeightTransferEngine, in vLLM's worker process (registered by gspo/rollout/endpoint/vllm_weights.py;
+imports vLLM, so only vLLM imports it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from gspo.rollout.endpoint.vllm_weights import BACKEND, Layout, run_secret
+from gspo.rollout.endpoint.weights import TO_ENDPOINT
+from gspo.rollout.endpoint.wire import DTYPE_NAMES, DTYPES, WireError, connect, recv
+
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 30.0, 600.0
+
+
+@dataclass
+class GspoInitInfo(WeightTransferInitInfo):
+    """Where the trainer listens for this server, and the rank it waits for."""
+
+    host: str
+    port: int
+    rank: int
+    backend: str = BACKEND
+
+
+@dataclass
+class GspoUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the weights' version, whether only trained parameters come, and their layout in order."""
+
+    version: int
+    trained_only: bool
+    names: list
+    dtype_names: list
+    shapes: list
+
+
+class GspoWeightTransferEngine(WeightTransferEngine[GspoInitInfo, GspoUpdateInfo]):
+    """Receives a gspo trainer's weights over the authenticated wire and loads them with `load_weights`."""
+
+    init_info_cls = GspoInitInfo
+    update_info_cls = GspoUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.sock = None
+
+    def init_transfer_engine(self, init_info: GspoInitInfo) -> None:
+        if init_info.backend != BACKEND:
+            raise ValueError(f"init_info.backend {init_info.backend!r}: this server's backend is {BACKEND!r}")
+        self.shutdown()
+        self.sock = connect(init_info.host, int(init_info.port), run_secret(), int(init_info.rank), CONNECT_TIMEOUT_S)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: GspoUpdateInfo) -> None:
+        if self.sock is None:
+            raise ValueError("update_weights before init_weight_transfer_engine")
+        layout = Layout(list(update_info.names), list(update_info.dtype_names), [list(s) for s in update_info.shapes])
+        if not (len(layout.names) == len(layout.dtype_names) == len(layout.shapes)) or any(
+                d not in DTYPES for d in layout.dtype_names):
+            raise ValueError("update_info: names, dtype_names and shapes must be lists of one length, dtypes gspo's")
+        sizes = layout.sizes()
+
+        def fits(kind, header, specs):  # before a byte of the tensors is read
+            sent = {DTYPE_NAMES[dtype]: tuple(shape)[0] for _, dtype, shape in specs}
+            if sent != sizes or header["version"] != update_info.version:
+                raise WireError(f"the weights message ({sent}, version {header['version']}) is not the one "
+                                f"update_weights announced ({sizes}, version {update_info.version})")
+
+        self.sock.settimeout(READ_TIMEOUT_S)
+        message = recv(self.sock, TO_ENDPOINT, check=fits)
+        offsets = dict.fromkeys(sizes, 0)
+        weights = []
+        for name, dtype, shape in zip(layout.names, layout.dtype_names, layout.shapes):
+            n, start = int(torch.Size(shape).numel()), offsets[dtype]
+            weights.append((name, message.tensors[dtype][start:start + n].view(shape).to(self.device)))
+            offsets[dtype] = start + n
+        self.model.load_weights(weights=weights)
+
+    def shutdown(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+__all__ = ["GspoInitInfo", "GspoUpdateInfo", "GspoWeightTransferEngine"]
