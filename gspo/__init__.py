@@ -18,6 +18,7 @@ MOVED = {
     **{f"gspo.{m}": f"gspo.apps.{m}" for m in ("cli", "api", "bench", "demo", "demo_real", "demo_tools", "lab")},
     "gspo.rollout.wire": "gspo.rollout.endpoint.wire",
     "gspo.rollout.remote.wire": "gspo.rollout.endpoint.wire",
+    "gspo.rollout.remote": "gspo.rollout.endpoint",  # its other modules are retired (issue 51)
     "gspo.data.sandbox": "gspo.sandbox.runner",
     **{f"gspo.data.sandbox_{m}": f"gspo.sandbox.{m}" for m in ("child", "judge", "kernel", "launch", "wire")},
     "gspo.data.sandbox_exec": "gspo.sandbox.execute",

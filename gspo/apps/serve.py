@@ -18,7 +18,7 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, *, ready=None, stop: t
     """Serve `cfg.model` until Ctrl-C / SIGTERM (or `stop` is set). `ready(server)`: called once it listens."""
     from gspo.config import ModelSettings, rollout_secret, sampler_sections, section
     from gspo.models import seeded_model
-    from gspo.rollout.endpoint.server import Server
+    from gspo.rollout.endpoint.server import Server, endpoint_of
     from gspo.rollout.sampler import Sampler
 
     sampling, episodes, shape = sampler_sections(cfg)
@@ -47,24 +47,8 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, *, ready=None, stop: t
             signal.signal(signal.SIGTERM, previous)
 
 
-def endpoint_of(sampler, model, tokenizer, secret: bytes | None, *, name: str, max_tokens: int, template_kwargs=None,
-                tool_style: str = "hermes", rows: int = 64):
-    """The Endpoint serving `sampler` (the Sampler plug of `model`): its engine samples up to `rows` completions per
-    generator call; with the run's `secret` it takes weight updates by the four phases (endpoint/weights.py)."""
-    from gspo.rollout.endpoint.engine import engine_of
-    from gspo.rollout.endpoint.requests import Limits
-    from gspo.rollout.endpoint.server import Endpoint
-    from gspo.rollout.endpoint.weights import WeightReceiver
-
-    engine = engine_of(sampler, max_rows=rows)
-    weights = WeightReceiver(engine, model, sampler.sync, secret) if secret else None
-    limits = Limits(max_tokens=max_tokens, max_tokens_cap=max(4096, max_tokens), max_n=max(64, rows))
-    return Endpoint(engine, tokenizer, model_name=name, template_kwargs=template_kwargs, tool_style=tool_style,
-                    limits=limits, weights=weights)
-
-
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-__all__ = ["endpoint_of", "serve"]
+__all__ = ["serve"]

@@ -108,6 +108,21 @@ class Endpoint:
                                    and body.get("logprobs") is not False)
 
 
+def endpoint_of(sampler, model, tokenizer, secret: bytes | None, *, name: str, max_tokens: int, template_kwargs=None,
+                tool_style: str = "hermes", rows: int = 64):
+    """The Endpoint serving `sampler` (the Sampler plug of `model`): its engine samples up to `rows` completions per
+    generator call; with the run's `secret` it takes weight updates by the four phases (endpoint/weights.py)."""
+    from gspo.rollout.endpoint.engine import engine_of
+    from gspo.rollout.endpoint.requests import Limits
+    from gspo.rollout.endpoint.weights import WeightReceiver
+
+    engine = engine_of(sampler, max_rows=rows)
+    weights = WeightReceiver(engine, model, sampler.sync, secret) if secret else None
+    limits = Limits(max_tokens=max_tokens, max_tokens_cap=max(4096, max_tokens), max_n=max(64, rows))
+    return Endpoint(engine, tokenizer, model_name=name, template_kwargs=template_kwargs, tool_style=tool_style,
+                    limits=limits, weights=weights)
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -295,4 +310,4 @@ class Server:
         self.sock.close()
 
 
-__all__ = ["Endpoint", "Server", "is_loopback", "make_app", "need"]
+__all__ = ["Endpoint", "Server", "endpoint_of", "is_loopback", "make_app", "need"]

@@ -104,8 +104,7 @@ def _endpoint_main(pipe, secret: bytes, model, tokenizer, load: tuple | None, se
         os.environ.pop(name, None)
     import torch
 
-    from gspo.apps.serve import endpoint_of
-    from gspo.rollout.endpoint.server import Server
+    from gspo.rollout.endpoint.server import Server, endpoint_of
     from gspo.rollout.sampler import Sampler
 
     try:
