@@ -278,7 +278,9 @@ def test_readme_trl_table_names_every_alias_and_refusal():  # the table moved fr
                              "'adamw_torch_fused' (what gspo does): gspo trains with torch's AdamW, fused where torch "
                              "has the kernel"),
     ({"vllm_server_host": "0.0.0.0"}, "config: 'vllm_server_host' is TRL's, and gspo has no setting of that name: "
-                                      "gspo runs vLLM in the training process only"),
+                                      "gspo runs vLLM in the training process (generation_backend: vllm); other "
+                                      "processes and machines sample as endpoints: rollout_workers, "
+                                      "rollout_endpoints (gspo serve, or vllm serve"),
 ])
 def test_a_trl_name_gspo_does_not_take_says_what_gspo_does_never_a_did_you_mean(values, message):
     with pytest.raises(ValueError) as refused:

@@ -40,7 +40,8 @@ def _equal(a, b) -> bool:
 
 
 _NO_SERVER = "gspo runs vLLM in the training process (generation_backend: vllm); other processes and machines " \
-             "sample as `gspo serve` endpoints (rollout_workers, rollout_endpoints)"
+             "sample as endpoints: rollout_workers, rollout_endpoints (gspo serve, or vllm serve with " \
+             "--weight-transfer-config '{\"backend\": \"gspo\"}')"
 _NO_HUB = "no equivalent: gspo uploads nothing (the model is in output_dir/model)"
 _LORA = "set lora_r > 0 (with lora_alpha, lora_dropout, lora_target_modules), or a full LoraConfig as peft"
 
