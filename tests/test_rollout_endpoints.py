@@ -388,7 +388,9 @@ def test_two_trainer_processes_on_an_endpoint_match_one(tmp_path, mode):
             done = run_gspo("train", "--config", tmp_path / "run.yaml", f"per_device_batch_size={batch}",
                             f"output_dir={name}", cwd=tmp_path, nproc=nproc, env=env, timeout=240)
             assert done.returncode == 0, done.stderr[-3000:]
-    assert_same_run(tmp_path / "one", tmp_path / "two", ignore=("async/trainer_busy", "async/worker_busy"))
+    # The endpoint's log-probs of a row depend (to ~1e-8) on which rows shared its generator call: timing, not the run.
+    assert_same_run(tmp_path / "one", tmp_path / "two", ignore=("async/trainer_busy", "async/worker_busy"),
+                    noise=("mismatch/kl", "mismatch/chi2", "mismatch/abs_logp"))
     assert [r["async/staleness_max"] for r in read_metrics(tmp_path / "two")] == [0.0, 1.0, 1.0]
 
 
