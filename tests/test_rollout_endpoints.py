@@ -7,12 +7,13 @@ that fails is named in one line and stops the run with a checkpoint."""
 import contextlib
 import socket
 import threading
+import time
 
 import httpx
 import pytest
 import torch
 
-from conftest import SMALL, SMALL_MOE, TINY_MODEL, final_weights, gspo_serving, read_metrics, tiny_cfg
+from conftest import SMALL, SMALL_MOE, TINY_MODEL, final_weights, free_port, gspo_serving, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, make_config
 from gspo.runtime import TrainingAborted
 from gspo.trainer import train
@@ -236,6 +237,50 @@ def test_an_endpoint_that_stops_mid_run_stops_it_with_a_checkpoint(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "run")] == [1, 2, 3, 4]
 
 
+def test_a_lost_endpoint_that_comes_back_is_given_the_last_weights_and_asked_again(tmp_path):
+    # rollout_endpoint_wait_s: the endpoint stops after step 2 and a new one (the checkpoint's weights, as a restarted
+    # process loads them) listens at its URL a second later; the trainer waits, joins it, pushes the weights of its
+    # last push and asks again. Seeded, the run is the run without the loss, metric for metric, weight for weight.
+    from gspo.apps.serve import serve
+
+    port = free_port()
+    serving, stops = [], []
+
+    def start(delay_s: float = 0.0):
+        def run():
+            time.sleep(delay_s)
+            stop = threading.Event()
+            stops.append(stop)
+            serve(tiny_cfg(tmp_path / f"serve{len(stops)}"), "127.0.0.1", port, ready=serving.append, stop=stop)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def lose_it_after_step_2(step, metrics):
+        if step == 2:
+            serving[0].close()  # its next request is refused
+            start(delay_s=1.0)
+
+    start()
+    while not serving:
+        time.sleep(0.05)
+    try:
+        url = [f"http://127.0.0.1:{port}/v1"]
+        train(cfg_of(tmp_path, "lost", max_steps=4, rollout_endpoints=url, rollout_endpoint_wait_s=60),
+              callbacks=[lose_it_after_step_2])
+    finally:
+        for stop in stops:
+            stop.set()
+    with endpoints(tmp_path / "kept") as urls:
+        train(cfg_of(tmp_path, "kept", max_steps=4, rollout_endpoints=urls))
+    lost, kept = read_metrics(tmp_path / "lost" / "run"), read_metrics(tmp_path / "kept" / "run")
+    assert [r["async/endpoint_restarts"] for r in lost] == [0.0, 0.0, 1.0, 1.0]
+    for a, b in zip(lost, kept, strict=True):
+        assert {k: v for k, v in computed(a).items() if not k.startswith("async/")} == {
+            k: v for k, v in computed(b).items() if not k.startswith("async/")}
+    w0, w1 = final_weights(tmp_path / "lost" / "run"), final_weights(tmp_path / "kept" / "run")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
 @pytest.mark.slow
 def test_episodes_on_an_endpoint_are_the_in_process_episodes_and_resume_bit_for_bit(tmp_path):
     # Multi-turn episodes: the trainer runs the environment, each turn's rows go to the endpoint with their seeds and
@@ -351,6 +396,11 @@ def test_one_request_seeded_s_samples_what_requests_seeded_s_s_plus_1_would(tmp_
     ({"rollout_endpoints": ["http://a:1"], "sampler_lag": 1}, r"sampler_lag=1"),
     ({"rollout_endpoints": ["http://a:1"], "agent": "x:y"}, r"rollout_endpoints are not supported with them"),
     ({"max_staleness": 1}, r"set rollout_workers: 1 or rollout_endpoints"),
+    ({"rollout_endpoints": ["http://a:1"], "rollout_endpoint_wait_s": -1}, r"rollout_endpoint_wait_s=-1.0 must be"),
+    ({"rollout_endpoints": ["http://a:1"], "launcher": "ray"}, r"launcher=ray starts the rollout engines itself"),
+    ({"launcher": "slurm"}, r"launcher='slurm' is not one of process, ray"),
+    ({"launcher": "ray", "ray_trainers": 0}, r"ray_trainers=0 must be > 0"),
+    ({"launcher": "ray", "ray_placement": "pack"}, r"ray_placement='pack' is not one of"),
 ])
 def test_rollout_endpoint_settings_are_checked(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -65,6 +65,10 @@ class SamplingSettings:
     """URLs of OpenAI-compatible endpoints to sample from (`gspo serve` or `vllm serve`, e.g. http://10.0.0.5:8000/v1),
     token in and token out, their weights updated by the trainer (needs the run's secret); null: sample in the
     trainer's process or its rollout_workers (docs/distributed.md)."""
+    rollout_endpoint_wait_s: float = 0.0
+    """rollout_endpoints: seconds to wait for a lost endpoint to answer again at its URL (restarted: by Ray, systemd,
+    a person), which is then re-joined, given the last weights pushed, and asked again what it lost; 0: a lost
+    endpoint stops the run (launcher=ray: 300 unless set)."""
     rollout_secret: str | None = None
     """The secret the trainer and its rollout endpoints prove to each other (rollout_endpoints); never saved or logged,
     refused as a command-line override (ps shows those). Else rollout_secret_file, else GSPO_ROLLOUT_SECRET."""
@@ -155,6 +159,7 @@ def _check_sampling(s: SamplingSettings) -> None:
     if s.rollout_endpoints is not None:
         _check_endpoints(s)
     check_positive(s, "rollout_timeout_s")
+    check_positive(s, "rollout_endpoint_wait_s", allow_zero=True)
     if s.rollout_address is not None:
         raise ValueError(f"config: rollout_address={s.rollout_address!r} and gspo rollout-server are retired: on each "
                          "machine that samples start `gspo serve --config <this config> --host <address> --port "

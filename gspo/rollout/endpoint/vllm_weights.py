@@ -5,7 +5,8 @@ through vLLM's four phases (its RL routes, VLLM_SERVER_DEV_MODE=1), on any devic
 `register` is the `vllm.general_plugins` entry point (pyproject.toml): vLLM calls it in each of its processes, and it
 only names the engine class (vLLM imports it where it creates the engine). The engine runs in vLLM's worker: at
 init it joins the trainer's listener, both proving the run's secret (GSPO_ROLLOUT_SECRET, or rollout_secret_file's
-path in GSPO_ROLLOUT_SECRET_FILE, in the server's environment); each update reads one tensors message (a flat buffer
+path in GSPO_ROLLOUT_SECRET_FILE, in the server's environment; an in-process engine, gspo/rollout/vllm_engine.py,
+shares its trainer's `in_process_secret`); each update reads one tensors message (a flat buffer
 per dtype, checked against the update's names, dtypes and shapes before a byte is read) and loads it with the
 model's own `load_weights` between vLLM's layerwise reload start and finish.
 """
@@ -17,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 BACKEND = "gspo"
+_IN_PROCESS: list[bytes] = []  # the secret of an engine in this very process, where the environment holds none
 
 
 def register() -> None:
@@ -28,15 +30,33 @@ def register() -> None:
                                                     "GspoWeightTransferEngine")
 
 
-def run_secret() -> bytes:
-    """The run's secret in vLLM's server: GSPO_ROLLOUT_SECRET, else the file GSPO_ROLLOUT_SECRET_FILE names."""
+def _environment_secret() -> bytes | None:
     from gspo.config import SamplingSettings, rollout_secret
 
-    secret = rollout_secret(SamplingSettings(rollout_secret_file=os.environ.get("GSPO_ROLLOUT_SECRET_FILE")))
+    return rollout_secret(SamplingSettings(rollout_secret_file=os.environ.get("GSPO_ROLLOUT_SECRET_FILE")))
+
+
+def run_secret() -> bytes:
+    """The run's secret in vLLM's server: GSPO_ROLLOUT_SECRET, else the file GSPO_ROLLOUT_SECRET_FILE names, else
+    the in-process trainer's (`in_process_secret`)."""
+    secret = _environment_secret() or (_IN_PROCESS[0] if _IN_PROCESS else None)
     if secret is None:
         raise ValueError("the gspo weight-transfer backend needs the run's secret in vLLM's environment: "
                          "GSPO_ROLLOUT_SECRET (or GSPO_ROLLOUT_SECRET_FILE)")
     return secret
+
+
+def in_process_secret() -> bytes:
+    """The secret a trainer and the vLLM engine in its own process share: the environment's where it names one,
+    else a fresh one made once for this process (it never leaves it)."""
+    import secrets
+
+    secret = _environment_secret()
+    if secret is not None:
+        return secret
+    if not _IN_PROCESS:
+        _IN_PROCESS.append(secrets.token_bytes(32))
+    return _IN_PROCESS[0]
 
 
 @dataclass
@@ -55,4 +75,4 @@ class Layout:
         return out
 
 
-__all__ = ["BACKEND", "Layout", "register", "run_secret"]
+__all__ = ["BACKEND", "Layout", "in_process_secret", "register", "run_secret"]

@@ -1,5 +1,10 @@
 """The "gspo" WeightTransferEngine, in vLLM's worker process (registered by gspo/rollout/endpoint/vllm_weights.py;
-imports vLLM, so only vLLM imports it)."""
+imports vLLM, so only vLLM imports it).
+
+Everything here is vLLM's public weight-transfer interface (WeightTransferEngine, layerwise reload: vLLM's
+docs/training/layerwise) but one workaround, `repack_cpu_experts`: vLLM 0.32's CPU MoE kernel packs its experts
+on the first load only, so after a layerwise reload an MoE model samples from unpacked (wrong) experts.
+"""
 
 from __future__ import annotations
 
@@ -65,6 +70,7 @@ class GspoWeightTransferEngine(WeightTransferEngine[GspoInitInfo, GspoUpdateInfo
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_cpu_experts(self.model)
 
     def receive_weights(self, update_info: GspoUpdateInfo) -> None:
         if self.sock is None:
@@ -97,4 +103,28 @@ class GspoWeightTransferEngine(WeightTransferEngine[GspoInitInfo, GspoUpdateInfo
             self.sock = None
 
 
-__all__ = ["GspoInitInfo", "GspoUpdateInfo", "GspoWeightTransferEngine"]
+def repack_cpu_experts(model) -> int:
+    """Put the MoE experts back into the CPU kernel's packed layout after a layerwise reload; how many tensors it
+    packed (0 off CPU, or without MoE). vLLM 0.32 packs them (`cpu_prepack_moe_weight`) only when the experts'
+    kernel is first built (UnquantizedFusedMoEMethod._setup_kernel, called from process_weights_after_loading), and
+    layerwise reload's finalize does not build it again: the reloaded experts stay in the plain layout the kernel
+    misreads (tiny-moe's probe log-probs 0.655 off after a push; 4.8e-7 with this). The nearest upstream threads:
+    vllm-project/vllm#42821 and the RFC #48312 (layerwise reload and kernels' post-load processing)."""
+    packed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not type(experts).__module__.endswith("cpu_moe") or not hasattr(experts, "isa"):
+            continue
+        if getattr(experts, "_use_zentorch", False):  # zentorch reads the plain layout
+            continue
+        from vllm._custom_ops import cpu_prepack_moe_weight  # the one internal: only where CPU MoE experts are
+
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(module, name)
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+            packed += 1
+    return packed
+
+
+__all__ = ["GspoInitInfo", "GspoUpdateInfo", "GspoWeightTransferEngine", "repack_cpu_experts"]
