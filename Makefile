@@ -28,10 +28,10 @@ setup: $(VENV)/.installed
 	  true; \
 	}
 
-# gspo serve, agent episodes, OpenEnv and verifiers environments (the serve and agents extras: ~150 packages, about
-# 1.5 minutes); what the tests of those need, so `make test` installs them
+# gspo serve, agent episodes, OpenEnv and verifiers environments, launcher=ray (the serve, agents and ray extras:
+# ~150 packages, about 2 minutes); what the tests of those need, so `make test` installs them
 $(VENV)/.agents: $(VENV)/.installed pyproject.toml
-	$(PY) -m pip install --quiet -e ".[test,math,peft,lab,agents]"
+	$(PY) -m pip install --quiet -e ".[test,math,peft,lab,agents,ray]"
 	touch $@
 
 demo: setup

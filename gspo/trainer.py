@@ -62,6 +62,9 @@ def train(cfg: TrainConfig, *, model=None, tokenizer=None, data: dict | None = N
     how the work is split.
     """
     callbacks = Callbacks(callbacks)  # checked before anything starts
+    if cfg.launcher != "process":
+        raise ValueError(f"launcher={cfg.launcher}: `gspo train --config ...` places the run's processes "
+                         "(gspo.apps.ray_launch.launch(cfg) from Python); train() runs one process of a run")
     topology = Topology.setup(resolve_device(cfg.device), cfg.distributed, cfg.dist_timeout_s)
     try:
         # under torchrun a SIGTERM before the steps (or after) first asks whether a rank was lost (train_loop's

@@ -196,7 +196,12 @@ def _train(args) -> None:
     from gspo.apps.api import train_and_plot
 
     overrides = args.overrides + ([f"resume_from_checkpoint={args.resume}"] if args.resume else [])
-    summary = train_and_plot(load_config(TrainConfig, args.config, overrides))
+    cfg = load_config(TrainConfig, args.config, overrides)
+    if cfg.launcher == "ray":  # this process places the run's processes on Ray and waits for them
+        from gspo.apps.ray_launch import launch
+
+        sys.exit(launch(cfg))
+    summary = train_and_plot(cfg)
     print(json.dumps({"evals": summary["evals"] or "off (no held-out prompts)",  # eval_num_prompts=0, ...
                       "seconds": round(summary["seconds"], 1),
                       "model": summary["model"], "plots": summary["plots"]}, indent=2))

@@ -339,6 +339,9 @@ def _check_logging(s: LoggingSettings) -> None:
     check_positive(s, "log_samples_steps", allow_zero=True)
 
 
+LAUNCHERS = ("process", "ray")
+
+
 @dataclass
 class DistributedSettings:
     """Under torchrun (docs/distributed.md)."""
@@ -347,6 +350,20 @@ class DistributedSettings:
     """Under torchrun: ddp (a replica per rank) or fsdp (FSDP2: parameters and optimizer state sharded)."""
     dist_timeout_s: float = 600.0
     """Under torchrun: seconds a rank waits in a collective before giving up."""
+    launcher: str = "process"
+    """process: this process is the run (alone, or one rank torchrun started); ray: gspo places the trainer ranks and
+    the rollout engines on a Ray cluster (`pip install gspo[ray]`; docs/distributed.md)."""
+    ray_address: str | None = None
+    """launcher=ray: the cluster's address (auto: the one `ray start` runs here; host:port); null: Ray's default (a
+    running local cluster, else a new one for this run)."""
+    ray_trainers: int = 1
+    """launcher=ray: trainer ranks (actors, each running `gspo train` as torchrun would start it: ddp or fsdp)."""
+    ray_placement: str = "PACK"
+    """launcher=ray: how the placement group spreads its bundles (a rank or an engine each): PACK or SPREAD."""
+    max_engine_restarts: int = 3
+    """launcher=ray: times Ray restarts a lost rollout engine actor (rollout_workers of them) before the run stops."""
+    ray_start_timeout_s: float = 600.0
+    """launcher=ray: longest wait for the bundles to be placed and for the engines and ranks to start."""
 
 
 @checks(DistributedSettings)
@@ -354,7 +371,10 @@ def _check_distributed(s: DistributedSettings) -> None:
     from gspo.plugs.parallel import MODES
 
     check_choice(s, "distributed", MODES)
-    check_positive(s, "dist_timeout_s")
+    check_positive(s, "dist_timeout_s", "ray_trainers", "ray_start_timeout_s")
+    check_positive(s, "max_engine_restarts", allow_zero=True)
+    check_choice(s, "launcher", LAUNCHERS)
+    check_choice(s, "ray_placement", ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
 
 
 # The sections of a training run in the order `gspo train --help` lists them. A dataclass collects its bases'
@@ -403,6 +423,10 @@ def check_train(cfg: TrainConfig) -> None:
     if cfg.rollout_workers > cfg.per_device_batch_size:
         raise ValueError(f"config: rollout_workers={cfg.rollout_workers} share per_device_batch_size="
                          f"{cfg.per_device_batch_size} prompts per step; more workers than prompts would sit idle")
+    if cfg.launcher == "ray" and cfg.rollout_endpoints:
+        raise ValueError("config: launcher=ray starts the rollout engines itself (rollout_workers of them) and "
+                         "points the ranks at them; rollout_endpoints names endpoints run elsewhere: use one or the "
+                         "other")
     agents = cfg.agent is not None or (cfg.environment or "").startswith(("openenv:", "verifiers:"))
     if agents and (cfg.rollout_workers or cfg.rollout_endpoints):
         raise ValueError("config: agent episodes (agent, environment: openenv:/verifiers:) run on the trainer's own "
