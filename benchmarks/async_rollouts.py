@@ -1,6 +1,7 @@
 """Asynchronous rollouts (issue 34): gspo's synchronous loop against a rollout worker sampling K steps ahead.
 
     python benchmarks/async_rollouts.py --threads 1                        # demo settings, CPU, 3 seeds
+    python benchmarks/async_rollouts.py --threads 1 --seeded --baseline 2699776 --out ...  # vs an older tree
     python benchmarks/async_rollouts.py --device cuda --model 50m --T 512 --B 4 --G 4 --M 2 --steps 8 --reps 2
 
 Sides, alternating in fresh subprocesses (repetition i of every side uses seed i): `sync` (rollout_workers 0,
@@ -9,7 +10,10 @@ worker takes the trainer's thread count and device: on one GPU both processes sh
 --mu-as-pi-old one `async_k_mu` per K as well (use_sampler_logprobs: mu serves as pi_old, no pi_old
 forward). The model, prompts, reward and GSPO settings are vs_trl.py's (`rl_config`, `cold_start`,
 `random_50m`), and so is the timing: one RL step's wall clock, from the end of the previous step to
-the end of this one, the first `--skip-first` steps left out. For TRL on the same settings use `vs_trl.py --async K`.
+the end of this one, the first `--skip-first` steps left out. With --baseline REV every async side runs
+once more as `async_k_base`: the same spec in a git worktree of REV, with its own benchmark script and
+package (issue 51: workers as gspo serve endpoints against the spawned workers before them).
+For TRL on the same settings use `vs_trl.py --async K`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, served_as_worker, table, worker_result, write_result  # noqa: E402
+from common import baseline_tree, machine, median, served_as_worker, table, worker_result, write_result  # noqa: E402
 from vs_trl import cold_start, random_50m, run_gspo, summarise  # noqa: E402
 
 
@@ -47,6 +51,7 @@ def main() -> None:
                         help="seeded sampling (per-row generators): every side draws the same tokens from the same "
                              "weights, so a pair does the same work where the weights do not move")
     parser.add_argument("--backend", default="auto", help="generation_backend of every side: auto, gspo, hf, vllm")
+    parser.add_argument("--baseline", metavar="REV", help="also run each async side on this git revision")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--B", type=int, default=16)
@@ -76,6 +81,14 @@ def main() -> None:
     sides = {"sync": (None, False), **{f"async_{k}": (int(k), False) for k in args.staleness.split(",")}}
     if args.mu_as_pi_old:
         sides.update({f"async_{k}_mu": (int(k), True) for k in args.staleness.split(",")})
+    script = {side: Path(__file__).resolve() for side in sides}
+    env = {side: None for side in sides}
+    if args.baseline:
+        base = baseline_tree(args.baseline, work)
+        for side, k_mu in list(sides.items())[1:]:
+            sides[f"{side}_base"], script[f"{side}_base"] = k_mu, base / "benchmarks" / "async_rollouts.py"
+            path = str(base) + os.pathsep + os.environ.get("PYTHONPATH", "")
+            env[f"{side}_base"] = {**os.environ, "PYTHONPATH": path}
     runs = []
     for rep in range(args.reps):
         for side, (k, mu) in sides.items():
@@ -85,7 +98,8 @@ def main() -> None:
                         backend=args.backend,
                         output_dir=str(work / f"{side}_seed{rep}"))
             load, t0 = os.getloadavg()[0], time.perf_counter()
-            run = worker_result([sys.executable, __file__, "--worker", json.dumps(spec)], f"{side} run {rep}")
+            run = worker_result([sys.executable, str(script[side]), "--worker", json.dumps(spec)], f"{side} run {rep}",
+                                env[side])
             run.update(side=side, seed=rep, process_s=time.perf_counter() - t0, load_before=load,
                        summary=summarise(run, args.skip_first))
             run["summary"]["clip_frac"] = sum(s["clip_frac"] for s in run["steps"]) / len(run["steps"])
@@ -102,6 +116,12 @@ def main() -> None:
     for side in list(sides)[1:]:
         pairs = [s["summary"]["s_per_step"] / a["summary"]["s_per_step"] for a, s in zip(by[side], by["sync"])]
         ratio[side] = {"steps_per_s_over_sync": median(pairs), "pairs": pairs}
+        if side.endswith("_base"):  # this tree's side over the baseline's, pair by pair
+            mine = by[side[:-len("_base")]]
+            pairs = [b["summary"]["s_per_step"] / m["summary"]["s_per_step"] for m, b in zip(mine, by[side])]
+            ratio[side]["this_steps_per_s_over_baseline"] = {"median": median(pairs), "pairs": pairs}
+            print(f"{side[:-len('_base')]}: this tree's steps/s over {args.baseline}'s: {median(pairs):.3f} "
+                  f"(pairs {', '.join(f'{p:.3f}' for p in pairs)})")
     print(f"\n{args.reps} runs per side, {args.steps} RL steps each (first {args.skip_first} untimed), B={args.B} "
           f"G={args.G} M={args.M} T={args.T}, device {args.device}, threads {args.threads or 'default'}; "
           f"{machine()['cores']} CPU cores")
