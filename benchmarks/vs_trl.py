@@ -102,6 +102,16 @@ def random_50m(work_dir: Path) -> tuple[str, dict]:
     return str(model_dir), json.loads((model_dir.parent / "info.json").read_text())
 
 
+def smollm2() -> tuple[str, dict]:
+    """SmolLM2-135M-Instruct (`make demo-real` installs its package): the checkpoint gspo converts its GGUF file into
+    (once, cached), which both sides load by path."""
+    from gspo.gguf import converted
+    from gspo.models import PACKAGED, packaged_gguf
+
+    folder = converted(packaged_gguf("smollm2"))
+    return str(folder), {"model": PACKAGED["smollm2"].about, "path": str(folder)}
+
+
 def cold_start(work_dir: Path, sft_steps: int) -> tuple[str, dict]:
     """A partially trained model (gspo's demo SFT stage), saved once with save_pretrained and reused."""
     model_dir = work_dir / "cold_start" / "model"
@@ -311,9 +321,9 @@ def summarise(run: dict, skip_first: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["demo", "50m"], default="demo",
+    parser.add_argument("--model", choices=["demo", "50m", "smollm2"], default="demo",
                         help="demo: the demo model after a cold-start SFT; "
-                             "50m: a random-init ~50M model (long-tailed lengths)")
+                             "50m: a random-init ~50M model (long-tailed lengths); smollm2: SmolLM2-135M-Instruct")
     parser.add_argument("--reps", type=int, default=3, help="runs per side, alternating gspo/TRL; run i uses seed i")
     parser.add_argument("--steps", type=int, default=20, help="RL steps per run (each: 1 rollout, M optimizer steps)")
     parser.add_argument("--B", type=int, default=16, help="prompts per rollout")
@@ -374,6 +384,9 @@ def main() -> None:
     if args.model == "demo":
         model_dir, cold = cold_start(work, args.sft_steps)
         print(f"cold start: {model_dir} ({cold['sft_steps']} SFT steps, greedy accuracy {cold['greedy_accuracy']:.1%})")
+    elif args.model == "smollm2":
+        model_dir, cold = smollm2()
+        print(f"model: {cold['model']} at {model_dir}")
     else:
         model_dir, cold = random_50m(work)
         print(f"model: {model_dir} ({cold['params'] / 1e6:.1f}M parameters, random init)")

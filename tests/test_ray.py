@@ -120,30 +120,33 @@ def test_a_killed_engine_actor_is_restarted_and_the_run_goes_on(tmp_path, connec
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["trainer actor killed", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["trainer actor killed", "Ctrl-C", "SIGTERM"])
 def test_a_run_stopped_under_ray_saves_a_checkpoint_and_leaves_no_actor(tmp_path, connected, how):
-    # A trainer actor killed (its `gspo train` gets SIGTERM from the kernel as its parent ends), or Ctrl-C at the
-    # driver: the rank saves a checkpoint of its last step and ends, the engines are killed, nothing is left.
+    # A trainer actor killed (its `gspo train` gets SIGTERM from the kernel as its keeper ends), or Ctrl-C or SIGTERM
+    # at the driver: the rank saves a checkpoint of its last step and ends, the engines are killed, nothing is left.
+    # The driver starts with SIGINT ignored, as a non-interactive shell starts a background job (CI's): it handles
+    # SIGINT itself all the same.
     ray = connected
     cluster_address = ray.get_runtime_context().gcs_address
     write_run(tmp_path, max_steps=200, per_device_batch_size=4, save_steps=1000)
     env = gspo_env(GSPO_ROLLOUT_SECRET=SECRET)
     argv = gspo_argv("train", "--config", tmp_path / "run.yaml", "launcher=ray", f"ray_address={cluster_address}",
                      "rollout_workers=1", "output_dir=out")
-    process = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         wait_for_step(tmp_path / "out", 2, process)
-        if how == "Ctrl-C":
-            process.send_signal(signal.SIGINT)
+        if how in ("Ctrl-C", "SIGTERM"):
+            process.send_signal(signal.SIGINT if how == "Ctrl-C" else signal.SIGTERM)
         else:
             (rank,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("/rank0")]
             ray.kill(ray.get_actor(rank["name"], namespace="gspo"))
         _, err = process.communicate(timeout=300)
     finally:
         process.kill()
-    if how == "Ctrl-C":
-        assert process.returncode == 130, err[-3000:]
-        assert "launcher=ray: Ctrl-C: every rank saves a checkpoint and stops" in err
+    if how in ("Ctrl-C", "SIGTERM"):
+        assert process.returncode == (130 if how == "Ctrl-C" else 143), err[-3000:]
+        assert f"launcher=ray: {how}: every rank saves a checkpoint and stops" in err
     else:
         assert process.returncode == 2, err[-3000:]
         assert "launcher=ray: trainer rank 0's actor ended" in err

@@ -401,6 +401,7 @@ def test_one_request_seeded_s_samples_what_requests_seeded_s_s_plus_1_would(tmp_
     ({"launcher": "slurm"}, r"launcher='slurm' is not one of process, ray"),
     ({"launcher": "ray", "ray_trainers": 0}, r"ray_trainers=0 must be > 0"),
     ({"launcher": "ray", "ray_placement": "pack"}, r"ray_placement='pack' is not one of"),
+    ({"launcher": "ray", "ray_engine": "sglang"}, r"ray_engine='sglang' is not one of gspo, vllm"),
 ])
 def test_rollout_endpoint_settings_are_checked(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -495,3 +495,59 @@ def test_vllm_serve_takes_an_moe_model_s_weights(tmp_path, monkeypatch):
                 sampler.sync(model)  # raises where the probe disagrees
         finally:
             sampler.close()
+
+
+@pytest.mark.slow
+def test_vllm_serve_engine_actors_under_ray_train_and_come_back(tmp_path):
+    # launcher=ray ray_engine=vllm: the engine actor runs vLLM's OpenAI server (gspo's weight-transfer backend,
+    # the run's secret as its API key); the trainer actor trains on it. Killed after step 2, the engine actor is
+    # restarted by Ray, its server starts again at the same address, the trainer pushes it the weights it lost and
+    # the run finishes; mu stays the trainer's.
+    ray = pytest.importorskip("ray")
+    import subprocess
+    import time
+
+    import yaml
+    from ray.cluster_utils import Cluster
+
+    from conftest import gspo_argv, gspo_env, logged_steps
+
+    folder = tmp_path / "model"
+    model, tokenizer = load_model("tiny-dense", overrides=SMALL)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "model": str(folder), "task": "add3", "max_steps": 5, "per_device_batch_size": 4, "num_generations": 4,
+        "max_completion_length": 8, "max_prompt_length": 64, "learning_rate": 1e-3, "eval_num_prompts": 0,
+        "progress": False, "device": "cpu", "seeded_sampling": True, "max_staleness": 1,
+        "vllm_kv_cache_bytes": 20_000_000, "output_dir": "out"}))
+    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    try:
+        ray.init(address=head.address, namespace="gspo", log_to_driver=False)
+        env = gspo_env(GSPO_ROLLOUT_SECRET=VLLM_SECRET)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own engine process, as vllm serve runs it
+        process = subprocess.Popen(gspo_argv("train", "--config", tmp_path / "run.yaml", "launcher=ray",
+                                             f"ray_address={head.address}", "ray_engine=vllm", "rollout_workers=1"),
+                                   cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 400
+            while not logged_steps(tmp_path / "out") or logged_steps(tmp_path / "out")[-1] < 2:
+                assert process.poll() is None, process.communicate()[1][-3000:]
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+            (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["name"].endswith("/engine0")]
+            ray.kill(ray.get_actor(name, namespace="gspo"), no_restart=False)
+            _, err = process.communicate(timeout=600)
+        finally:
+            process.kill()
+        assert process.returncode == 0, err[-3000:]
+        assert "is back after" in err
+        metrics = read_metrics(tmp_path / "out")
+        assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5]
+        assert metrics[-1]["async/endpoint_restarts"] == 1.0
+        assert all(r["mismatch/abs_logp_diff_max"] < 1e-4 for r in metrics)
+        assert [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "gspo"] == []
+    finally:
+        ray.shutdown()
+        head.shutdown()

@@ -5,18 +5,20 @@
 
 One placement group holds a bundle per trainer rank and one per rollout engine (`ray_placement`: PACK or SPREAD;
 each bundle 1 CPU, and 1 GPU where the run's device is cuda). Each engine is an actor serving the run's model as
-`gspo serve` does (gspo/apps/serve.py) on its node's address, the run's secret required of every client; Ray restarts
+`gspo serve` does (gspo/apps/serve.py; or, with ray_engine=vllm, vLLM's OpenAI server with gspo's weight-transfer
+backend) on its node's address, the run's secret required of every client; Ray restarts
 a lost one up to `max_engine_restarts` times at the same address, and the trainer (rollout_endpoint_wait_s) joins it
 again, gives it the last weights it pushed and asks again what it lost (seeded rows draw the same tokens). Each
 trainer rank is an actor that runs `gspo train` as a child process with the environment torchrun would give it
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: rank 0 hosts torch.distributed's store), so DDP and FSDP2
 run as under torchrun, with the endpoints as `rollout_endpoints`.
 
-Stopping: Ctrl-C, a rank that fails, or a trainer actor that dies stops every rank by SIGTERM (each saves a
+Stopping: Ctrl-C or SIGTERM at the driver, a failed rank or a dead trainer actor stops every rank (SIGTERM: each saves a
 checkpoint of the last step it finished, as under torchrun), then kills the engines and removes the placement
 group: no actor is left behind. A rank runs under a keeper process: Ray kills a dead actor's children (the keeper),
 not theirs, so the rank gets SIGTERM from the kernel as its keeper ends (PR_SET_PDEATHSIG), saves its checkpoint, and
-the driver waits for it on its node. Exit status: 0, or 2 with one line naming what ended the run (130 after Ctrl-C).
+the driver waits for it on its node. Exit status: 0, or 2 with one line naming what ended the run; 130 after Ctrl-C,
+143 after SIGTERM (the driver handles both itself).
 
 What Ray itself is trusted with: a Ray cluster runs whatever a client of its ports submits (Ray's own security
 model); keep its ports on a private network. gspo sends the run's secret to its actors through Ray (never on a
@@ -29,6 +31,8 @@ import os
 import signal
 import sys
 import time
+
+from gspo.config import RAY_ENGINES, check_implemented
 
 GRACE_S = 120.0  # how long a stopped rank may take to save its checkpoint and end
 NAMESPACE = "gspo"  # the run's actors are named "<run id>/engine<e>" and "<run id>/rank<r>" in it
@@ -56,9 +60,11 @@ def launch(cfg) -> int:
     gpu = str(cfg.device).startswith("cuda") or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpu else {})}
     group, trainers, served, stopped = None, [], [], False
+    _SIGNALLED.clear()
+    previous = {signum: signal.signal(signum, _interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         group = placement_group([dict(bundle) for _ in range(ranks + engines)], strategy=cfg.ray_placement)
-        ready, _ = ray.wait([group.ready()], timeout=cfg.ray_start_timeout_s)
+        ready, _ = _wait(ray, [group.ready()], cfg.ray_start_timeout_s)
         if not ready:
             raise LaunchError(f"launcher=ray: {ranks + engines} bundles of {bundle} ({ranks} trainer rank(s), "
                               f"{engines} rollout engine(s)) could not be placed within ray_start_timeout_s="
@@ -94,9 +100,9 @@ def launch(cfg) -> int:
         status = _watch(ray, trainers, pids, place, cfg.output_dir)
         stopped = True
         return status
-    except KeyboardInterrupt:
-        print("launcher=ray: Ctrl-C: every rank saves a checkpoint and stops", file=sys.stderr, flush=True)
-        return 130
+    except Interrupted as err:
+        print(f"launcher=ray: {err.name}: every rank saves a checkpoint and stops", file=sys.stderr, flush=True)
+        return 128 + err.signum
     except LaunchError as err:
         print(err, file=sys.stderr, flush=True)
         return 2
@@ -108,10 +114,42 @@ def launch(cfg) -> int:
         if group is not None:
             remove_placement_group(group)
         ray.shutdown()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class LaunchError(Exception):
     """What ended a launch, in one line."""
+
+
+class Interrupted(BaseException):
+    """Ctrl-C or SIGTERM at the driver (a BaseException, as KeyboardInterrupt is: code that catches Exception, Ray's
+    included, lets it through)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum, self.name = signum, "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+_SIGNALLED: list[int] = []  # what the driver's handler saw, raised as Interrupted where the driver waits
+
+
+def _interrupted(signum, frame):
+    """The driver's SIGINT and SIGTERM handler (even where a non-interactive shell started it with SIGINT ignored):
+    the run stops as a whole. It only notes the signal: an exception raised inside Ray's C++ wait is lost to a
+    SystemError; `_wait` raises it, between waits of a second."""
+    _SIGNALLED.append(signum)
+
+
+def _wait(ray, refs: list, timeout_s: float, num_returns: int | None = None) -> tuple[list, list]:
+    """ray.wait in slices of a second, raising Interrupted once the driver was signalled."""
+    deadline, want = time.monotonic() + timeout_s, len(refs) if num_returns is None else num_returns
+    while True:
+        if _SIGNALLED:
+            raise Interrupted(_SIGNALLED[0])
+        done, pending = ray.wait(refs, num_returns=want, timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        if len(done) >= want or time.monotonic() >= deadline:
+            return done, pending
 
 
 def _child_config(cfg) -> tuple[dict, str]:
@@ -152,7 +190,7 @@ def _free_address() -> tuple[str, int]:
 
 def _started(ray, refs: list, timeout_s: float, what: str) -> list:
     """Each ref's value; a LaunchError naming the first that failed or did not answer within timeout_s."""
-    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    done, pending = _wait(ray, refs, timeout_s)
     if pending:
         raise LaunchError(f"launcher=ray: {len(pending)} {what}(s) did not start within ray_start_timeout_s="
                           f"{timeout_s:g} s")
@@ -167,7 +205,7 @@ def _watch(ray, trainers: list, pids: list, place, output_dir: str) -> int:
     runs = {t.wait.remote(): r for r, t in enumerate(trainers)}
     failure = None
     while runs and failure is None:
-        done, _ = ray.wait(list(runs), num_returns=1, timeout=1.0)
+        done, _ = _wait(ray, list(runs), 1.0, num_returns=1)
         for ref in done:
             r = runs.pop(ref)
             try:
@@ -313,36 +351,80 @@ def _die_with_parent(signum: int = signal.SIGTERM) -> None:
 
 
 class RolloutEngine:
-    """A Ray actor serving the run's model as `gspo serve` on its node's address (the run's secret required of every
-    client), sampling on a thread of its own; restarted by Ray, it serves again at the same address."""
+    """A Ray actor serving the run's model on its node's address, the run's secret required of every client: as
+    `gspo serve` does, in this process (ray_engine=gspo), or as vLLM's OpenAI server in a child process with gspo's
+    weight-transfer backend (ray_engine=vllm). Restarted by Ray, it serves again at the same address."""
 
     def __init__(self, values: dict, host: str, port: int, secret: str):
-        import threading
-
-        from gspo.apps.serve import serve
         from gspo.config import TrainConfig, make_config
 
         os.environ["GSPO_ROLLOUT_SECRET"] = secret
         engine = {**values, "rollout_endpoints": None, "rollout_workers": 0, "max_staleness": 0,
                   "rollout_endpoint_wait_s": 0.0}
         cfg = make_config(TrainConfig, engine)
-        self.address, self.stop_event, started, failed = f"http://{host}:{port}/v1", threading.Event(), \
-            threading.Event(), []
-
-        def run():
-            try:
-                serve(cfg, host, port, ready=lambda server: started.set(), stop=self.stop_event)
-            except BaseException as err:  # noqa: BLE001 - said by url()
-                failed.append(err)
-                started.set()
-
-        threading.Thread(target=run, name="gspo-engine", daemon=True).start()
-        started.wait()
-        if failed:
-            raise failed[0]
+        self.address = f"http://{host}:{port}/v1"
+        self.stop = ENGINES[cfg.ray_engine](cfg, host, port, secret)
 
     def url(self) -> str:
         return self.address
+
+
+def _gspo_engine(cfg, host: str, port: int, secret: str):
+    """gspo serve on a thread of this actor; returns what stops it."""
+    import threading
+
+    from gspo.apps.serve import serve
+
+    stop, started, failed = threading.Event(), threading.Event(), []
+
+    def run():
+        try:
+            serve(cfg, host, port, ready=lambda server: started.set(), stop=stop)
+        except BaseException as err:  # noqa: BLE001 - raised in the actor's constructor below
+            failed.append(err)
+            started.set()
+
+    threading.Thread(target=run, name="gspo-engine", daemon=True).start()
+    started.wait()
+    if failed:
+        raise failed[0]
+    return stop.set
+
+
+def _vllm_engine(cfg, host: str, port: int, secret: str):
+    """vLLM's OpenAI server (this Python's vllm) on host:port with gspo's weight-transfer backend, its RL routes on,
+    the secret as its API key and gspo's (in its environment, never on its command line); ends with this actor."""
+    import subprocess
+    import urllib.request
+
+    memory = (["--kv-cache-memory-bytes", str(cfg.vllm_kv_cache_bytes)] if cfg.vllm_kv_cache_bytes else
+              ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)] if str(cfg.device) != "cpu" else [])
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(str(cfg.dtype), "auto")
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model), "--host", host,
+            "--port", str(port), "--dtype", dtype, "--seed", str(cfg.seed), "--max-model-len",
+            str(cfg.max_prompt_length + cfg.max_completion_length), "--weight-transfer-config", '{"backend": "gspo"}',
+            *(["--enforce-eager"] if str(cfg.device) == "cpu" else []), *memory]
+    server = subprocess.Popen(argv, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "GSPO_ROLLOUT_SECRET": secret,
+                                         "VLLM_API_KEY": secret}, preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
+    deadline = time.monotonic() + cfg.ray_start_timeout_s
+    request = urllib.request.Request(f"http://{host}:{port}/v1/models", headers={"Authorization": f"Bearer {secret}"})
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"launcher=ray: vllm serve of {cfg.model} exited with status {server.returncode} "
+                               "(its output above says why)")
+        try:
+            with urllib.request.urlopen(request, timeout=2):
+                return server.terminate
+        except OSError:
+            if time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"launcher=ray: vllm serve of {cfg.model} did not answer within "
+                                   f"ray_start_timeout_s={cfg.ray_start_timeout_s:g} s") from None
+            time.sleep(1)
+
+
+ENGINES = {"gspo": _gspo_engine, "vllm": _vllm_engine}  # ray_engine: how an engine actor serves
+check_implemented(RAY_ENGINES, ENGINES, "gspo.apps.ray_launch.ENGINES")
 
 
 __all__ = ["launch"]

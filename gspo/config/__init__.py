@@ -45,6 +45,7 @@ from gspo.config.shared import (
 )
 from gspo.config.tasks import TASK_KEYS, WEIGHTINGS, TaskSpec, parse_tasks
 from gspo.config.train import (
+    RAY_ENGINES,
     TRAIN_SECTIONS,
     AdvantageSettings,
     BatchSettings,
@@ -73,7 +74,7 @@ __all__ = ["AdvantageSettings", "BUILTIN_TOOL_NAMES", "BatchSettings", "CHECKS",
            "LoggingSettings", "LoraSettings", "MODEL_DTYPES", "ModelSettings", "ObjectiveSettings",
            "OptimizerSettings", "OutputSettings", "PrecisionSettings", "ProgressSettings", "RewardSettings",
            "RoutingSettings", "SFTConfig", "SFTTermSettings", "SamplerShape", "SamplingSettings", "TASK_KEYS",
-           "TOOL_CALL_STYLES", "TRAIN_SECTIONS", "TaskSettings", "TaskSpec", "TrainConfig", "WEIGHTINGS",
+           "RAY_ENGINES", "TOOL_CALL_STYLES", "TRAIN_SECTIONS", "TaskSettings", "TaskSpec", "TrainConfig", "WEIGHTINGS",
            "check_choice", "check_implemented", "check_positive", "checks", "coerce_fields", "config_help",
            "field_docs", "keeps_sampler_logprobs", "load_config", "make_config", "own_names", "parse_tasks",
            "prefixed", "renamed", "sampler_sections", "rollout_secret", "section", "sections", "split_endpoint",

@@ -340,6 +340,7 @@ def _check_logging(s: LoggingSettings) -> None:
 
 
 LAUNCHERS = ("process", "ray")
+RAY_ENGINES = ("gspo", "vllm")  # gspo/apps/ray_launch.py's ENGINES
 
 
 @dataclass
@@ -360,6 +361,9 @@ class DistributedSettings:
     """launcher=ray: trainer ranks (actors, each running `gspo train` as torchrun would start it: ddp or fsdp)."""
     ray_placement: str = "PACK"
     """launcher=ray: how the placement group spreads its bundles (a rank or an engine each): PACK or SPREAD."""
+    ray_engine: str = "gspo"
+    """launcher=ray: what each rollout engine actor serves: gspo (gspo serve, any generation_backend) or vllm (vLLM's
+    OpenAI server with gspo's weight-transfer backend; vllm installed where the actors run)."""
     max_engine_restarts: int = 3
     """launcher=ray: times Ray restarts a lost rollout engine actor (rollout_workers of them) before the run stops."""
     ray_start_timeout_s: float = 600.0
@@ -375,6 +379,7 @@ def _check_distributed(s: DistributedSettings) -> None:
     check_positive(s, "max_engine_restarts", allow_zero=True)
     check_choice(s, "launcher", LAUNCHERS)
     check_choice(s, "ray_placement", ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    check_choice(s, "ray_engine", RAY_ENGINES)
 
 
 # The sections of a training run in the order `gspo train --help` lists them. A dataclass collects its bases'
