@@ -69,7 +69,7 @@ class EndpointSampler:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.lost = None
         self.wait_s = sampling.rollout_endpoint_wait_s if self.shared else 0.0
-        self.last = None  # (payloads, the policy's probe log-probs) of the last push: a restarted endpoint's weights
+        self.last = None  # (version, payloads, the policy's probe log-probs) of the last push, for a restarted endpoint
         self.restarts = 0
         try:
             names = None if self.shared else [f"rollout worker {i + 1}" for i in range(len(urls))]
