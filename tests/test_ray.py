@@ -88,13 +88,35 @@ def test_a_seeded_run_under_ray_is_the_run_under_torchrun(tmp_path, cluster, mod
     assert_same_run(tmp_path / "torchrun", tmp_path / "ray", ignore=BUSY, noise=NOISE)
 
 
+GATE = '''import os
+import time
+
+calls = 0
+
+
+def digit(prompts, completions, **_):
+    """1 where the completion starts with a digit. Where ./armed exists, the third call writes ./paused and waits
+    for ./go: the test kills the engine while the trainer is held here, steps before the run's end."""
+    global calls
+    calls += 1
+    if calls == 3 and os.path.exists("armed"):
+        open("paused", "w").close()
+        while not os.path.exists("go"):
+            time.sleep(0.1)
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+'''
+
+
 @pytest.mark.slow
 def test_a_killed_engine_actor_is_restarted_and_the_run_goes_on(tmp_path, connected):
     # Ray restarts the engine at its address (max_engine_restarts); the trainer waits for it, pushes the weights it
-    # lost and asks again: seeded, the run is the run without the loss. Then no actor of the run is left.
+    # lost and asks again: seeded, the run is the run without the loss. Then no actor of the run is left. The engine
+    # is killed while the trainer waits in a reward function (GATE), so the kill cannot come after the run's last use
+    # of the engine, however slow the machine.
     ray = connected
     cluster_address = ray.get_runtime_context().gcs_address
-    write_run(tmp_path, max_steps=5, per_device_batch_size=4)
+    write_run(tmp_path, max_steps=5, per_device_batch_size=4, reward_funcs=["format", "gate_mod:digit"])
+    (tmp_path / "gate_mod.py").write_text(GATE)
     env = gspo_env(GSPO_ROLLOUT_SECRET=SECRET)
     argv = gspo_argv("train", "--config", tmp_path / "run.yaml", "launcher=ray", f"ray_address={cluster_address}",
                      "rollout_workers=1")
@@ -102,17 +124,23 @@ def test_a_killed_engine_actor_is_restarted_and_the_run_goes_on(tmp_path, connec
                           timeout=400)
     assert kept.returncode == 0, kept.stderr[-3000:]
     assert run_actors(ray) == []
+    (tmp_path / "armed").touch()
     process = subprocess.Popen([*argv, "output_dir=lost"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_step(tmp_path / "lost", 2, process)
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "paused").exists():
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the reward function did not pause the run within 240 s"
+            time.sleep(0.2)
         (name,) = [n for n in run_actors(ray) if n.endswith("/engine0")]
         ray.kill(ray.get_actor(name, namespace="gspo"), no_restart=False)
+        (tmp_path / "go").touch()
         _, err = process.communicate(timeout=400)
     finally:
         process.kill()
     assert process.returncode == 0, err[-3000:]
-    assert "is back after" in err and "asking again" in err
+    assert "is back after" in err and "asking again" in err, err[-3000:]
     lost = read_metrics(tmp_path / "lost")
     assert lost[-1]["async/endpoint_restarts"] == 1.0
     assert_same_run(tmp_path / "kept", tmp_path / "lost", ignore=BUSY, noise=NOISE)
