@@ -55,12 +55,20 @@ if python3 -c "import vllm" >/dev/null 2>&1; then
 else
   echo "async vllm: vllm is not installed in this Python; skipped"
 fi
-# Issue 51: the trainer and one `vllm serve` on the same GPU, weights by gspo's backend (the wire, through the CPU;
-# vLLM's IPC/NCCL backends are not wired yet), a Qwen3-0.6B-shaped model from config, 10 steps: tokens/s, seconds
-# per sync, MFU. Alone, in well under 10 minutes: python3 benchmarks/vllm_serve_check.py --out /tmp/x.json
+# Issue 51: the trainer and one `vllm serve` on the same GPU, weights by gspo's backend (the wire, through the CPU),
+# a Qwen3-0.6B-shaped model from config, 10 steps: tokens/s, seconds per sync, MFU; where two GPUs are, the same
+# with vLLM's NCCL backend (the server on the second GPU). Alone, in well under 10 minutes each:
+# python3 benchmarks/vllm_serve_check.py [--transfer nccl] --out /tmp/x.json
 if python3 -c "import vllm" >/dev/null 2>&1; then
   timeout 600 python3 benchmarks/vllm_serve_check.py --out "$OUT/vllm_serve_check.json" > "$OUT/vllm_serve_check.log" 2>&1
   echo "vllm serve check rc=$?"; tail -n 3 "$OUT/vllm_serve_check.log"
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    timeout 600 python3 benchmarks/vllm_serve_check.py --transfer nccl --out "$OUT/vllm_serve_check_nccl.json" \
+      > "$OUT/vllm_serve_check_nccl.log" 2>&1
+    echo "vllm serve check (nccl) rc=$?"; tail -n 3 "$OUT/vllm_serve_check_nccl.log"
+  else
+    echo "vllm serve check (nccl): one GPU (NCCL puts one rank on one GPU); skipped"
+  fi
 else
   echo "vllm serve check: vllm is not installed in this Python; skipped"
 fi

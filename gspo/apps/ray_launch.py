@@ -27,6 +27,7 @@ command line) and each child reads it from its environment.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -392,7 +393,8 @@ def _gspo_engine(cfg, host: str, port: int, secret: str):
 
 
 def _vllm_engine(cfg, host: str, port: int, secret: str):
-    """vLLM's OpenAI server (this Python's vllm) on host:port with gspo's weight-transfer backend, its RL routes on,
+    """vLLM's OpenAI server (this Python's vllm) on host:port with the run's weight-transfer backend
+    (rollout_weight_transfer: gspo's, or vLLM's NCCL on the engine's GPU), its RL routes on,
     the secret as its API key and gspo's (in its environment, never on its command line); ends with this actor."""
     import subprocess
     import urllib.request
@@ -402,7 +404,8 @@ def _vllm_engine(cfg, host: str, port: int, secret: str):
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(str(cfg.dtype), "auto")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model), "--host", host,
             "--port", str(port), "--dtype", dtype, "--seed", str(cfg.seed), "--max-model-len",
-            str(cfg.max_prompt_length + cfg.max_completion_length), "--weight-transfer-config", '{"backend": "gspo"}',
+            str(cfg.max_prompt_length + cfg.max_completion_length), "--weight-transfer-config",
+            json.dumps({"backend": cfg.rollout_weight_transfer}),
             *(["--enforce-eager"] if str(cfg.device) == "cpu" else []), *memory]
     server = subprocess.Popen(argv, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "GSPO_ROLLOUT_SECRET": secret,
                                          "VLLM_API_KEY": secret}, preexec_fn=lambda: _die_with_parent(signal.SIGKILL))

@@ -69,6 +69,10 @@ class SamplingSettings:
     """rollout_endpoints: seconds to wait for a lost endpoint to answer again at its URL (restarted: by Ray, systemd,
     a person), which is then re-joined, given the last weights pushed, and asked again what it lost; 0: a lost
     endpoint stops the run (launcher=ray: 300 unless set)."""
+    rollout_weight_transfer: str = "gspo"
+    """How vllm serve endpoints take the trainer's weights: gspo (gspo's vLLM backend: any device, any machine, the
+    run's secret, tensors only) or nccl (vLLM's NCCL backend: the trainer's GPU and the server's in one NCCL group;
+    the server started with --weight-transfer-config '{"backend": "nccl"}'). gspo serve endpoints: always gspo."""
     rollout_secret: str | None = None
     """The secret the trainer and its rollout endpoints prove to each other (rollout_endpoints); never saved or logged,
     refused as a command-line override (ps shows those). Else rollout_secret_file, else GSPO_ROLLOUT_SECRET."""
@@ -93,6 +97,7 @@ def split_endpoint(url) -> tuple[str, str, int]:
     return f"{parts.scheme}://{host}:{port}{path}", parts.hostname, port
 
 
+WEIGHT_TRANSFERS = ("gspo", "nccl")  # rollout_weight_transfer's choices: gspo.rollout.endpoint.client.TRANSFERS
 SECRET_ENV = "GSPO_ROLLOUT_SECRET"
 MIN_SECRET_CHARS = 16
 
@@ -158,6 +163,11 @@ def _check_sampling(s: SamplingSettings) -> None:
                          "staleness in one process)")
     if s.rollout_endpoints is not None:
         _check_endpoints(s)
+    check_choice(s, "rollout_weight_transfer", WEIGHT_TRANSFERS)
+    if s.rollout_weight_transfer != "gspo" and not s.rollout_endpoints:
+        raise ValueError(f"config: rollout_weight_transfer={s.rollout_weight_transfer} is how vllm serve endpoints "
+                         "take weights; set rollout_endpoints (rollout_workers and the in-process vllm engine take "
+                         "them by gspo's)")
     check_positive(s, "rollout_timeout_s")
     check_positive(s, "rollout_endpoint_wait_s", allow_zero=True)
     if s.rollout_address is not None:

@@ -140,15 +140,13 @@ def checkpoint_weights(policy, dtype: torch.dtype) -> dict[str, Tensor]:
 def checkpoint_payload(policy, dtype: torch.dtype) -> tuple[dict, dict]:
     """What a vLLM engine loads by gspo's weight-transfer backend: (one flat buffer per dtype name, the layout:
     names, dtype_names, shapes) of `checkpoint_weights`."""
+    from gspo.rollout.endpoint.weights import flatten
     from gspo.rollout.endpoint.wire import DTYPE_NAMES
 
     state = checkpoint_weights(policy, dtype)
-    parts: dict[str, list] = {}
-    for t in state.values():
-        parts.setdefault(DTYPE_NAMES[t.dtype], []).append(t.reshape(-1).cpu())
     info = {"trained_only": False, "names": list(state), "dtype_names": [DTYPE_NAMES[t.dtype] for t in state.values()],
             "shapes": [list(t.shape) for t in state.values()]}
-    return {name: torch.cat(ts) for name, ts in parts.items()}, info
+    return {DTYPE_NAMES[d]: flat for d, flat in flatten(state.values()).items()}, info
 
 
 class VLLMEngine:
@@ -258,20 +256,11 @@ class VLLMEngine:
     def _join(self):
         """init_weight_transfer_engine: the engine (this process) joins a loopback listener of the trainer's (this
         process too), both proving the in-process secret; the trainer's end of the connection."""
-        from concurrent.futures import ThreadPoolExecutor
-
         from gspo.rollout.endpoint.vllm_weights import BACKEND, in_process_secret
-        from gspo.rollout.endpoint.wire import accept_peers, listen
+        from gspo.rollout.endpoint.wire import invite_one
 
-        listener = listen("127.0.0.1", 0)
-        try:
-            with ThreadPoolExecutor(1, thread_name_prefix="gspo-vllm-join") as pool:
-                joined = pool.submit(accept_peers, listener, in_process_secret(), range(1, 2), 60.0)
-                self.llm.init_weight_transfer_engine({"init_info": {
-                    "backend": BACKEND, "host": "127.0.0.1", "port": listener.getsockname()[1], "rank": 1}})
-                return joined.result()[1]
-        finally:
-            listener.close()
+        return invite_one("127.0.0.1", in_process_secret(), lambda port: self.llm.init_weight_transfer_engine(
+            {"init_info": {"backend": BACKEND, "host": "127.0.0.1", "port": port, "rank": 1}}), 60.0)
 
     @torch.no_grad()
     def check(self, policy, when: str) -> dict[str, float]:

@@ -10,8 +10,9 @@ request carries its rows' seeds (choice j of a request seeded S is seeded S + j;
 so each row samples what the in-process sampler would draw for it.
 
 `push(policy, version)`: /start_weight_update, /update_weights (the tensors over gspo's wire, where the endpoint
-joined the trainer at /init_weight_transfer_engine: gspo/rollout/endpoint/weights.py), /finish_weight_update with
-the version, on every endpoint at once; each answers with its probe, which must match the policy's.
+joined the trainer at /init_weight_transfer_engine: gspo/rollout/endpoint/weights.py; or, for a vllm serve endpoint
+with rollout_weight_transfer=nccl, vLLM's NCCL broadcast: vllm_nccl.py), /finish_weight_update with the version, on
+every endpoint at once; each answers with its probe, which must match the policy's.
 
 Every request bears the run's secret. An endpoint that fails, times out or answers what was not asked is named in
 one line (`EndpointLost`): the trainer then stops with a checkpoint, as for a lost rollout worker.
@@ -43,10 +44,12 @@ class Endpoints:
 
     `urls`: each endpoint's base URL (gspo serve's or vllm serve's, with or without /v1); `secret`: the run's,
     sent as the bearer token; `timeout_s`: the longest wait for one answer (rollout_timeout_s); `vocab_size`:
-    token ids outside it are refused; `names`: what errors call each (default "rollout endpoint <url>")."""
+    token ids outside it are refused; `names`: what errors call each (default "rollout endpoint <url>");
+    `weight_transfer`: how vllm serve endpoints take weights (TRANSFERS; gspo serve's always by "gspo");
+    `device`: the policy's (the trainer's NCCL rank is on it)."""
 
     def __init__(self, urls: list[str], secret: bytes, *, timeout_s: float, vocab_size: int,
-                 names: list[str] | None = None):
+                 names: list[str] | None = None, weight_transfer: str = "gspo", device: str = "cpu"):
         from gspo.rollout.endpoint.server import need
 
         need("serve", "httpx")
@@ -60,7 +63,8 @@ class Endpoints:
         self.pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(urls)), thread_name_prefix="gspo-endpoints")
         self.in_flight = [0] * len(urls)  # rows asked of each endpoint and not yet answered
         self.version: str | None = None  # the weights' version the trainer last pushed
-        self.socks: list | None = None  # the wire to each endpoint, once joined (`_join`)
+        self.links: list | None = None  # how each endpoint takes weights, once joined (`_join`)
+        self.device = torch.device(device)
         self.routing_layers: tuple | None = None  # the policy's routers' layers, while a call records (`recording`)
         self.routed: list | None = None  # each row's experts, (fed tokens, R, k) per row, of the last call
         self.models, self.kinds = [], []
@@ -76,6 +80,16 @@ class Endpoints:
         if others:
             raise ValueError(f"rollout_endpoints: {', '.join(others)}: gspo samples from and updates gspo serve and "
                              "vllm serve endpoints only")
+        if weight_transfer not in TRANSFERS:
+            raise ValueError(f"rollout_weight_transfer: {weight_transfer!r} is not one of {sorted(TRANSFERS)}")
+        if weight_transfer != "gspo" and "vllm" not in self.kinds:
+            raise ValueError(f"rollout_weight_transfer={weight_transfer}: it is how vllm serve endpoints take "
+                             "weights, and none of rollout_endpoints is one (gspo serve takes them by gspo's)")
+        self.transfers = [weight_transfer if kind == "vllm" else "gspo" for kind in self.kinds]
+        if "nccl" in self.transfers:
+            from gspo.rollout.endpoint.vllm_nccl import check_trainer_device
+
+            check_trainer_device(self.device)
 
     # -- HTTP ---------------------------------------------------------------------------------------------------
     def _call(self, base: str, method: str, path: str, body: dict | None, what: str):
@@ -234,32 +248,24 @@ class Endpoints:
         probe. `payloads`: per kind of endpoint ("gspo", "vllm") (tensors: one flat buffer per dtype name,
         update_info without the version): gspo serve takes the parameters in the policy's order (`flat_weights`,
         their names), vLLM the checkpoint's tensors with each one's name, dtype and shape."""
-        if self.socks is None:
+        if self.links is None:
             self._join()
         futures = [self.pool.submit(self._push_one, e, version, *payloads[self.kinds[e]])
                    for e in range(len(self.bases))]
         return [f.result() for f in futures]  # the caller sets self.version once the probes agree
 
     def _push_one(self, e: int, version: int, tensors: dict, info: dict) -> list[float]:
-        from gspo.rollout.endpoint.wire import send
-
         base = self.bases[e]
-        self._call(base, "POST", "/start_weight_update", None, "starting a weight update")
-        sock = self.socks[e]
-        sending = self.pool.submit(send, sock, "weights", {"version": version,
-                                                           "trained_only": info.get("trained_only", False)}, tensors)
-        try:  # the endpoint reads the tensors while it answers this
-            self._call(base, "POST", "/update_weights", {"update_info": {"version": version, **info}},
-                       "loading the weights")
-        except EndpointLost:
-            sock.close()  # a refused update: the send stops at once (the connection is done)
-            raise
+
+        def call(method, path, body, what):
+            return self._call(base, method, path, body, what)
+
+        call("POST", "/start_weight_update", None, "starting a weight update")
         try:
-            sending.result()
-        except OSError as err:
-            raise EndpointLost(f"{self.named[base]}: sending the weights: {err}") from None
-        answer = self._call(base, "POST", "/finish_weight_update", {"weight_version": str(version)},
-                            "finishing the weight update")
+            self.links[e].send(call, version, tensors, info)
+        except (OSError, RuntimeError) as err:  # the wire's socket, NCCL
+            raise EndpointLost(f"{self.named[base]}: sending the weights: {type(err).__name__}: {err}") from None
+        answer = call("POST", "/finish_weight_update", {"weight_version": str(version)}, "finishing the weight update")
         probe = answer.get("probe") if isinstance(answer, dict) else None
         if self.kinds[e] == "vllm":
             probe = self._prompt_logprobs(e)
@@ -287,9 +293,9 @@ class Endpoints:
 
     def rejoin(self, e: int) -> None:
         """Endpoint `e` came back (a new process at its URL): join it again for weights."""
-        if self.socks is not None:
-            self.socks[e].close()
-            self.socks[e] = self._join_one(e)
+        if self.links is not None:
+            self.links[e].close()
+            self.links[e] = self._join_one(e)
 
     def _prompt_logprobs(self, e: int) -> list[float]:
         """vLLM's log-probs of the probe's tokens (its prompt_logprobs), what gspo serve answers as its probe."""
@@ -324,43 +330,77 @@ class Endpoints:
                 self._call(base, "POST", "/rng_state", {"rng_state": state}, "setting its random state")
 
     def _join(self) -> None:
-        """/init_weight_transfer_engine on every endpoint: each joins a listener of the trainer's own (on the address
-        this machine reaches it from), both proving the run's secret."""
-        self.socks = list(self.pool.map(self._join_one, range(len(self.bases))))
+        """/init_weight_transfer_engine on every endpoint, by its transfer (TRANSFERS)."""
+        self.links = list(self.pool.map(self._join_one, range(len(self.bases))))
 
     def _join_one(self, e: int):
+        return TRANSFERS[self.transfers[e]](self, e)
+
+    def _join_wire(self, e: int) -> _WireLink:
+        """gspo's backend: the endpoint joins a listener of the trainer's own (on the address this machine reaches it
+        from), both proving the run's secret."""
         from gspo.rollout.endpoint.weights import BACKEND
-        from gspo.rollout.endpoint.wire import accept_peers, listen
+        from gspo.rollout.endpoint.wire import invite_one
 
         base = self.bases[e]
         host = _local_address(base, self.named[base])
-        listener = listen(host, 0)
-        port = listener.getsockname()[1]
-        call = self.pool.submit(self._call, base, "POST", "/init_weight_transfer_engine",
-                                {"init_info": {"backend": BACKEND, "host": host, "port": port, "rank": 1}},
-                                "joining the trainer for weights")
 
-        def failed():  # the endpoint's answer came first: it could not join (its error says why)
-            if call.done() and call.exception() is not None:
-                raise call.exception()
+        def invite(port):
+            return self._call(base, "POST", "/init_weight_transfer_engine",
+                              {"init_info": {"backend": BACKEND, "host": host, "port": port, "rank": 1}},
+                              "joining the trainer for weights")
 
         try:
-            joined = accept_peers(listener, self.secret, range(1, 2), self.timeout_s, alive=failed,
-                                  refused=lambda line: print(f"rollout endpoints: refused a connection from {line}",
-                                                             file=sys.stderr, flush=True))
-            call.result()
+            sock = invite_one(host, self.secret, invite, self.timeout_s,
+                              refused=lambda line: print(f"rollout endpoints: refused a connection from {line}",
+                                                         file=sys.stderr, flush=True))
         except TimeoutError as err:
-            raise EndpointLost(f"{self.named[base]}: it did not join the trainer at {host}:{port}: {err}"
-                               ) from None
-        finally:
-            listener.close()
-        return joined[1]
+            raise EndpointLost(f"{self.named[base]}: it did not join the trainer at {host}: {err}") from None
+        return _WireLink(sock, self.pool)
+
+    def _join_nccl(self, e: int):
+        """vLLM's NCCL backend (gspo/rollout/endpoint/vllm_nccl.py): an NCCL group with the server's GPUs."""
+        from gspo.rollout.endpoint.vllm_nccl import join
+
+        base = self.bases[e]
+        try:
+            return join(lambda *args: self._call(base, *args), self.named[base], self.device, self.timeout_s)
+        except (TimeoutError, RuntimeError) as err:
+            raise EndpointLost(f"{self.named[base]}: joining it by NCCL: {type(err).__name__}: {err}") from None
 
     def close(self) -> None:
-        for sock in self.socks or ():
-            sock.close()
+        for link in self.links or ():
+            link.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+
+
+class _WireLink:
+    """gspo's backend: the authenticated socket an endpoint joined; each update one tensors message on it."""
+
+    def __init__(self, sock, pool) -> None:
+        self.sock, self.pool = sock, pool
+
+    def send(self, call, version: int, tensors: dict, info: dict) -> None:
+        """The tensors while the endpoint answers /update_weights (it reads them meanwhile)."""
+        from gspo.rollout.endpoint.wire import send
+
+        sending = self.pool.submit(send, self.sock, "weights",
+                                   {"version": version, "trained_only": info.get("trained_only", False)}, tensors)
+        try:
+            call("POST", "/update_weights", {"update_info": {"version": version, **info}}, "loading the weights")
+        except EndpointLost:
+            self.sock.close()  # a refused update: the send stops at once (the connection is done)
+            raise
+        sending.result()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# how a vllm serve endpoint takes weights (rollout_weight_transfer): gspo's backend (any device; the trainer's
+# listener, the run's secret, tensors only) or vLLM's NCCL (the trainer's GPU and the server's in one NCCL group)
+TRANSFERS = {"gspo": Endpoints._join_wire, "nccl": Endpoints._join_nccl}
 
 
 class _Recording:
@@ -413,4 +453,4 @@ def _unsupported(model) -> str:
 ENDPOINTS = GeneratorBackend(lambda endpoints, *args, **kwargs: endpoints.sample(*args, **kwargs), _unsupported)
 
 
-__all__ = ["ENDPOINTS", "EndpointLost", "Endpoints"]
+__all__ = ["ENDPOINTS", "TRANSFERS", "EndpointLost", "Endpoints"]

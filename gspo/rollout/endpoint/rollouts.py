@@ -74,7 +74,8 @@ class EndpointSampler:
         try:
             names = None if self.shared else [f"rollout worker {i + 1}" for i in range(len(urls))]
             self.endpoints = Endpoints(urls, secret, timeout_s=sampling.rollout_timeout_s, vocab_size=self.vocab_size,
-                                       names=names)
+                                       names=names, weight_transfer=sampling.rollout_weight_transfer,
+                                       device=str(next(model.parameters()).device))
         except BaseException:
             self.close()
             raise

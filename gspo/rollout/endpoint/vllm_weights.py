@@ -74,5 +74,26 @@ class Layout:
             out[dtype] = out.get(dtype, 0) + math.prod(shape)
         return out
 
+    def split(self, flat: dict):
+        """(name, tensor) of each entry in order, views of `flat` (one buffer per dtype name); a ValueError where
+        the buffers do not hold exactly what the layout lists."""
+        offsets = dict.fromkeys(flat, 0)
+        for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes):
+            if dtype not in flat:
+                raise ValueError(f"{name}: dtype {dtype} has no buffer")
+            n, start = math.prod(shape), offsets[dtype]
+            if start + n > flat[dtype].numel():
+                raise ValueError(f"{name}: the {dtype} buffer ends before it")
+            yield name, flat[dtype][start:start + n].view(shape)
+            offsets[dtype] = start + n
+        left = {d: flat[d].numel() - offsets[d] for d in flat if offsets[d] != flat[d].numel()}
+        if left:
+            raise ValueError(f"values left in the buffers after the last tensor: {left}")
+
+    @classmethod
+    def of(cls, info: dict) -> Layout:
+        """The layout an update_info (or checkpoint_payload's info) lists."""
+        return cls(list(info["names"]), list(info["dtype_names"]), [list(s) for s in info["shapes"]])
+
 
 __all__ = ["BACKEND", "Layout", "in_process_secret", "register", "run_secret"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -75,7 +74,7 @@ class GspoWeightTransferEngine(WeightTransferEngine[GspoInitInfo, GspoUpdateInfo
     def receive_weights(self, update_info: GspoUpdateInfo) -> None:
         if self.sock is None:
             raise ValueError("update_weights before init_weight_transfer_engine")
-        layout = Layout(list(update_info.names), list(update_info.dtype_names), [list(s) for s in update_info.shapes])
+        layout = Layout.of(vars(update_info))
         if not (len(layout.names) == len(layout.dtype_names) == len(layout.shapes)) or any(
                 d not in DTYPES for d in layout.dtype_names):
             raise ValueError("update_info: names, dtype_names and shapes must be lists of one length, dtypes gspo's")
@@ -89,13 +88,7 @@ class GspoWeightTransferEngine(WeightTransferEngine[GspoInitInfo, GspoUpdateInfo
 
         self.sock.settimeout(READ_TIMEOUT_S)
         message = recv(self.sock, TO_ENDPOINT, check=fits)
-        offsets = dict.fromkeys(sizes, 0)
-        weights = []
-        for name, dtype, shape in zip(layout.names, layout.dtype_names, layout.shapes):
-            n, start = int(torch.Size(shape).numel()), offsets[dtype]
-            weights.append((name, message.tensors[dtype][start:start + n].view(shape).to(self.device)))
-            offsets[dtype] = start + n
-        self.model.load_weights(weights=weights)
+        self.model.load_weights(weights=[(name, t.to(self.device)) for name, t in layout.split(message.tensors)])
 
     def shutdown(self) -> None:
         if self.sock is not None:

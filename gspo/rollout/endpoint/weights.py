@@ -44,10 +44,15 @@ def flat_weights(model, trained_only: bool = False) -> dict[torch.dtype, torch.T
     """The parameters of `model` (`sent_parameters`) flattened into one CPU buffer per dtype (gloo sends from
     the wire). Under fsdp each parameter is gathered whole first, parameter by parameter: a collective, so every
     rank calls this at the same point (each then broadcasts to its own workers)."""
+    return flatten(p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()  # fsdp: a DTensor shard
+                   for p in sent_parameters(model, trained_only))
+
+
+def flatten(tensors) -> dict[torch.dtype, torch.Tensor]:
+    """The tensors, in order, in one flat CPU buffer per dtype."""
     by_dtype: dict[torch.dtype, list] = {}
-    for p in sent_parameters(model, trained_only):
-        whole = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()  # fsdp: a DTensor shard
-        by_dtype.setdefault(p.dtype, []).append(whole.reshape(-1).cpu())
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.reshape(-1).cpu())
     return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
 
 
@@ -227,5 +232,5 @@ class WeightReceiver:
         self.sock, self.pending = None, None
 
 
-__all__ = ["BACKEND", "PROBE_LENGTH", "ROUTES", "TO_ENDPOINT", "WeightReceiver", "check_fit", "flat_weights",
+__all__ = ["BACKEND", "PROBE_LENGTH", "ROUTES", "TO_ENDPOINT", "WeightReceiver", "check_fit", "flat_weights", "flatten",
            "load_flat_weights", "load_worker_model", "probe_ids", "probe_logprobs", "sent_names", "sent_parameters"]

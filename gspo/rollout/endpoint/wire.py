@@ -204,6 +204,37 @@ def accept_peers(listener: socket.socket, secret: bytes, ranks: range, timeout_s
     return joined
 
 
+def invite_one(host: str, secret: bytes, invite, timeout_s: float, *, refused=lambda line: None) -> socket.socket:
+    """Listen on `host` (a port of the OS's choice), call `invite(port)` (it asks the peer to connect: an HTTP call,
+    vLLM's init) while a thread accepts the one peer that proves `secret` as rank 1; its socket. Where the invitation
+    fails its error is raised at once; TimeoutError when no peer has joined within `timeout_s`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    listener = listen(host, 0)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gspo-accept")
+    stop = threading.Event()
+
+    def stopped():
+        if stop.is_set():
+            raise Closed("the invitation failed")
+
+    accepting = pool.submit(accept_peers, listener, secret, range(1, 2), timeout_s, alive=stopped, refused=refused)
+    try:
+        invite(listener.getsockname()[1])
+    except BaseException:
+        stop.set()  # accept_peers ends within 0.05 s
+        pool.shutdown(wait=True)
+        if accepting.exception() is None:  # the peer had joined before the invitation failed
+            accepting.result()[1].close()
+        listener.close()
+        raise
+    try:
+        return accepting.result()[1]
+    finally:
+        pool.shutdown(wait=True)
+        listener.close()
+
+
 def connect(host: str, port: int, secret: bytes, rank: int, timeout_s: float) -> socket.socket:
     """A connection to the listener at `host`:`port`, both sides' secrets proven, as `rank`. Retries a refused
     connection until `timeout_s` (the listener may start later); a WireError in one line otherwise."""
@@ -440,5 +471,5 @@ def _shutdown(sock: socket.socket, how: int) -> None:
         pass
 
 
-__all__ = ["Closed", "Kind", "Message", "Peer", "WireError", "accept_peers", "connect", "listen", "parse_header",
-           "recv", "send"]
+__all__ = ["Closed", "Kind", "Message", "Peer", "WireError", "accept_peers", "connect", "invite_one", "listen",
+           "parse_header", "recv", "send"]
