@@ -3,9 +3,19 @@
 import json
 
 import pytest
+import torch
 
 from conftest import TINY_MODEL
-from gspo.apps.bench import _forwards_per_phase, bench, format_bench, forward_flops, matmul_params
+from gspo.apps.bench import (
+    _forwards_per_phase,
+    bench,
+    compute_dtypes,
+    format_bench,
+    forward_flops,
+    matmul_params,
+    read_bandwidths,
+    sampling_bytes,
+)
 from gspo.apps.cli import main
 from gspo.config import TrainConfig, make_config
 from gspo.models import load_model
@@ -40,6 +50,35 @@ def test_forwards_per_phase_by_hand():
     assert forwards(use_sampler_logprobs=True)["rewards + pi_old/pi_ref + advantages"] == 0
 
 
+def test_the_reference_dtype_of_each_phase_follows_the_config():
+    # The peak a phase is held to is the matmul rate in the dtype it computes in: autocast's where bf16/fp16 is
+    # on (every policy forward, sampling included), else the weights', sampling from a sampler_dtype copy in that.
+    def dtypes(weights=torch.float32, **kw):
+        got = compute_dtypes(make_config(TrainConfig, {**RUN, **kw}), weights)
+        return [str(got[p]).removeprefix("torch.") for p in ("generate", "rewards + pi_old/pi_ref + advantages",
+                                                              "train (updates)")]
+
+    assert dtypes() == ["float32"] * 3
+    assert dtypes(bf16=True) == ["bfloat16"] * 3
+    assert dtypes(fp16=True) == ["float16"] * 3
+    assert dtypes(sampler_dtype="bfloat16") == ["bfloat16", "float32", "float32"]
+    assert dtypes(torch.bfloat16, dtype="bfloat16") == ["bfloat16"] * 3
+    assert dtypes(bf16=True, sampler_dtype="float16") == ["bfloat16"] * 3  # the copy is cast by the autocast
+
+
+def test_sampling_bytes_by_hand():
+    # 2 sequences, prompt 3, completion 4 (3 decode steps after the prefill's token), 4 forwards of 100 weight bytes:
+    # 400; keys and values: steps see 3+1, 3+2, 3+3 tokens = 15 per sequence, 30 in all, each 2 (K, V) * 2 layers *
+    # 1 kv head * 8 dims * 2 bytes = 64 bytes: 1920.
+    assert sampling_bytes(2, 3.0, 4.0, 4, weight_bytes=100, layers=2, kv_heads=1, head_dim=8, kv_itemsize=2) == 2320
+    assert sampling_bytes(2, 3.0, 1.0, 1, weight_bytes=100, layers=2, kv_heads=1, head_dim=8, kv_itemsize=2) == 100
+
+
+def test_read_bandwidth_is_a_rate_of_bytes():
+    rates = read_bandwidths(1 << 20, 0.05, windows=3)
+    assert len(rates) == 3 and all(1e8 < r < 1e13 for r in rates)  # 0.1 GB/s .. 10 TB/s: bytes per second
+
+
 def test_bench_reports_the_trainers_phases_and_their_utilisation(tmp_path):
     cfg = make_config(TrainConfig, {**RUN, "output_dir": str(tmp_path / "kept")})
     result = bench(cfg, steps=2, skip_first=1, peak_seconds=0.05, matmul_n=256)
@@ -55,10 +94,25 @@ def test_bench_reports_the_trainers_phases_and_their_utilisation(tmp_path):
     assert phases["train (updates)"]["model_gflop_per_step"] == pytest.approx(3 * one)
     assert phases["rewards + pi_old/pi_ref + advantages"]["model_gflop_per_step"] == pytest.approx(0.5 * one)
     for v in phases.values():
-        assert v["s_per_step"] > 0 and 0 < v["of_peak"] < 1
+        assert v["s_per_step"] > 0 and 0 < v["of_peak"] < 1 and v["dtype"] == "float32"
         assert v["gflop_per_s"] == pytest.approx(v["model_gflop_per_step"] / v["s_per_step"])
+    assert list(result["peak_matmul_gflop_per_s"]) == ["float32"]
+    generate, read = phases["generate"], result["read_gb_per_s"]
+    assert generate["roofline_s"] == pytest.approx(generate["gb_read_per_step"] / max(read["before"], read["after"]))
+    assert generate["of_roofline"] == pytest.approx(generate["roofline_s"] / generate["s_per_step"])
+    weights = 4 * matmul_params(model)  # float32, read once per forward: at least once (the prefill)
+    assert weights / 1e9 <= generate["gb_read_per_step"] <= weights * 8 / 1e9 + 1e-3  # T = 8 forwards at most
     assert result["tokens_per_s"] > 0 and result["mean_prompt_len"] == 8
-    assert "whole step" in format_bench(result)
+    assert "whole step" in format_bench(result) and "of the bandwidth roofline" in format_bench(result)
+
+
+def test_bench_under_bf16_holds_every_phase_to_the_bf16_peak(tmp_path):
+    cfg = make_config(TrainConfig, {**RUN, "bf16": True, "output_dir": str(tmp_path / "kept")})
+    result = bench(cfg, steps=2, skip_first=1, peak_seconds=0.05, matmul_n=128)
+    assert list(result["peak_matmul_gflop_per_s"]) == ["bfloat16"] and result["sampler_weights_dtype"] == "float32"
+    peak = max(result["peak_matmul_gflop_per_s"]["bfloat16"].values())
+    for v in result["phases"].values():
+        assert v["dtype"] == "bfloat16" and v["of_peak"] == pytest.approx(v["gflop_per_s"] / peak)
 
 
 def test_bench_command_prints_the_table_and_writes_json(tmp_path, capsys):

@@ -10,8 +10,14 @@ log-probs, advantages: `time/rollout_s` minus sampling) and the updates (`time/t
 completion tokens per second (`throughput/tokens_per_s`).
 
 Utilisation: model FLOPs per phase over its seconds, against the median FLOP/s of large matmuls in
-the model's dtype on its device, measured right before and right after the run (a shared machine
-changes speed: the larger is the reference). Model FLOPs of a sequence of l real tokens, forward:
+the dtype the phase computes in (`compute_dtypes`: the autocast's under bf16/fp16, else the weights'; sampling
+from a `sampler_dtype` copy: that dtype) on its device, measured right before and right after the run (a shared
+machine changes speed: the larger is the reference); the whole step against the phases' peaks, each weighted by
+its seconds. Sampling is mostly bound by memory, not FLOPs: beside its FLOP figure stands a bandwidth roofline,
+the least bytes it must read (`sampling_bytes`: every forward reads the weights as stored, each decode step
+every real token's keys and values so far) over the device's read bandwidth (`read_bandwidths`, a large
+buffer summed, before and after the run like the peaks); "of roofline" is that time over the measured one.
+Model FLOPs of a sequence of l real tokens, forward:
 2 * P_mm * l + layers * 4 * heads * head_dim * l (l + 1) / 2 (P_mm: the parameters of every matmul,
 decoder layers and output head; padding is not useful work and is not counted, MFU convention,
 PaLM appendix B). Sampling = one forward of every final sequence (the KV cache), the rollout's rest =
@@ -34,7 +40,8 @@ import torch
 
 from gspo.config import TrainConfig, make_config, to_dict
 
-__all__ = ["bench", "cpu_name", "format_bench", "forward_flops", "matmul_params", "peak_matmul_rates"]
+__all__ = ["bench", "compute_dtypes", "cpu_name", "format_bench", "forward_flops", "matmul_params",
+           "peak_matmul_rates", "read_bandwidths", "sampling_bytes"]
 
 # A run's settings that only cost time outside the phases measured here (or would keep files)
 _QUIET = dict(eval_steps=0, eval_num_prompts=1, eval_k=1, save_steps=0, save_total_limit=1, log_samples_steps=0,
@@ -75,6 +82,49 @@ def peak_matmul_rates(n: int, seconds: float, *, device="cpu", dtype=torch.float
     return rates
 
 
+def read_bandwidths(nbytes: int, seconds: float, *, device="cpu", windows: int = 5) -> list[float]:
+    """Bytes/s of `windows` timing windows of summing a float32 buffer of `nbytes` (read once per sum), `seconds`
+    in all: the rate at which this device reads memory that no cache holds (pick nbytes well above the caches)."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a = torch.ones(max(nbytes // 4, 1), device=device)  # (nbytes / 4,)
+    a.sum()  # warm-up: pages touched
+    sync()
+    t0 = time.perf_counter()
+    a.sum()
+    sync()
+    reps = max(1, int(seconds / windows / max(time.perf_counter() - t0, 1e-6)))
+    rates = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a.sum()
+        sync()
+        rates.append(a.numel() * 4 * reps / (time.perf_counter() - t0))
+    return rates
+
+
+def compute_dtypes(cfg: TrainConfig, weights: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype each phase's matmuls compute in: bf16/fp16 autocast's where on (every policy forward runs under
+    it, sampling included), else the weights' (`weights`), sampling from a sampler_dtype copy in that dtype."""
+    from gspo.models import DTYPES
+
+    autocast = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
+    sampler = DTYPES[cfg.sampler_dtype] if cfg.sampler_dtype else weights
+    return {"generate": autocast or sampler, "rewards + pi_old/pi_ref + advantages": autocast or weights,
+            "train (updates)": autocast or weights}
+
+
+def sampling_bytes(sequences: int, prompt: float, completion: float, forwards: int, *, weight_bytes: int,
+                   layers: int, kv_heads: int, head_dim: int, kv_itemsize: int) -> float:
+    """The least bytes one rollout's sampling reads: the weights once per forward (`forwards`: the prefill and one
+    per later token, as many as the longest completion needs), and at each decode step every sequence's keys and
+    values of its tokens so far (`prompt` + t, mean lengths; t = 1 .. completion - 1)."""
+    decode = max(completion - 1.0, 0.0)
+    kv_tokens = sequences * (decode * prompt + decode * (decode + 1) / 2)  # sum over decode steps of tokens seen
+    return forwards * weight_bytes + kv_tokens * 2 * layers * kv_heads * head_dim * kv_itemsize
+
+
 def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: float = 5.0,
           matmul_n: int | None = None) -> dict:
     """Run `cfg` for `steps` steps in a temporary folder; per-phase seconds, tokens/s and utilisation of the
@@ -82,7 +132,7 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
     if steps < 1 or not 0 <= skip_first < steps:
         raise ValueError(f"bench: need steps >= 1 and 0 <= skip_first < steps; got steps={steps}, "
                          f"skip_first={skip_first}")
-    from gspo.models import resolve_device, seeded_model
+    from gspo.models import DTYPES, resolve_device, seeded_model
     from gspo.trainer import train
 
     device = resolve_device(cfg.device)
@@ -90,17 +140,28 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
         run_cfg = make_config(TrainConfig, {**to_dict(cfg, keep_secrets=True), **_QUIET, "max_steps": steps,
                                             "output_dir": tmp})
         _, model, _ = seeded_model(run_cfg)  # the policy as trained: its shape and dtype
-        dtype, shape = next(model.parameters()).dtype, _shape(model)
+        dtype, shape, kv = next(model.parameters()).dtype, _shape(model), _kv_shape(model)
+        dtypes = compute_dtypes(cfg, dtype)
+        sampler_weights = DTYPES[cfg.sampler_dtype] if cfg.sampler_dtype else dtype  # as stored (autocast casts)
+        weight_bytes = shape[0] * torch.empty(0, dtype=sampler_weights).element_size()
         del model
         n = matmul_n or (8192 if device.type == "cuda" else 2048)
-        peak_before = statistics.median(peak_matmul_rates(n, peak_seconds, device=device, dtype=dtype))
+        nbytes = 1 << 30 if device.type == "cuda" else 256 << 20
+
+        def limits() -> tuple[dict, float]:
+            peaks = {d: statistics.median(peak_matmul_rates(n, peak_seconds, device=device, dtype=d))
+                     for d in dict.fromkeys(dtypes.values())}
+            return peaks, statistics.median(read_bandwidths(nbytes, peak_seconds, device=device))
+
+        peaks_before, bandwidth_before = limits()
         started = time.perf_counter()
         train(run_cfg)
         seconds = time.perf_counter() - started
-        peak_after = statistics.median(peak_matmul_rates(n, peak_seconds, device=device, dtype=dtype))
+        peaks_after, bandwidth_after = limits()
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r.get("step", 0) > skip_first and "time/train_s" in r]
-    peak = max(peak_before, peak_after)
+    peaks = {d: max(peaks_before[d], peaks_after[d]) for d in peaks_before}
+    bandwidth = max(bandwidth_before, bandwidth_after)
     N = cfg.per_device_batch_size * cfg.num_generations  # per rank
     forwards = _forwards_per_phase(cfg)
     phases = {}
@@ -114,7 +175,21 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
         secs = [seconds_of(r) for r in timed]
         rate = statistics.median(f / s for f, s in zip(flops, secs)) if all(s > 0 for s in secs) else float("nan")
         phases[phase] = {"s_per_step": statistics.median(secs), "model_gflop_per_step": statistics.median(flops) / 1e9,
-                         "gflop_per_s": rate / 1e9, "of_peak": rate / peak}
+                         "gflop_per_s": rate / 1e9}
+        if phase in dtypes:
+            phases[phase]["dtype"] = str(dtypes[phase]).removeprefix("torch.")
+            phases[phase]["of_peak"] = rate / peaks[dtypes[phase]]
+    # the whole step: its FLOPs over what the phases' peaks allow in their seconds
+    reachable = sum(phases[p]["s_per_step"] * peaks[dtypes[p]] for p in dtypes)
+    phases["whole step"]["dtype"] = "/".join(dict.fromkeys(phases[p]["dtype"] for p in dtypes))
+    phases["whole step"]["of_peak"] = phases["whole step"]["model_gflop_per_step"] * 1e9 / reachable
+    kv_itemsize = torch.empty(0, dtype=dtypes["generate"]).element_size()
+    read = [sampling_bytes(N, r["prompt/mean_len"], r["completion/mean_len"], int(r["completion/max_len"]),
+                           weight_bytes=weight_bytes, kv_itemsize=kv_itemsize, **kv) for r in timed]
+    generate = phases["generate"]
+    generate["gb_read_per_step"] = statistics.median(read) / 1e9
+    generate["roofline_s"] = statistics.median(read) / bandwidth
+    generate["of_roofline"] = generate["roofline_s"] / generate["s_per_step"]
     return {
         "model": cfg.model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(), "cpu": cpu_name(),
@@ -125,7 +200,10 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
         "tokens_per_s": statistics.median(r["throughput/tokens_per_s"] for r in timed),
         "mean_completion_len": statistics.median(r["completion/mean_len"] for r in timed),
         "mean_prompt_len": statistics.median(r["prompt/mean_len"] for r in timed),
-        "peak_matmul_gflop_per_s": {"before": peak_before / 1e9, "after": peak_after / 1e9, "n": n},
+        "peak_matmul_gflop_per_s": {str(d).removeprefix("torch."): {"before": peaks_before[d] / 1e9,
+                                                                     "after": peaks_after[d] / 1e9} for d in peaks},
+        "matmul_n": n, "sampler_weights_dtype": str(sampler_weights).removeprefix("torch."),
+        "read_gb_per_s": {"before": bandwidth_before / 1e9, "after": bandwidth_after / 1e9, "nbytes": nbytes},
         "phases": phases,
     }
 
@@ -149,6 +227,14 @@ def _shape(model) -> tuple[int, int, int, int]:
     return matmul_params(model), c.num_hidden_layers, heads, head_dim
 
 
+def _kv_shape(model) -> dict[str, int]:
+    """layers, kv_heads, head_dim for `sampling_bytes`."""
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return {"layers": c.num_hidden_layers, "kv_heads": getattr(c, "num_key_value_heads", None) or
+            c.num_attention_heads, "head_dim": head_dim}
+
+
 def _forwards_per_phase(cfg: TrainConfig) -> dict[str, float]:
     """Policy forwards (in units of one forward of every sequence) each phase runs."""
     M = cfg.num_minibatches
@@ -165,7 +251,10 @@ def _forwards_per_phase(cfg: TrainConfig) -> dict[str, float]:
 def format_bench(result: dict) -> str:
     """The table `gspo bench` prints."""
     s = result["settings"]
-    peak = result["peak_matmul_gflop_per_s"]
+    peaks = "; ".join(f"{d} {v['before']:.1f} before, {v['after']:.1f} after"
+                      for d, v in result["peak_matmul_gflop_per_s"].items())
+    read = result["read_gb_per_s"]
+    generate = result["phases"]["generate"]
     lines = [
         f"{result['model']} on {result['device']} ({result['cpu']}, torch threads {result['threads']}, "
         f"{result['dtype']}): "
@@ -173,13 +262,16 @@ def format_bench(result: dict) -> str:
         f"{result['mean_prompt_len']:.1f} + completion {result['mean_completion_len']:.1f} tokens "
         f"(max {s['max_completion_length']}), {s['num_minibatches']} minibatches x {s['num_epochs']} epochs, "
         f"padding_free={s['padding_free']}",
-        f"completion tokens/s: {result['tokens_per_s']:,.0f}; peak matmul ({peak['n']}^3): "
-        f"{peak['before']:.1f} GFLOP/s before, {peak['after']:.1f} after",
+        f"completion tokens/s: {result['tokens_per_s']:,.0f}; peak matmul GFLOP/s ({result['matmul_n']}^3): {peaks}; "
+        f"memory read: {read['before']:.1f} GB/s before, {read['after']:.1f} after",
+        f"sampling reads >= {generate['gb_read_per_step']:.3f} GB per step (weights as "
+        f"{result['sampler_weights_dtype']}, KV cache): {generate['roofline_s']:.3f} s at that bandwidth, "
+        f"{generate['of_roofline']:.1%} of the bandwidth roofline",
         "",
-        f"{'phase':<40}{'s/step':>9}{'share':>8}{'model GFLOP':>13}{'GFLOP/s':>10}{'of peak':>9}",
+        f"{'phase':<40}{'s/step':>9}{'share':>8}{'model GFLOP':>13}{'GFLOP/s':>10}{'dtype':>18}{'of peak':>9}",
     ]
     whole = result["phases"]["whole step"]["s_per_step"]
     for phase, v in result["phases"].items():
         lines.append(f"{phase:<40}{v['s_per_step']:>9.3f}{v['s_per_step'] / whole:>8.0%}"
-                     f"{v['model_gflop_per_step']:>13.2f}{v['gflop_per_s']:>10.2f}{v['of_peak']:>9.1%}")
+                     f"{v['model_gflop_per_step']:>13.2f}{v['gflop_per_s']:>10.2f}{v['dtype']:>18}{v['of_peak']:>9.1%}")
     return "\n".join(lines)

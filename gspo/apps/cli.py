@@ -54,10 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "set aside); same as resume_from_checkpoint=...")
     _config_parser(sub, "sft", SFTConfig, "cold-start supervised fine-tuning on prompt/answer pairs")
     p = _config_parser(sub, "bench", TrainConfig, "a few RL steps of a training config: tokens/s, seconds per step "
-                       "by phase, utilisation of the measured matmul peak (nothing kept)")
+                       "by phase, utilisation of the measured matmul peak in each phase's dtype, sampling against the "
+                       "memory-bandwidth roofline (nothing kept)")
     p.add_argument("--steps", type=int, default=4, help="RL steps to run (default 4)")
     p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the figures (default 1)")
-    p.add_argument("--peak-seconds", type=float, default=5.0, help="seconds of matmuls before and after the run")
+    p.add_argument("--peak-seconds", type=float, default=5.0,
+                   help="seconds of matmuls (per dtype) and of memory reads, each before and after the run")
     p.add_argument("--out", help="also write the figures as JSON to this file")
     p = _config_parser(sub, "serve", TrainConfig, "an OpenAI-compatible, token-in/token-out endpoint in front of a "
                        "model (model=...): /v1/chat/completions, /v1/completions, /v1/models (docs/agents.md)")
