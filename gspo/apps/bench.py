@@ -64,43 +64,34 @@ def forward_flops(lengths, p_mm: int, layers: int, heads: int, head_dim: int) ->
 def peak_matmul_rates(n: int, seconds: float, *, device="cpu", dtype=torch.float32, windows: int = 5) -> list[float]:
     """FLOP/s of `windows` timing windows of back-to-back (n, n) @ (n, n) matmuls, `seconds` in all."""
     device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    torch.mm(a, b)  # warm-up
-    sync()
-    t0 = time.perf_counter()
-    torch.mm(a, b)
-    sync()
-    reps = max(1, int(seconds / windows / max(time.perf_counter() - t0, 1e-6)))
-    rates = []
-    for _ in range(windows):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, b)
-        sync()
-        rates.append(2 * n**3 * reps / (time.perf_counter() - t0))
-    return rates
+    return _rates(lambda: torch.mm(a, b), 2 * n**3, seconds, device, windows)
 
 
 def read_bandwidths(nbytes: int, seconds: float, *, device="cpu", windows: int = 5) -> list[float]:
     """Bytes/s of `windows` timing windows of summing a float32 buffer of `nbytes` (read once per sum), `seconds`
     in all: the rate at which this device reads memory that no cache holds (pick nbytes well above the caches)."""
-    device = torch.device(device)
+    a = torch.ones(max(nbytes // 4, 1), device=torch.device(device))  # (nbytes / 4,)
+    return _rates(a.sum, a.numel() * 4, seconds, torch.device(device), windows)
+
+
+def _rates(work, units: float, seconds: float, device: torch.device, windows: int) -> list[float]:
+    """`units` per second of `work()` run back to back, in `windows` windows of `seconds` in all (one warm-up call,
+    one call to size the windows)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a = torch.ones(max(nbytes // 4, 1), device=device)  # (nbytes / 4,)
-    a.sum()  # warm-up: pages touched
+    work()  # warm-up: kernels chosen, pages touched
     sync()
     t0 = time.perf_counter()
-    a.sum()
+    work()
     sync()
     reps = max(1, int(seconds / windows / max(time.perf_counter() - t0, 1e-6)))
     rates = []
     for _ in range(windows):
         t0 = time.perf_counter()
         for _ in range(reps):
-            a.sum()
+            work()
         sync()
-        rates.append(a.numel() * 4 * reps / (time.perf_counter() - t0))
+        rates.append(units * reps / (time.perf_counter() - t0))
     return rates
 
 
