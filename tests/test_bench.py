@@ -14,7 +14,7 @@ from gspo.apps.bench import (
     forward_flops,
     matmul_params,
     read_bandwidths,
-    sampling_bytes,
+    sampling_read_bytes,
 )
 from gspo.apps.cli import main
 from gspo.config import TrainConfig, make_config
@@ -66,12 +66,13 @@ def test_the_reference_dtype_of_each_phase_follows_the_config():
     assert dtypes(bf16=True, sampler_dtype="float16") == ["bfloat16"] * 3  # the copy is cast by the autocast
 
 
-def test_sampling_bytes_by_hand():
+def test_sampling_read_bytes_by_hand():
     # 2 sequences, prompt 3, completion 4 (3 decode steps after the prefill's token), 4 forwards of 100 weight bytes:
     # 400; keys and values: steps see 3+1, 3+2, 3+3 tokens = 15 per sequence, 30 in all, each 2 (K, V) * 2 layers *
     # 1 kv head * 8 dims * 2 bytes = 64 bytes: 1920.
-    assert sampling_bytes(2, 3.0, 4.0, 4, weight_bytes=100, layers=2, kv_heads=1, head_dim=8, kv_itemsize=2) == 2320
-    assert sampling_bytes(2, 3.0, 1.0, 1, weight_bytes=100, layers=2, kv_heads=1, head_dim=8, kv_itemsize=2) == 100
+    shape = dict(weight_bytes=100, layers=2, kv_heads=1, head_dim=8, kv_itemsize=2)
+    assert sampling_read_bytes(2, 3.0, 4.0, 4, **shape) == 2320
+    assert sampling_read_bytes(2, 3.0, 1.0, 1, **shape) == 100
 
 
 def test_read_bandwidth_is_a_rate_of_bytes():

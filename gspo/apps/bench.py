@@ -14,7 +14,7 @@ the dtype the phase computes in (`compute_dtypes`: the autocast's under bf16/fp1
 from a `sampler_dtype` copy: that dtype) on its device, measured right before and right after the run (a shared
 machine changes speed: the larger is the reference); the whole step against the phases' peaks, each weighted by
 its seconds. Sampling is mostly bound by memory, not FLOPs: beside its FLOP figure stands a bandwidth roofline,
-the least bytes it must read (`sampling_bytes`: every forward reads the weights as stored, each decode step
+the least bytes it must read (`sampling_read_bytes`: every forward reads the weights as stored, each decode step
 every real token's keys and values so far) over the device's read bandwidth (`read_bandwidths`, a large
 buffer summed, before and after the run like the peaks); "of roofline" is that time over the measured one.
 Model FLOPs of a sequence of l real tokens, forward:
@@ -41,7 +41,7 @@ import torch
 from gspo.config import TrainConfig, make_config, to_dict
 
 __all__ = ["bench", "compute_dtypes", "cpu_name", "format_bench", "forward_flops", "matmul_params",
-           "peak_matmul_rates", "read_bandwidths", "sampling_bytes"]
+           "peak_matmul_rates", "read_bandwidths", "sampling_read_bytes"]
 
 # A run's settings that only cost time outside the phases measured here (or would keep files)
 _QUIET = dict(eval_steps=0, eval_num_prompts=1, eval_k=1, save_steps=0, save_total_limit=1, log_samples_steps=0,
@@ -106,7 +106,7 @@ def compute_dtypes(cfg: TrainConfig, weights: torch.dtype) -> dict[str, torch.dt
             "train (updates)": autocast or weights}
 
 
-def sampling_bytes(sequences: int, prompt: float, completion: float, forwards: int, *, weight_bytes: int,
+def sampling_read_bytes(sequences: int, prompt: float, completion: float, forwards: int, *, weight_bytes: int,
                    layers: int, kv_heads: int, head_dim: int, kv_itemsize: int) -> float:
     """The least bytes one rollout's sampling reads: the weights once per forward (`forwards`: the prefill and one
     per later token, as many as the longest completion needs), and at each decode step every sequence's keys and
@@ -175,7 +175,7 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
     phases["whole step"]["dtype"] = "/".join(dict.fromkeys(phases[p]["dtype"] for p in dtypes))
     phases["whole step"]["of_peak"] = phases["whole step"]["model_gflop_per_step"] * 1e9 / reachable
     kv_itemsize = torch.empty(0, dtype=dtypes["generate"]).element_size()
-    read = [sampling_bytes(N, r["prompt/mean_len"], r["completion/mean_len"], int(r["completion/max_len"]),
+    read = [sampling_read_bytes(N, r["prompt/mean_len"], r["completion/mean_len"], int(r["completion/max_len"]),
                            weight_bytes=weight_bytes, kv_itemsize=kv_itemsize, **kv) for r in timed]
     generate = phases["generate"]
     generate["gb_read_per_step"] = statistics.median(read) / 1e9
@@ -219,7 +219,7 @@ def _shape(model) -> tuple[int, int, int, int]:
 
 
 def _kv_shape(model) -> dict[str, int]:
-    """layers, kv_heads, head_dim for `sampling_bytes`."""
+    """layers, kv_heads, head_dim for `sampling_read_bytes`."""
     c = model.config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return {"layers": c.num_hidden_layers, "kv_heads": getattr(c, "num_key_value_heads", None) or
