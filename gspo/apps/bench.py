@@ -107,7 +107,7 @@ def compute_dtypes(cfg: TrainConfig, weights: torch.dtype) -> dict[str, torch.dt
 
 
 def sampling_read_bytes(sequences: int, prompt: float, completion: float, forwards: int, *, weight_bytes: int,
-                   layers: int, kv_heads: int, head_dim: int, kv_itemsize: int) -> float:
+                        layers: int, kv_heads: int, head_dim: int, kv_itemsize: int) -> float:
     """The least bytes one rollout's sampling reads: the weights once per forward (`forwards`: the prefill and one
     per later token, as many as the longest completion needs), and at each decode step every sequence's keys and
     values of its tokens so far (`prompt` + t, mean lengths; t = 1 .. completion - 1)."""
@@ -131,10 +131,13 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
         run_cfg = make_config(TrainConfig, {**to_dict(cfg, keep_secrets=True), **_QUIET, "max_steps": steps,
                                             "output_dir": tmp})
         _, model, _ = seeded_model(run_cfg)  # the policy as trained: its shape and dtype
-        dtype, shape, kv = next(model.parameters()).dtype, _shape(model), _kv_shape(model)
+        dtype, shape = next(model.parameters()).dtype, _shape(model)
+        text = model.config.get_text_config()
+        kv = {"layers": shape[1], "kv_heads": getattr(text, "num_key_value_heads", None) or shape[2],
+              "head_dim": shape[3]}  # for sampling_read_bytes
         dtypes = compute_dtypes(cfg, dtype)
         sampler_weights = DTYPES[cfg.sampler_dtype] if cfg.sampler_dtype else dtype  # as stored (autocast casts)
-        weight_bytes = shape[0] * torch.empty(0, dtype=sampler_weights).element_size()
+        weight_bytes = shape[0] * sampler_weights.itemsize
         del model
         n = matmul_n or (8192 if device.type == "cuda" else 2048)
         nbytes = 1 << 30 if device.type == "cuda" else 256 << 20
@@ -174,9 +177,9 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
     reachable = sum(phases[p]["s_per_step"] * peaks[dtypes[p]] for p in dtypes)
     phases["whole step"]["dtype"] = "/".join(dict.fromkeys(phases[p]["dtype"] for p in dtypes))
     phases["whole step"]["of_peak"] = phases["whole step"]["model_gflop_per_step"] * 1e9 / reachable
-    kv_itemsize = torch.empty(0, dtype=dtypes["generate"]).element_size()
     read = [sampling_read_bytes(N, r["prompt/mean_len"], r["completion/mean_len"], int(r["completion/max_len"]),
-                           weight_bytes=weight_bytes, kv_itemsize=kv_itemsize, **kv) for r in timed]
+                                weight_bytes=weight_bytes, kv_itemsize=dtypes["generate"].itemsize, **kv)
+            for r in timed]
     generate = phases["generate"]
     generate["gb_read_per_step"] = statistics.median(read) / 1e9
     generate["roofline_s"] = statistics.median(read) / bandwidth
@@ -216,14 +219,6 @@ def _shape(model) -> tuple[int, int, int, int]:
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     return matmul_params(model), c.num_hidden_layers, heads, head_dim
-
-
-def _kv_shape(model) -> dict[str, int]:
-    """layers, kv_heads, head_dim for `sampling_read_bytes`."""
-    c = model.config.get_text_config()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return {"layers": c.num_hidden_layers, "kv_heads": getattr(c, "num_key_value_heads", None) or
-            c.num_attention_heads, "head_dim": head_dim}
 
 
 def _forwards_per_phase(cfg: TrainConfig) -> dict[str, float]:

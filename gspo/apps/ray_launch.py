@@ -401,9 +401,8 @@ def _vllm_engine(cfg, host: str, port: int, secret: str):
 
     memory = (["--kv-cache-memory-bytes", str(cfg.vllm_kv_cache_bytes)] if cfg.vllm_kv_cache_bytes else
               ["--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization)] if str(cfg.device) != "cpu" else [])
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(str(cfg.dtype), "auto")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model), "--host", host,
-            "--port", str(port), "--dtype", dtype, "--seed", str(cfg.seed), "--max-model-len",
+            "--port", str(port), "--dtype", cfg.dtype, "--seed", str(cfg.seed), "--max-model-len",
             str(cfg.max_prompt_length + cfg.max_completion_length), "--weight-transfer-config",
             json.dumps({"backend": cfg.rollout_weight_transfer}),
             *(["--enforce-eager"] if str(cfg.device) == "cpu" else []), *memory]

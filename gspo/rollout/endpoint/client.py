@@ -24,6 +24,7 @@ import math
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 
@@ -80,8 +81,6 @@ class Endpoints:
         if others:
             raise ValueError(f"rollout_endpoints: {', '.join(others)}: gspo samples from and updates gspo serve and "
                              "vllm serve endpoints only")
-        if weight_transfer not in TRANSFERS:
-            raise ValueError(f"rollout_weight_transfer: {weight_transfer!r} is not one of {sorted(TRANSFERS)}")
         if weight_transfer != "gspo" and "vllm" not in self.kinds:
             raise ValueError(f"rollout_weight_transfer={weight_transfer}: it is how vllm serve endpoints take "
                              "weights, and none of rollout_endpoints is one (gspo serve takes them by gspo's)")
@@ -255,11 +254,7 @@ class Endpoints:
         return [f.result() for f in futures]  # the caller sets self.version once the probes agree
 
     def _push_one(self, e: int, version: int, tensors: dict, info: dict) -> list[float]:
-        base = self.bases[e]
-
-        def call(method, path, body, what):
-            return self._call(base, method, path, body, what)
-
+        base, call = self.bases[e], partial(self._call, self.bases[e])
         call("POST", "/start_weight_update", None, "starting a weight update")
         try:
             self.links[e].send(call, version, tensors, info)
@@ -364,7 +359,7 @@ class Endpoints:
 
         base = self.bases[e]
         try:
-            return join(lambda *args: self._call(base, *args), self.named[base], self.device, self.timeout_s)
+            return join(partial(self._call, base), self.named[base], self.device, self.timeout_s)
         except (TimeoutError, RuntimeError) as err:
             raise EndpointLost(f"{self.named[base]}: joining it by NCCL: {type(err).__name__}: {err}") from None
 

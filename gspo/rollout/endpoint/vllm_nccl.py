@@ -88,36 +88,35 @@ def join(call, name: str, device: torch.device, timeout_s: float) -> NcclLink:
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
 
-    check_trainer_device(device)
     workers = workers_of(call("GET", "/get_world_size", None, "reading its world size"), name)
     unique_id = bytes(NCCLLibrary().ncclGetUniqueId().internal)
     info = init_info(unique_id, workers)
     joining = _Call(call, "POST", "/init_weight_transfer_engine", {"init_info": info},
                     "joining the trainer's NCCL group (is it started with --weight-transfer-config "
                     "'{\"backend\": \"nccl\"}'?)")
-    made: list = []
-    opening = threading.Thread(target=lambda: made.append(PyNcclCommunicator.from_unique_id_bytes(
-        unique_id, rank=0, world_size=1 + workers, device=device)), daemon=True)
-    opening.start()  # both sides must be in NCCL's init at once; a server that refuses leaves it waiting
+    # both sides must be in NCCL's init at once; a server that refuses leaves this one waiting
+    opening = _Call(PyNcclCommunicator.from_unique_id_bytes, unique_id, rank=0, world_size=1 + workers, device=device)
     joining.wait(timeout_s)
-    opening.join(timeout_s)
-    if not made:
+    opening.wait(timeout_s)
+    if opening.thread.is_alive():
         raise TimeoutError(f"{name}: the NCCL group did not form within rollout_timeout_s={timeout_s:g}")
-    return NcclLink(made[0], device)
+    return NcclLink(opening.result, device)
 
 
 class _Call:
-    """One HTTP call on a thread of its own; `wait(t)` raises its error where it has failed within t seconds (None:
-    until it ends)."""
+    """`fn(*args, **kwargs)` on a daemon thread (one NCCL or HTTP call may wait forever for a peer that never comes,
+    and must not hold the interpreter's exit); `wait(t)` raises its error where it has failed within t seconds
+    (None: until it ends); `result` its value once it has ended."""
 
-    def __init__(self, call, *args) -> None:
+    def __init__(self, fn, *args, **kwargs) -> None:
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(call, *args), daemon=True)
+        self.result = None
+        self.thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True)
         self.thread.start()
 
-    def _run(self, call, *args) -> None:
+    def _run(self, fn, args, kwargs) -> None:
         try:
-            call(*args)
+            self.result = fn(*args, **kwargs)
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
             self.error = err
 
