@@ -95,6 +95,29 @@ def test_greedy_matches_hf(dense):
     assert_same(ours, hf, logprobs=True)
 
 
+def test_a_frozen_head_gets_a_contiguous_prefill_input(dense):
+    """The prefill keeps the last position only, a strided (N, 1, H) view; a frozen head (a sampler copy, a LoRA
+    base) runs that as a batched product copying the head once per row, so the loop hands it a contiguous copy.
+    The greedy tokens stay those of the same weights trainable."""
+    import copy
+
+    model, tok = dense
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    seen = []
+    hook = frozen.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _out: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
+    try:
+        ours = generate(frozen, tok, PROMPTS, 2, greedy=True, max_new_tokens=4, backend="gspo")
+    finally:
+        hook.remove()
+    H = model.config.hidden_size
+    assert seen[0] == ((8, 1, H), True)  # the prefill's head, on its last position
+    assert all(shape == (8, 1, H) and contiguous for shape, contiguous in seen[1:])
+    assert len(seen) == 4  # the prefill and 3 decode steps (the last token is never fed back)
+    trainable = generate(model, tok, PROMPTS, 2, greedy=True, max_new_tokens=4, backend="gspo")
+    assert torch.equal(ours.input_ids, trainable.input_ids)
+
+
 @pytest.mark.parametrize("kw", [{}, {"top_k": 5}, {"top_p": 0.8}])
 def test_sampling_matches_hf_bitwise(dense, kw):
     ours, hf = both(*dense, seed=3, temperature=0.7, max_new_tokens=10, with_logprobs=True, **kw)

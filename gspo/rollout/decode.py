@@ -262,11 +262,31 @@ def _prefill(model, prompt_ids: Tensor, prompt_mask: Tensor | None, position_ids
     params = inspect.signature(model.forward).parameters
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
     extra[_cache_argument(params)] = cache  # transformers >= 5.20 names it `cache`, earlier 5.x `past_key_values`
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
-                return_dict=True, **extra)
+    with _contiguous_head_input(model):
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
+                    return_dict=True, **extra)
     if any(layer.filled != P for layer in cache.layers):
         raise ValueError(f"{type(model).__name__} did not fill gspo's KV cache in every layer; use backend='hf'")
     return out, extra
+
+
+@contextmanager
+def _contiguous_head_input(model):
+    """The output head gets a contiguous input. With `logits_to_keep=1` the models slice `hidden[:, -1:, :]`, a
+    (N, 1, H) view whose rows lie P positions apart; against a head that does not require grad (a sampler copy, a
+    frozen LoRA base) torch's matmul then runs it as a batched product with the (V, H) head copied once per row:
+    SmolLM2's prefill head on 32 rows took 3.2 s that way against 0.015 s on the same rows made contiguous (one
+    thread, bf16; the same in float32, 0.33 s against 0.04 s). A head that requires grad gets the folded product
+    either way, with the same result."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        yield
+        return
+    handle = head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _choose(logits: Tensor, prefix: Tensor, processors: list, warpers: list, *, seeded_sampler, greedy: bool,
