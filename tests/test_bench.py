@@ -101,6 +101,11 @@ def test_bench_reports_the_trainers_phases_and_their_utilisation(tmp_path):
     generate, read = phases["generate"], result["read_gb_per_s"]
     assert generate["roofline_s"] == pytest.approx(generate["gb_read_per_step"] / max(read["before"], read["after"]))
     assert generate["of_roofline"] == pytest.approx(generate["roofline_s"] / generate["s_per_step"])
+    peak = max(result["peak_matmul_gflop_per_s"]["float32"].values())
+    assert generate["compute_s"] == pytest.approx(generate["model_gflop_per_step"] / peak)
+    bound = max(generate["roofline_s"], generate["compute_s"])  # the slower of bytes and FLOPs bounds sampling
+    assert generate["bound"] == ("memory" if bound == generate["roofline_s"] else "compute")
+    assert generate["of_bound"] == pytest.approx(bound / generate["s_per_step"]) and 0 < generate["of_bound"] < 1
     weights = 4 * matmul_params(model)  # float32, read once per forward: at least once (the prefill)
     assert weights / 1e9 <= generate["gb_read_per_step"] <= weights * 8 / 1e9 + 1e-3  # T = 8 forwards at most
     assert result["tokens_per_s"] > 0 and result["mean_prompt_len"] == 8

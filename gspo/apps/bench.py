@@ -13,10 +13,12 @@ Utilisation: model FLOPs per phase over its seconds, against the median FLOP/s o
 the dtype the phase computes in (`compute_dtypes`: the autocast's under bf16/fp16, else the weights'; sampling
 from a `sampler_dtype` copy: that dtype) on its device, measured right before and right after the run (a shared
 machine changes speed: the larger is the reference); the whole step against the phases' peaks, each weighted by
-its seconds. Sampling is mostly bound by memory, not FLOPs: beside its FLOP figure stands a bandwidth roofline,
+its seconds. Sampling is often bound by memory, not FLOPs: beside its FLOP figure stands a bandwidth roofline,
 the least bytes it must read (`sampling_read_bytes`: every forward reads the weights as stored, each decode step
 every real token's keys and values so far) over the device's read bandwidth (`read_bandwidths`, a large
 buffer summed, before and after the run like the peaks); "of roofline" is that time over the measured one.
+Where its FLOPs at the peak take longer than its bytes (many rows decoded at once: SmolLM2's 32 rows on a CPU),
+sampling is compute-bound, and `of_bound` (the larger of the two times over the measured one) says how near it is.
 Model FLOPs of a sequence of l real tokens, forward:
 2 * P_mm * l + layers * 4 * heads * head_dim * l (l + 1) / 2 (P_mm: the parameters of every matmul,
 decoder layers and output head; padding is not useful work and is not counted, MFU convention,
@@ -184,6 +186,10 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
     generate["gb_read_per_step"] = statistics.median(read) / 1e9
     generate["roofline_s"] = statistics.median(read) / bandwidth
     generate["of_roofline"] = generate["roofline_s"] / generate["s_per_step"]
+    # the roofline proper: whichever of the bytes and the FLOPs takes longer at this machine's rates bounds it
+    generate["compute_s"] = generate["model_gflop_per_step"] * 1e9 / peaks[dtypes["generate"]]
+    generate["bound"] = "memory" if generate["roofline_s"] >= generate["compute_s"] else "compute"
+    generate["of_bound"] = max(generate["roofline_s"], generate["compute_s"]) / generate["s_per_step"]
     return {
         "model": cfg.model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(), "cpu": cpu_name(),
@@ -252,7 +258,8 @@ def format_bench(result: dict) -> str:
         f"memory read: {read['before']:.1f} GB/s before, {read['after']:.1f} after",
         f"sampling reads >= {generate['gb_read_per_step']:.3f} GB per step (weights as "
         f"{result['sampler_weights_dtype']}, KV cache): {generate['roofline_s']:.3f} s at that bandwidth, "
-        f"{generate['of_roofline']:.1%} of the bandwidth roofline",
+        f"{generate['of_roofline']:.1%} of the bandwidth roofline; its FLOPs at the {generate['dtype']} peak "
+        f"{generate['compute_s']:.3f} s: {generate['bound']}-bound, at {generate['of_bound']:.1%} of that bound",
         "",
         f"{'phase':<40}{'s/step':>9}{'share':>8}{'model GFLOP':>13}{'GFLOP/s':>10}{'dtype':>18}{'of peak':>9}",
     ]
