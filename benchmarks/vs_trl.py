@@ -4,11 +4,16 @@
     python benchmarks/vs_trl.py       # defaults: 3 repetitions per side, 20 RL steps each, CPU
     python benchmarks/vs_trl.py --model 50m --T 512 --B 2 --G 4 --M 2 --steps 4 --reps 2 --eval-prompts 1 --eval-k 1
 
+    python benchmarks/vs_trl.py --model smollm2 --threads 1 --async 1 --steps 10   # the real model (make demo-real)
+
 Both sides load the same saved model (`--model demo`: a cold start made by gspo's SFT; `50m`: the
 ~50M-parameter Qwen3 of utilisation.py, random init, whose completions stop anywhere from 2 to 512
-tokens: a long-tailed length spread; both cached under --work-dir), the same tokenizer, the same
-prompts in the same order, the same reward function (`gspo.data.rewards.answer_match`) and the same
-GSPO settings; the mapping of every setting is in `trl_args` and in docs/benchmarks.md. Runs alternate
+tokens: a long-tailed length spread; both cached under --work-dir; `smollm2`: SmolLM2-135M-Instruct,
+on `gspo demo --model smollm2`'s a+b problems with its `last_number` reward, float32 weights under
+bf16 autocast where the CPU runs bf16 natively), the same tokenizer, the same prompts in the same
+order, the same reward function (add3's `answer_match` for the first two) and the same GSPO settings;
+unset flags take the model's PRESETS. The mapping of every setting is in `trl_args` and in
+docs/benchmarks.md. Peak memory is each process's maximum resident set (getrusage). Runs alternate
 gspo, TRL, gspo, TRL, ... each in a fresh subprocess; repetition i of both sides uses seed i.
 
 `--baseline REV` adds a third side, gspo as of git revision REV (a worktree under --work-dir,
@@ -44,19 +49,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # ------------------------------------------------------------------------------- shared setup
+PRESETS = {  # per --model, the settings a flag left unset takes
+    "demo": dict(B=16, G=8, M=4, T=48, lr=1e-4, eval_prompts=200, eval_k=4, precision="fp32"),
+    "50m": dict(B=16, G=8, M=4, T=48, lr=1e-4, eval_prompts=200, eval_k=4, precision="fp32"),
+    # `gspo demo --model smollm2`'s run (gspo.apps.demo_real.DEMO_REAL), T 32 and a 50-prompt evaluation
+    "smollm2": dict(B=8, G=4, M=4, T=32, lr=2e-5, eval_prompts=50, eval_k=4, precision="auto"),
+    "qwen3-0.6b": dict(B=8, G=4, M=4, T=128, lr=1e-5, eval_prompts=8, eval_k=1, precision="auto"),
+}
+
+
 def rl_config(spec: dict):
     """gspo's TrainConfig for one run; TRL's arguments are derived from the same spec."""
     from gspo.config import TrainConfig, make_config
 
+    data = spec.get("data") or {"task": "add3"}  # a built-in task, or the real-model demo's files and reward
     return make_config(TrainConfig, dict(
-        model=spec["model_dir"], task="add3", seed=spec["seed"], output_dir=spec["output_dir"],
+        model=spec["model_dir"], **data, seed=spec["seed"], output_dir=spec["output_dir"],
         max_steps=spec["steps"], per_device_batch_size=spec["B"], num_generations=spec["G"],
         num_minibatches=spec["M"], num_epochs=1, max_completion_length=spec["T"], temperature=1.0,
         top_k=0, top_p=1.0, objective="gspo", clip_low=3e-4, clip_high=4e-4, advantage_estimator="group",
         kl_coef=0.0, learning_rate=spec["lr"], lr_scheduler="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0, eval_num_prompts=spec["eval_prompts"],
         eval_k=spec["eval_k"], eval_steps=0, save_steps=0, log_samples_steps=0, progress=False,
-        overwrite_output_dir=True, device=spec.get("device", "cpu"), dtype="float32",
+        overwrite_output_dir=True, device=spec.get("device", "cpu"), dtype="float32", bf16=spec.get("bf16", False),
         rollout_workers=int(spec.get("max_staleness") is not None), max_staleness=spec.get("max_staleness") or 0,
         use_sampler_logprobs=spec.get("use_sampler_logprobs", False), seeded_sampling=spec.get("seeded", False),
         generation_backend=spec.get("backend", "auto")))
@@ -110,6 +125,26 @@ def smollm2() -> tuple[str, dict]:
 
     folder = converted(packaged_gguf("smollm2"))
     return str(folder), {"model": PACKAGED["smollm2"].about, "path": str(folder)}
+
+
+def random_qwen3_06b(work_dir: Path) -> tuple[str, dict]:
+    """A Qwen3-0.6B-shaped model (vllm_serve_check.SIZE: 28 layers, hidden 1024, ~0.44B parameters without
+    embeddings), random init (seed 0), with add3's character tokenizer: nothing to download. Untrained, its answers
+    are never right, so its rows time the work only (the GPU check, issue 52)."""
+    model_dir = work_dir / "random_qwen3_06b" / "model"
+    if not (model_dir / "config.json").is_file():
+        import torch
+
+        from gspo.models import count_parameters, load_model
+        from vllm_serve_check import SIZE
+
+        torch.manual_seed(0)
+        model, tokenizer = load_model("tiny-dense", overrides=SIZE)
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        (model_dir.parent / "info.json").write_text(json.dumps({"params": count_parameters(model),
+                                                                 "overrides": SIZE}, indent=2))
+    return str(model_dir), json.loads((model_dir.parent / "info.json").read_text())
 
 
 def cold_start(work_dir: Path, sft_steps: int) -> tuple[str, dict]:
@@ -193,7 +228,21 @@ def run_gspo(spec: dict) -> dict:
         })
     final = summary["evals"][cfg.max_steps]
     return {"side": "gspo", "steps": steps, "eval": final, "first_prompts": first_prompts,
-            "torch_threads": torch.get_num_threads(), "gspo_file": trainer.__file__}
+            "torch_threads": torch.get_num_threads(), "gspo_file": trainer.__file__, **peak_memory()}
+
+
+def peak_memory() -> dict:
+    """Peak resident memory (GiB) of this process and of its largest ended child (a rollout worker), by getrusage;
+    on a GPU also the most this process's tensors held there (torch.cuda.max_memory_allocated)."""
+    import resource
+
+    import torch
+
+    out = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+           "worker_peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
 def trl_args(spec: dict, output_dir: str):
@@ -214,8 +263,10 @@ def trl_args(spec: dict, output_dir: str):
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, optim="adamw_torch", max_grad_norm=1.0,
         seed=spec["seed"], data_seed=spec["seed"], shuffle_dataset=False,
-        # CPU, fp32, no activation checkpointing (TRL's defaults are bf16 and checkpointing on)
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        # CPU, fp32 weights (bf16 autocast where the spec says), no activation checkpointing (TRL's defaults are
+        # bf16 and checkpointing on)
+        use_cpu=spec.get("device", "cpu") == "cpu", bf16=spec.get("bf16", False), fp16=False,
+        gradient_checkpointing=False,
         # nothing logged, saved or evaluated inside the timed region
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0,
@@ -231,9 +282,10 @@ def run_trl(spec: dict) -> dict:
 
     from gspo.config import EvalSettings, RewardSettings, SamplingSettings, section
     from gspo.data.evaluation import Evaluation, evaluate
-    from gspo.data.rewards import answer_match
+    from gspo.data.rewards import get_reward_fn
 
     cfg = rl_config(spec)
+    scorer = get_reward_fn(cfg.reward_funcs[0] if cfg.reward_funcs else "answer_match")  # add3: answer_match
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     rows, eval_rows = ordered_prompts(cfg, tokenizer)
     dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
@@ -242,11 +294,11 @@ def run_trl(spec: dict) -> dict:
     rewards = []
 
     def reward(prompts, completions, answer, **kwargs):
-        out = answer_match(prompts, completions, answer)
+        out = scorer(prompts, completions, answer)
         rewards.append(sum(out) / len(out))
         return out
 
-    reward.__name__ = "answer_match"
+    reward.__name__ = getattr(scorer, "__name__", "reward")
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -294,9 +346,10 @@ def run_trl(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     plan = Evaluation.of(section(cfg, EvalSettings), section(cfg, RewardSettings), section(cfg, SamplingSettings),
                          seed=cfg.seed, template_kwargs=cfg.chat_template_kwargs)
-    final = evaluate(model, tokenizer, eval_rows, plan)
+    with torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.bf16):  # as gspo's does
+        final = evaluate(model, tokenizer, eval_rows, plan)
     return {"side": "trl", "steps": steps, "eval": final, "first_prompts": first_prompts,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), **peak_memory()}
 
 
 # ------------------------------------------------------------------------------- driver
@@ -316,23 +369,31 @@ def summarise(run: dict, skip_first: int) -> dict:
         "reward_last5": sum(s["reward"] for s in last) / len(last),
         "eval_accuracy": run["eval"].get("eval/accuracy"),
         "eval_mean_at_k": run["eval"].get("eval/mean_at_k"),
+        "peak_rss_gib": run["peak_rss_gib"],  # the trainer's process
+        "worker_peak_rss_gib": run["worker_peak_rss_gib"],  # a rollout worker's, where there is one (else ~0)
+        "cuda_peak_gib": run.get("cuda_peak_gib", 0.0),  # the trainer's tensors on the GPU (0 on a CPU)
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["demo", "50m", "smollm2"], default="demo",
-                        help="demo: the demo model after a cold-start SFT; "
-                             "50m: a random-init ~50M model (long-tailed lengths); smollm2: SmolLM2-135M-Instruct")
+    parser.add_argument("--model", choices=list(PRESETS), default="demo",
+                        help="demo: the demo model after a cold-start SFT; 50m: a random-init ~50M model "
+                             "(long-tailed lengths); smollm2: SmolLM2-135M-Instruct; qwen3-0.6b: a random-init "
+                             "Qwen3-0.6B-shaped model (for a GPU)")
+    parser.add_argument("--device", default="cpu", help="both sides' device: cpu, or cuda (one GPU)")
     parser.add_argument("--reps", type=int, default=3, help="runs per side, alternating gspo/TRL; run i uses seed i")
     parser.add_argument("--steps", type=int, default=20, help="RL steps per run (each: 1 rollout, M optimizer steps)")
-    parser.add_argument("--B", type=int, default=16, help="prompts per rollout")
-    parser.add_argument("--G", type=int, default=8, help="completions per prompt")
-    parser.add_argument("--M", type=int, default=4, help="optimizer steps (minibatches) per rollout")
-    parser.add_argument("--T", type=int, default=48, help="max completion tokens")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts evaluated after each run")
-    parser.add_argument("--eval-k", type=int, default=4)
+    parser.add_argument("--B", type=int, help="prompts per rollout (default: the model's in PRESETS)")
+    parser.add_argument("--G", type=int, help="completions per prompt")
+    parser.add_argument("--M", type=int, help="optimizer steps (minibatches) per rollout")
+    parser.add_argument("--T", type=int, help="max completion tokens")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--eval-prompts", type=int, help="held-out prompts evaluated after each run")
+    parser.add_argument("--eval-k", type=int)
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"],
+                        help="both sides: fp32, or float32 weights under bf16 autocast; auto: bf16 where this machine "
+                             "runs it natively (default: smollm2 auto, the others fp32)")
     parser.add_argument("--sft-steps", type=int, default=400, help="cold-start SFT steps (stops at 40%% accuracy)")
     parser.add_argument("--skip-first", type=int, default=1, help="warm-up RL steps left out of the timing")
     parser.add_argument("--threads", type=int, default=0, help="torch threads of both sides (0: torch's default)")
@@ -351,6 +412,9 @@ def main() -> None:
     parser.add_argument("--worker", choices=["gspo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for key, value in PRESETS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
     if args.worker:  # inside a fresh subprocess: one run, result as JSON on the last stdout line
         spec = json.loads(args.spec)
@@ -386,9 +450,9 @@ def main() -> None:
         print(f"cold start: {model_dir} ({cold['sft_steps']} SFT steps, greedy accuracy {cold['greedy_accuracy']:.1%})")
     elif args.model == "smollm2":
         model_dir, cold = smollm2()
-        print(f"model: {cold['model']} at {model_dir}")
+        print(f"model: {cold['model']} at {model_dir}; task: the real-model demo's a+b, reward last_number")
     else:
-        model_dir, cold = random_50m(work)
+        model_dir, cold = (random_qwen3_06b if args.model == "qwen3-0.6b" else random_50m)(work)
         print(f"model: {model_dir} ({cold['params'] / 1e6:.1f}M parameters, random init)")
     sides = ("gspo", *(("gspo_async",) if args.async_k is not None else ()),
              *(("gspo_base",) if args.baseline else ()), "trl")
@@ -397,11 +461,21 @@ def main() -> None:
         base = baseline_tree(args.baseline, work)
         env["gspo_base"]["PYTHONPATH"] = str(base) + os.pathsep + env["gspo_base"].get("PYTHONPATH", "")
         print(f"baseline: gspo at {args.baseline} in {base}")
+    from gspo.apps.demo_real import resolve_precision, write_data
+
+    bf16 = resolve_precision(args.precision) == "bf16"
+    data = None
+    if args.model == "smollm2":  # `gspo demo --model smollm2`'s problems, written once; its reward on both sides
+        train_file, test_file = write_data(work / "demo_real_data")
+        data = {"task": None, "dataset": str(train_file), "eval_dataset": str(test_file),
+                "reward_funcs": ["last_number"]}
+    print(f"precision: {'float32 weights under bf16 autocast' if bf16 else 'float32'} (both sides)")
     runs = []
     for rep in range(args.reps):
         for side in sides:
             spec = dict(model_dir=model_dir, seed=rep, steps=args.steps, B=args.B, G=args.G, M=args.M, T=args.T,
                         lr=args.lr, eval_prompts=args.eval_prompts, eval_k=args.eval_k, threads=args.threads,
+                        data=data, bf16=bf16, device=args.device,
                         output_dir=str(work / f"{side}_seed{rep}"),
                         max_staleness=args.async_k if side == "gspo_async" else None,
                         use_sampler_logprobs=args.mu_as_pi_old and side == "gspo_async",
@@ -433,7 +507,7 @@ def main() -> None:
         if args.baseline and by["gspo_base"][rep]["gspo_file"] == a["gspo_file"]:
             sys.exit(f"the baseline imported the current gspo ({a['gspo_file']}), not the revision's")
     keys = ["s_per_step", "tokens_per_s", "generate_s", "rollout_s", "train_s", "mean_len", "reward_first",
-            "reward_last5", "eval_accuracy", "eval_mean_at_k"]
+            "reward_last5", "eval_accuracy", "eval_mean_at_k", "peak_rss_gib", "worker_peak_rss_gib", "cuda_peak_gib"]
     med = {side: {k: median(r["summary"][k] for r in by[side]) for k in keys} for side in by}
     pair_ratio = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"] for a, b in zip(by["gspo"], by["trl"])]
     pair_step = [b["summary"]["s_per_step"] / a["summary"]["s_per_step"] for a, b in zip(by["gspo"], by["trl"])]
@@ -459,10 +533,11 @@ def main() -> None:
     print(f"{args.reps} runs per side, {args.steps} RL steps each (first {args.skip_first} untimed), "
           f"B={args.B} G={args.G} M={args.M} T={args.T}, lr={args.lr}; {machine()['cores']} CPU cores")
     rows = [[side, med[side]["tokens_per_s"], med[side]["s_per_step"], med[side]["generate_s"],
-             med[side]["rollout_s"] - med[side]["generate_s"], med[side]["train_s"], med[side]["mean_len"]]
+             med[side]["rollout_s"] - med[side]["generate_s"], med[side]["train_s"], med[side]["mean_len"],
+             med[side]["peak_rss_gib"], med[side]["worker_peak_rss_gib"]]
             for side in sides]
     print(table(["side", "tokens/s", "s/step", "generate s", "rewards + pi_old s", "train s (M opt. steps)",
-                 "mean len"], rows))
+                 "mean len", "peak GiB", "worker peak GiB"], rows))
     print(f"\ngspo / TRL end-to-end tokens/s: {ratio['tokens_per_s']:.2f}x (median of per-pair ratios "
           f"{', '.join(f'{r:.2f}' for r in pair_ratio)}); generation {ratio['generate_s_trl_over_gspo']:.2f}x, "
           f"training {ratio['train_s_trl_over_gspo']:.2f}x")
@@ -483,9 +558,10 @@ def main() -> None:
     import transformers
 
     path = write_result("vs_trl", {
-        "settings": {k: getattr(args, k) for k in ("model", "reps", "steps", "B", "G", "M", "T", "lr", "eval_prompts",
-                                                    "eval_k", "skip_first", "threads", "baseline", "async_k",
-                                                    "mu_as_pi_old")},
+        "settings": {**{k: getattr(args, k) for k in ("model", "reps", "steps", "B", "G", "M", "T", "lr",
+                                                       "eval_prompts", "eval_k", "skip_first", "threads", "baseline",
+                                                       "async_k", "mu_as_pi_old", "precision", "device")},
+                     "bf16": bf16},
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
         "cold_start": cold, "median": med, "ratio": ratio,
         "runs": [{k: r[k] for k in ("side", "seed", "summary", "steps", "eval", "process_s", "load_before",
