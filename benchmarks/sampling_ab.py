@@ -3,8 +3,10 @@ call as of git revision REV, in alternating fresh processes on the same machine 
 
     python benchmarks/sampling_ab.py --baseline a4a988c --threads 1 --rounds 4 --repeats 4
     python benchmarks/sampling_ab.py --baseline a4a988c --threads 1 --case 50M-long --rounds 2 --repeats 2
+    python benchmarks/sampling_ab.py --baseline 1300c9f --threads 1 --case smollm2 --rounds 2 --repeats 2
 
-Each process builds the case's model from config (random init, seed 0; nothing downloaded), samples
+Each process builds the case's model from config (random init, seed 0; nothing downloaded; `smollm2`: the
+packaged SmolLM2-135M-Instruct of `make demo-real`, under bf16 autocast where the CPU has it natively), samples
 once as warm-up, then `--repeats` rollouts of B prompts x G completions of up to T tokens, each row
 seeded (seed = repeat * 1000 + row), so both sides sample the same tokens (checked). Rounds alternate
 the order of the sides (this, REV; REV, this; ...). The figure is the ratio of summed seconds, per
@@ -28,6 +30,8 @@ CASES = {
     "demo": ({}, 16, 8, 48),  # the demo's RL rollout
     "50M": (MODEL_50M, 16, 8, 48),
     "50M-long": (MODEL_50M, 2, 4, 512),  # random init: completions stop anywhere up to T
+    # SmolLM2-135M-Instruct (make demo-real) on the real-model demo's a+b chat prompts, bf16 autocast where native
+    "smollm2": ("smollm2", 8, 4, 32),
 }
 
 
@@ -42,13 +46,24 @@ def sample(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     overrides, B, G, T = CASES[spec["case"]]
-    model, tokenizer = load_model("tiny-dense", seed=0, overrides=overrides)
-    prompts = [r["prompt"] for r in get_task("add3").dataset("train", B, 0)]
+    autocast = False
+    if overrides == "smollm2":  # the packaged real model, its demo's chat prompts
+        from gspo.apps.demo_real import native_bf16, sum_rows
+
+        model, tokenizer = load_model("smollm2")
+        prompts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+                   for r in sum_rows("train")[:B]]
+        autocast = native_bf16()
+    else:
+        model, tokenizer = load_model("tiny-dense", seed=0, overrides=overrides)
+        prompts = [r["prompt"] for r in get_task("add3").dataset("train", B, 0)]
+    model.eval()
 
     def rollout(repeat: int):
         seeds = [repeat * 1000 + row for row in range(B * G)]
-        return generate(model, tokenizer, prompts, G, max_new_tokens=T, max_prompt_length=32, row_seeds=seeds,
-                        with_logprobs=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return generate(model, tokenizer, prompts, G, max_new_tokens=T, max_prompt_length=128, row_seeds=seeds,
+                            with_logprobs=True)
 
     rollout(spec["repeats"])  # warm-up
     seconds, tokens, digest = [], [], []
@@ -89,6 +104,9 @@ def main() -> None:
         order = ("this", "baseline") if r % 2 == 0 else ("baseline", "this")
         result = {side: worker_result([sys.executable, __file__, "--worker", spec], f"{side} side", env[side])
                   for side in order}
+        if result["this"]["gspo_file"] == result["baseline"]["gspo_file"]:
+            sys.exit(f"both sides imported gspo from {result['this']['gspo_file']}: run from the tree to measure with "
+                     "PYTHONPATH=<its root> (an installed gspo wins otherwise)")
         if result["this"]["digest"] != result["baseline"]["digest"]:
             sys.exit(f"round {r}: the two sides sampled different tokens; the timing would compare unlike work")
         ratio = sum(result["baseline"]["seconds"]) / sum(result["this"]["seconds"])
