@@ -14,6 +14,7 @@ from gspo.apps.bench import (
     forward_flops,
     matmul_params,
     read_bandwidths,
+    sampling_flops,
     sampling_read_bytes,
 )
 from gspo.apps.cli import main
@@ -28,6 +29,14 @@ def test_forward_flops_by_hand():
     # l = 3: matmuls 2 * 10 * 3 = 60; attention 2 layers * 4 * 1 head * 4 dims * (3 * 4 / 2 = 6 query-key pairs) = 192
     assert forward_flops([3], p_mm=10, layers=2, heads=1, head_dim=4) == 252
     assert forward_flops([3, 1], p_mm=10, layers=2, heads=1, head_dim=4) == 252 + 20 + 32
+
+
+def test_sampling_flops_count_a_groups_prompt_once():
+    # 4 sequences of prompt 1 + completion 2 (l = 3: 252 each, as above), 2 per prompt: the prompt's forward (l = 1:
+    # 2 * 10 + 32 * 1 = 52) is left out for 2 of the 4 rows; one per prompt (group 1): every forward counts
+    shape = (10, 2, 1, 4)
+    assert sampling_flops(4, 2, 1.0, 2.0, *shape) == 4 * 252 - 2 * 52
+    assert sampling_flops(4, 1, 1.0, 2.0, *shape) == 4 * 252
 
 
 def test_matmul_params_count_the_tied_head_once_and_skip_the_embedding_lookup():
@@ -91,9 +100,11 @@ def test_bench_reports_the_trainers_phases_and_their_utilisation(tmp_path):
     model, _ = load_model("tiny-dense", overrides=TINY_MODEL)
     l = result["mean_prompt_len"] + result["mean_completion_len"]
     one = forward_flops([l] * 4, matmul_params(model), 1, 2, 16) / 1e9  # one forward of the step's 4 sequences
-    assert phases["generate"]["model_gflop_per_step"] == pytest.approx(one)
+    prompt = forward_flops([result["mean_prompt_len"]], matmul_params(model), 1, 2, 16) / 1e9
+    assert phases["generate"]["model_gflop_per_step"] == pytest.approx(one - 2 * prompt)  # 2 prompts x 2: 2 shared
     assert phases["train (updates)"]["model_gflop_per_step"] == pytest.approx(3 * one)
     assert phases["rewards + pi_old/pi_ref + advantages"]["model_gflop_per_step"] == pytest.approx(0.5 * one)
+    assert phases["whole step"]["model_gflop_per_step"] == pytest.approx(4.5 * one - 2 * prompt)  # the phases'
     for v in phases.values():
         assert v["s_per_step"] > 0 and 0 < v["of_peak"] < 1 and v["dtype"] == "float32"
         assert v["gflop_per_s"] == pytest.approx(v["model_gflop_per_step"] / v["s_per_step"])

@@ -111,11 +111,29 @@ def test_a_frozen_head_gets_a_contiguous_prefill_input(dense):
     finally:
         hook.remove()
     H = model.config.hidden_size
-    assert seen[0] == ((8, 1, H), True)  # the prefill's head, on its last position
+    assert seen[0] == ((4, 1, H), True)  # the prefill's head, on its last position, once per distinct prompt
     assert all(shape == (8, 1, H) and contiguous for shape, contiguous in seen[1:])
     assert len(seen) == 4  # the prefill and 3 decode steps (the last token is never fed back)
     trainable = generate(model, tok, PROMPTS, 2, greedy=True, max_new_tokens=4, backend="gspo")
     assert torch.equal(ours.input_ids, trainable.input_ids)
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_a_repeated_prompt_is_prefilled_once(dense, G):
+    """A group's G rows share a prompt: the prefill runs each distinct prompt once and repeats its cache; the
+    tokens stay HF generate's (which prefills every row)."""
+    model, tok = dense
+    rows = []
+    hook = model.register_forward_pre_hook(lambda _m, args, kwargs: rows.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    try:
+        torch.manual_seed(5)
+        ours = generate(model, tok, PROMPTS, G, temperature=0.9, max_new_tokens=6, backend="gspo")
+    finally:
+        hook.remove()
+    assert rows[0] == (4, 12) and all(shape == (4 * G, 1) for shape in rows[1:])  # widest prompt: 12 tokens
+    torch.manual_seed(5)
+    assert_same(ours, generate(model, tok, PROMPTS, G, temperature=0.9, max_new_tokens=6, backend="hf"))
 
 
 @pytest.mark.parametrize("kw", [{}, {"top_k": 5}, {"top_p": 0.8}])

@@ -22,7 +22,8 @@ sampling is compute-bound, and `of_bound` (the larger of the two times over the 
 Model FLOPs of a sequence of l real tokens, forward:
 2 * P_mm * l + layers * 4 * heads * head_dim * l (l + 1) / 2 (P_mm: the parameters of every matmul,
 decoder layers and output head; padding is not useful work and is not counted, MFU convention,
-PaLM appendix B). Sampling = one forward of every final sequence (the KV cache), the rollout's rest =
+PaLM appendix B). Sampling = one forward of every final sequence (the KV cache) less the prompt's forward of
+all but one row of each group (`sampling_flops`: a repeated prompt needs one prefill), the rollout's rest =
 the pi_old forwards ((M-1)/M of a forward where the first minibatch's pi_old is its own training
 forward) plus one pi_ref forward with a KL term, the updates = 3 forwards per epoch. Counted: the
 policy's forwards only (a PPO critic, the SFT term and the routing-drift forwards are not), with
@@ -61,6 +62,13 @@ def matmul_params(model) -> int:
 def forward_flops(lengths, p_mm: int, layers: int, heads: int, head_dim: int) -> float:
     """Model FLOPs of one forward over sequences of these real-token lengths (causal attention)."""
     return sum(2 * p_mm * l + layers * 4 * heads * head_dim * l * (l + 1) / 2 for l in lengths)
+
+
+def sampling_flops(n: int, group: int, prompt: float, completion: float, *shape) -> float:
+    """Model FLOPs of sampling n sequences of `prompt` + `completion` real tokens, `group` per prompt: one forward
+    of every sequence (its KV cache), less the prompt's forward of all but one of each group's rows (a repeated
+    prompt needs one prefill: gspo's loop runs it once). `shape`: forward_flops' (p_mm, layers, heads, head_dim)."""
+    return forward_flops([prompt + completion] * n, *shape) - (n - n // group) * forward_flops([prompt], *shape)
 
 
 def peak_matmul_rates(n: int, seconds: float, *, device="cpu", dtype=torch.float32, windows: int = 5) -> list[float]:
@@ -166,8 +174,7 @@ def bench(cfg: TrainConfig, steps: int = 4, skip_first: int = 1, peak_seconds: f
                                lambda r: r["time/rollout_s"] - r["time/generate_s"]),
                               ("train (updates)", lambda r: r["time/train_s"]),
                               ("whole step", lambda r: r["time/rollout_s"] + r["time/train_s"])):
-        flops = [forwards[phase] * forward_flops([r["prompt/mean_len"] + r["completion/mean_len"]] * N, *shape)
-                 for r in timed]
+        flops = [_phase_flops(phase, r, N, cfg.num_generations, forwards, shape) for r in timed]
         secs = [seconds_of(r) for r in timed]
         rate = statistics.median(f / s for f, s in zip(flops, secs)) if all(s > 0 for s in secs) else float("nan")
         phases[phase] = {"s_per_step": statistics.median(secs), "model_gflop_per_step": statistics.median(flops) / 1e9,
@@ -225,6 +232,17 @@ def _shape(model) -> tuple[int, int, int, int]:
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     return matmul_params(model), c.num_hidden_layers, heads, head_dim
+
+
+def _phase_flops(phase: str, row: dict, n: int, group: int, forwards: dict, shape: tuple) -> float:
+    """Model FLOPs of one phase in one step's metrics `row`: sampling by `sampling_flops`, the others as `forwards`
+    of every sequence, the whole step as their sum."""
+    prompt, completion = row["prompt/mean_len"], row["completion/mean_len"]
+    if phase == "whole step":
+        return sum(_phase_flops(p, row, n, group, forwards, shape) for p in forwards if p != "whole step")
+    if phase == "generate":
+        return sampling_flops(n, group, prompt, completion, *shape)
+    return forwards[phase] * forward_flops([prompt + completion] * n, *shape)
 
 
 def _forwards_per_phase(cfg: TrainConfig) -> dict[str, float]:

@@ -110,6 +110,14 @@ def find_routers(model: nn.Module) -> list[Router]:
     return routers
 
 
+def has_experts(model: nn.Module) -> bool:
+    """Whether `model`'s config declares experts (an MoE), from the config alone."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return any(bool(getattr(config, key, None)) for key in _EXPERT_COUNT_KEYS)
+
+
 def unsupported_moe(model: nn.Module) -> str | None:
     """Why an MoE `model`'s routers cannot be found (an architecture gspo has no adapter for), or
     None for a supported architecture or a model without experts. From the config alone."""
@@ -117,7 +125,7 @@ def unsupported_moe(model: nn.Module) -> str | None:
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     arch = getattr(config, "model_type", None)
-    if any(bool(getattr(config, key, None)) for key in _EXPERT_COUNT_KEYS) and arch not in SUPPORTED_ARCHITECTURES:
+    if has_experts(model) and arch not in SUPPORTED_ARCHITECTURES:
         return (f"the {arch!r} architecture ({type(model).__name__}) is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return None

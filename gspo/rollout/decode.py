@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 from gspo.algo.logprobs import is_fsdp2
 from gspo.plugs.lora import is_peft, plain_model
+from gspo.plugs.moe import has_experts
 
 __all__ = ["PrefixKVLayer", "prefix_cache", "sample", "unsupported_reason"]
 
@@ -77,6 +78,13 @@ class PrefixKVLayer(CacheLayerMixin):
         self.keys = self.key_buffer[:, :, :end]  # (N, H, filled, D) view, no copy
         self.values = self.value_buffer[:, :, :end]  # (N, H, filled, Dv)
         return self.keys, self.values
+
+    def repeat_rows(self, index: Tensor) -> None:
+        """Keep row index[i] of the cache as row i (N',) -> N rows: one prefill of each distinct prompt, repeated."""
+        self.key_buffer = self.key_buffer.index_select(0, index)  # (N, H, C, D)
+        self.value_buffer = self.value_buffer.index_select(0, index)  # (N, H, C, Dv)
+        self.keys = self.key_buffer[:, :, : self.filled]
+        self.values = self.value_buffer[:, :, : self.filled]
 
     def get_seq_length(self) -> int:
         return self.filled
@@ -253,20 +261,45 @@ def _decode_inputs(prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int,
     return ids, mask, position_ids
 
 
+def _distinct_rows(model, prompt_ids: Tensor, prompt_mask: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """(first (N',), index (N,)): the first row of each distinct prompt (tokens and mask) and, per row, which of
+    those it repeats; None where no prompt repeats, or for an MoE (its routing record and replay follow every
+    row through every forward)."""
+    if prompt_ids.shape[0] < 2 or has_experts(model):
+        return None
+    key = prompt_ids if prompt_mask is None else torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1)
+    distinct, index = torch.unique(key, dim=0, return_inverse=True)  # (N', 2P), (N,)
+    if distinct.shape[0] == key.shape[0]:
+        return None
+    rows = torch.arange(key.shape[0], device=key.device)  # (N,)
+    first = torch.full((distinct.shape[0],), key.shape[0], device=key.device).scatter_reduce(0, index, rows, "amin")
+    return first, index  # (N',), (N,) into first
+
+
 def _prefill(model, prompt_ids: Tensor, prompt_mask: Tensor | None, position_ids: Tensor, max_new_tokens: int):
     """The prompts' forward (N, P) into a fresh `prefix_cache`: (its output, the keyword arguments every later
-    forward gets: that cache, and logits of the last position only where the model can keep just those)."""
+    forward gets: that cache, and logits of the last position only where the model can keep just those).
+    A prompt that repeats (a group's G rows) is run once and its cache and logits repeated for every row."""
     P = prompt_ids.shape[1]
     # the last token is never fed back: P + max_new_tokens - 1 positions ever enter the cache
     cache = prefix_cache(_num_layers(model), P + max_new_tokens - 1)
     params = inspect.signature(model.forward).parameters
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
     extra[_cache_argument(params)] = cache  # transformers >= 5.20 names it `cache`, earlier 5.x `past_key_values`
+    shared = _distinct_rows(model, prompt_ids, prompt_mask)
+    if shared is not None:
+        first, index = shared
+        prompt_ids, position_ids = prompt_ids[first], position_ids[first]  # (N', P)
+        prompt_mask = None if prompt_mask is None else prompt_mask[first]  # (N', P)
     with _contiguous_head_input(model):
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
                     return_dict=True, **extra)
     if any(layer.filled != P for layer in cache.layers):
         raise ValueError(f"{type(model).__name__} did not fill gspo's KV cache in every layer; use backend='hf'")
+    if shared is not None:
+        for layer in cache.layers:
+            layer.repeat_rows(index)
+        out.logits = out.logits.index_select(0, index)  # (N, 1 or P, V)
     return out, extra
 
 
