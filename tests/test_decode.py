@@ -245,6 +245,31 @@ def test_rollout_tensors_leave_inference_mode_as_normal_tensors(backend):
     rollout.input_ids[0, 0] += 0  # written in place
 
 
+def test_under_autocast_sampling_keeps_the_weight_cast_cache(dense):
+    """Inference mode turns autocast's cache of weight casts off, so every decode step would cast every weight
+    again: under an autocast, trainable float32 weights sample outside inference mode (a frozen copy, or no
+    autocast, inside it); the tokens are the same."""
+    import copy
+
+    model, tok = dense
+    frozen = copy.deepcopy(model).requires_grad_(False)
+
+    def modes(m, autocast):
+        seen = []
+        hook = m.register_forward_pre_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = generate(m, tok, PROMPTS, 2, greedy=True, max_new_tokens=3, backend="gspo")
+        finally:
+            hook.remove()
+        return set(seen), out.input_ids
+
+    cached, ids = modes(model, True)
+    frozen_modes, frozen_ids = modes(frozen, True)  # nothing to cache: inference mode, the same casts uncached
+    assert cached == {False} and frozen_modes == {True} and torch.equal(frozen_ids, ids)
+    assert modes(model, False)[0] == {True}
+
+
 # ----------------------------------------------------------------------------- backend choice
 
 def counting(monkeypatch, name: str) -> list:
