@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODEL_50M, baseline_tree, machine, served_as_worker, worker_result, write_result  # noqa: E402
+from common import MODEL_50M, REPO, baseline_tree, machine, served_as_worker, worker_result, write_result  # noqa: E402
 
 # name: (model_overrides of tiny-dense, prompts B, completions per prompt G, max new tokens T)
 CASES = {
@@ -104,9 +104,10 @@ def main() -> None:
         order = ("this", "baseline") if r % 2 == 0 else ("baseline", "this")
         result = {side: worker_result([sys.executable, __file__, "--worker", spec], f"{side} side", env[side])
                   for side in order}
-        if result["this"]["gspo_file"] == result["baseline"]["gspo_file"]:
-            sys.exit(f"both sides imported gspo from {result['this']['gspo_file']}: run from the tree to measure with "
-                     "PYTHONPATH=<its root> (an installed gspo wins otherwise)")
+        for side, tree in (("this", REPO), ("baseline", base)):  # an installed gspo elsewhere would win quietly
+            if Path(result[side]["gspo_file"]).resolve().parents[1] != tree.resolve():
+                sys.exit(f"the {side} side imported gspo from {result[side]['gspo_file']}, not from {tree}: run with "
+                         f"PYTHONPATH={REPO}")
         if result["this"]["digest"] != result["baseline"]["digest"]:
             sys.exit(f"round {r}: the two sides sampled different tokens; the timing would compare unlike work")
         ratio = sum(result["baseline"]["seconds"]) / sum(result["this"]["seconds"])

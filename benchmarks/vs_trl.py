@@ -101,20 +101,27 @@ def random_50m(work_dir: Path) -> tuple[str, dict]:
     prompts ran 2 to 512 tokens (mean 119), so a padded batch is ~3/4 padding. Its answers are never
     right (answer_match 0: every advantage is 0), which changes no work either side does per step.
     """
-    model_dir = work_dir / "random_50m" / "model"
+    from utilisation import LARGE
+
+    return random_model(work_dir / "random_50m", LARGE)
+
+
+def random_model(folder: Path, overrides: dict) -> tuple[str, dict]:
+    """tiny-dense with `overrides`, random init (seed 0), saved once under `folder`/model with add3's character
+    tokenizer; (its path, {"params", "overrides"})."""
+    model_dir = folder / "model"
     if not (model_dir / "config.json").is_file():
         import torch
 
         from gspo.models import count_parameters, load_model
-        from utilisation import LARGE
 
         torch.manual_seed(0)
-        model, tokenizer = load_model("tiny-dense", overrides=LARGE)
+        model, tokenizer = load_model("tiny-dense", overrides=overrides)
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        (model_dir.parent / "info.json").write_text(json.dumps({"params": count_parameters(model),
-                                                                 "overrides": LARGE}, indent=2))
-    return str(model_dir), json.loads((model_dir.parent / "info.json").read_text())
+        (folder / "info.json").write_text(json.dumps({"params": count_parameters(model), "overrides": overrides},
+                                                     indent=2))
+    return str(model_dir), json.loads((folder / "info.json").read_text())
 
 
 def smollm2() -> tuple[str, dict]:
@@ -131,20 +138,9 @@ def random_qwen3_06b(work_dir: Path) -> tuple[str, dict]:
     """A Qwen3-0.6B-shaped model (vllm_serve_check.SIZE: 28 layers, hidden 1024, ~0.44B parameters without
     embeddings), random init (seed 0), with add3's character tokenizer: nothing to download. Untrained, its answers
     are never right, so its rows time the work only (the GPU check, issue 52)."""
-    model_dir = work_dir / "random_qwen3_06b" / "model"
-    if not (model_dir / "config.json").is_file():
-        import torch
+    from vllm_serve_check import SIZE
 
-        from gspo.models import count_parameters, load_model
-        from vllm_serve_check import SIZE
-
-        torch.manual_seed(0)
-        model, tokenizer = load_model("tiny-dense", overrides=SIZE)
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-        (model_dir.parent / "info.json").write_text(json.dumps({"params": count_parameters(model),
-                                                                 "overrides": SIZE}, indent=2))
-    return str(model_dir), json.loads((model_dir.parent / "info.json").read_text())
+    return random_model(work_dir / "random_qwen3_06b", SIZE)
 
 
 def cold_start(work_dir: Path, sft_steps: int) -> tuple[str, dict]:
