@@ -49,10 +49,10 @@ def sample(spec: dict) -> dict:
     autocast = False
     if overrides == "smollm2":  # the packaged real model, its demo's chat prompts
         from gspo.apps.demo_real import native_bf16, sum_rows
+        from gspo.data.rows import render_prompts
 
         model, tokenizer = load_model("smollm2")
-        prompts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
-                   for r in sum_rows("train")[:B]]
+        prompts = [r["prompt"] for r in render_prompts(sum_rows("train")[:B], tokenizer)]  # as the trainer renders
         autocast = native_bf16()
     else:
         model, tokenizer = load_model("tiny-dense", seed=0, overrides=overrides)

@@ -110,21 +110,22 @@ def find_routers(model: nn.Module) -> list[Router]:
     return routers
 
 
+def _text_config(model: nn.Module):
+    """The model's text config (a multimodal model's language part), or its config, or None."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+
+
 def has_experts(model: nn.Module) -> bool:
     """Whether `model`'s config declares experts (an MoE), from the config alone."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    config = _text_config(model)
     return any(bool(getattr(config, key, None)) for key in _EXPERT_COUNT_KEYS)
 
 
 def unsupported_moe(model: nn.Module) -> str | None:
     """Why an MoE `model`'s routers cannot be found (an architecture gspo has no adapter for), or
     None for a supported architecture or a model without experts. From the config alone."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    arch = getattr(config, "model_type", None)
+    arch = getattr(_text_config(model), "model_type", None)
     if has_experts(model) and arch not in SUPPORTED_ARCHITECTURES:
         return (f"the {arch!r} architecture ({type(model).__name__}) is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
