@@ -8,6 +8,7 @@ hook, or no sandbox) shows the same program does the harm, so the test can fail.
 """
 
 import os
+import selectors
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ import uuid
 import pytest
 
 from gspo.data.rewards import get_reward_fn
+from gspo.sandbox import execute
 from gspo.sandbox import runner as sandbox
 from gspo.sandbox.runner import (
     CodeReward,
@@ -427,6 +429,37 @@ def test_cpu_limit_stops_a_busy_loop_before_the_wall_clock():
     # the program's process got SIGXCPU; the judge, left without answers, failed the run
     assert r.killed == "cpu_limit" and r.program_returncode == -signal.SIGXCPU and not r.timed_out
     assert r.returncode == sandbox._FAIL_RC and r.duration_s < 15
+
+
+class _JudgeFirstSelector:
+    """A selector that lists ready processes with the judge first, as the kernel may."""
+
+    def __init__(self):
+        self.inner = selectors.DefaultSelector()
+
+    def select(self, timeout):
+        return sorted(self.inner.select(timeout), key=lambda ready: -ready[0].data[1])
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_program_that_ended_with_its_judge_counts_as_ended_first():
+    # both processes' ends are seen in one select: the program's signal is what stopped the run, whichever is
+    # listed first (CI once saw "the program ended before the tests finished" and no cpu_limit)
+    sel, ends = _JudgeFirstSelector(), []
+    for i in (0, 1):
+        r, w = os.pipe()
+        os.write(w, b"x")
+        ends.append(w)
+        sel.register(r, selectors.EVENT_READ, ("exit", i))
+    exited, killed = execute._watch(sel, {}, 2, time.monotonic() + 5, 1 << 20)
+    for w in ends:
+        os.close(w)
+    assert killed is None and exited[0] <= exited[1]
+    program = execute.Ended(-signal.SIGXCPU, b"", b"", True, exited[0])
+    judge = execute.Ended(sandbox._FAIL_RC, b"", b"", True, exited[1])
+    assert execute.judged(program, judge, None, None) == "cpu_limit"
 
 
 def test_memory_bomb_is_refused():

@@ -157,10 +157,12 @@ def _watch(sel: selectors.BaseSelector, bufs: dict, count: int, deadline: float,
             break
         if judge in exited and len(exited) == count and not _has_output(sel):
             break  # everyone ended and every pipe is closed
-        for key, _ in sel.select(left):
+        ready = sel.select(left)
+        seen_at = time.monotonic()  # one time per batch: a program that ended with its judge did not end after it
+        for key, _ in ready:
             kind, i = key.data
             if kind == "exit":
-                exited[i] = time.monotonic()
+                exited[i] = seen_at
                 sel.unregister(key.fd)
                 os.close(key.fd)
                 if i == judge:  # the verdict is in: the rest may take GRACE_S more, deadline or not
