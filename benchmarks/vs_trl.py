@@ -22,7 +22,9 @@ change is measured before/after in one run, on the same machine state.
 
 `--async K` adds the side gspo_async: gspo with one rollout worker process sampling K steps ahead
 (`rollout_workers: 1, max_staleness: K`; the worker takes the trainer's thread count, so with
-`--threads 1` the trainer and the worker each use one core), in the same alternation.
+`--threads 1` the trainer and the worker each use one core), in the same alternation; pi_old is
+recomputed by the trainer (decoupled). `--mu-as-pi-old` adds a further side, gspo_async_mu: the same
+worker, the sampler's log-probs (mu) as pi_old (`use_sampler_logprobs`), no pi_old forward.
 
 Timed region: one RL step = one rollout of B*G completions and M optimizer steps (TRL: M
 `global_step`s), wall clock from the end of the previous step to the end of this one. gspo: time
@@ -403,8 +405,8 @@ def main() -> None:
     parser.add_argument("--async", dest="async_k", type=int, default=None, metavar="K",
                         help="also run gspo with a rollout worker sampling K steps ahead (max_staleness K)")
     parser.add_argument("--mu-as-pi-old", action="store_true",
-                        help="with --async: the sampler's log-probs (mu) as pi_old (use_sampler_logprobs), "
-                             "not pi_old recomputed by the trainer")
+                        help="with --async: also run gspo_async_mu, the worker side with the sampler's log-probs "
+                             "(mu) as pi_old (use_sampler_logprobs) instead of pi_old recomputed by the trainer")
     parser.add_argument("--worker", choices=["gspo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -450,7 +452,10 @@ def main() -> None:
     else:
         model_dir, cold = (random_qwen3_06b if args.model == "qwen3-0.6b" else random_50m)(work)
         print(f"model: {model_dir} ({cold['params'] / 1e6:.1f}M parameters, random init)")
-    sides = ("gspo", *(("gspo_async",) if args.async_k is not None else ()),
+    if args.mu_as_pi_old and args.async_k is None:
+        sys.exit("--mu-as-pi-old adds an asynchronous side: give --async K too")
+    asyncs = ("gspo_async", *(("gspo_async_mu",) if args.mu_as_pi_old else ())) if args.async_k is not None else ()
+    sides = ("gspo", *asyncs,
              *(("gspo_base",) if args.baseline else ()), "trl")
     env = {side: dict(os.environ) for side in sides}
     if args.baseline:
@@ -473,8 +478,8 @@ def main() -> None:
                         lr=args.lr, eval_prompts=args.eval_prompts, eval_k=args.eval_k, threads=args.threads,
                         data=data, bf16=bf16, device=args.device,
                         output_dir=str(work / f"{side}_seed{rep}"),
-                        max_staleness=args.async_k if side == "gspo_async" else None,
-                        use_sampler_logprobs=args.mu_as_pi_old and side == "gspo_async",
+                        max_staleness=args.async_k if side in asyncs else None,
+                        use_sampler_logprobs=side == "gspo_async_mu",
                         profile=str(work / f"profile_{side}_{rep}.txt") if args.profile else None)
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
@@ -511,13 +516,13 @@ def main() -> None:
              "tokens_per_s_pairs": pair_ratio,
              "generate_s_trl_over_gspo": med["trl"]["generate_s"] / med["gspo"]["generate_s"],
              "train_s_trl_over_gspo": med["trl"]["train_s"] / med["gspo"]["train_s"]}
-    if args.async_k is not None:  # the same per-pair medians: asynchronous over synchronous, and over TRL
+    for a_side in asyncs:  # the same per-pair medians: asynchronous over synchronous, and over TRL
+        tag = "async" if a_side == "gspo_async" else "async_mu"
         for name, other in (("sync", "gspo"), ("trl", "trl")):
-            pairs = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"]
-                     for a, b in zip(by["gspo_async"], by[other])]
-            ratio[f"async_over_{name}_pairs"], ratio[f"async_over_{name}"] = pairs, median(pairs)
-        steps = [b["summary"]["s_per_step"] / a["summary"]["s_per_step"] for a, b in zip(by["gspo_async"], by["gspo"])]
-        ratio["async_steps_per_s_over_sync_pairs"], ratio["async_steps_per_s_over_sync"] = steps, median(steps)
+            pairs = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"] for a, b in zip(by[a_side], by[other])]
+            ratio[f"{tag}_over_{name}_pairs"], ratio[f"{tag}_over_{name}"] = pairs, median(pairs)
+        steps = [b["summary"]["s_per_step"] / a["summary"]["s_per_step"] for a, b in zip(by[a_side], by["gspo"])]
+        ratio[f"{tag}_steps_per_s_over_sync_pairs"], ratio[f"{tag}_steps_per_s_over_sync"] = steps, median(steps)
     if args.baseline:  # before/after: the same per-pair medians, current gspo over the revision's
         ratio["baseline"] = args.baseline
         ratio["tokens_per_s_over_baseline_pairs"] = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"]
@@ -537,11 +542,12 @@ def main() -> None:
     print(f"\ngspo / TRL end-to-end tokens/s: {ratio['tokens_per_s']:.2f}x (median of per-pair ratios "
           f"{', '.join(f'{r:.2f}' for r in pair_ratio)}); generation {ratio['generate_s_trl_over_gspo']:.2f}x, "
           f"training {ratio['train_s_trl_over_gspo']:.2f}x")
-    if args.async_k is not None:
-        print(f"gspo_async (max_staleness {args.async_k}) / gspo: steps/s {ratio['async_steps_per_s_over_sync']:.2f}x "
-              f"(pairs {', '.join(f'{r:.2f}' for r in ratio['async_steps_per_s_over_sync_pairs'])}), tokens/s "
-              f"{ratio['async_over_sync']:.2f}x; gspo_async / TRL tokens/s {ratio['async_over_trl']:.2f}x (pairs "
-              f"{', '.join(f'{r:.2f}' for r in ratio['async_over_trl_pairs'])})")
+    for a_side in asyncs:
+        tag = "async" if a_side == "gspo_async" else "async_mu"
+        print(f"{a_side} (max_staleness {args.async_k}) / gspo: steps/s {ratio[f'{tag}_steps_per_s_over_sync']:.2f}x "
+              f"(pairs {', '.join(f'{r:.2f}' for r in ratio[f'{tag}_steps_per_s_over_sync_pairs'])}), tokens/s "
+              f"{ratio[f'{tag}_over_sync']:.2f}x; {a_side} / TRL tokens/s {ratio[f'{tag}_over_trl']:.2f}x (pairs "
+              f"{', '.join(f'{r:.2f}' for r in ratio[f'{tag}_over_trl_pairs'])})")
     if args.baseline:
         print(f"gspo / gspo@{args.baseline}: {ratio['tokens_per_s_over_baseline']:.2f}x (pairs "
               f"{', '.join(f'{r:.2f}' for r in ratio['tokens_per_s_over_baseline_pairs'])}); "
