@@ -82,6 +82,26 @@ def test_nonfinite_loss_and_gradient_skip_the_step(tmp_path, monkeypatch):
     assert all(torch.isfinite(tensor).all() for tensor in trained.values())
 
 
+def test_a_step_or_a_skip_frees_the_gradients():
+    # they are spent once the step is taken or skipped: the next forward and the next rollout do not hold them
+    from gspo.runtime import NonFiniteGuard
+    from gspo.step import step_or_skip
+
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    guard = NonFiniteGuard(5)
+    for loss_of in (lambda out: out.sum(), lambda out: out.sum() * math.nan):
+        before = layer.weight.detach().clone()
+        loss = loss_of(layer(torch.ones(1, 3)))
+        loss.backward()
+        assert layer.weight.grad is not None
+        step_or_skip(optimizer, scheduler, guard, 1, loss.detach(), torch.tensor(1.0))
+        assert layer.weight.grad is None and layer.bias.grad is None
+        assert torch.equal(layer.weight, before) == (not math.isfinite(loss.item()))  # stepped, or skipped
+    assert guard.skipped == 1
+
+
 def test_a_good_step_after_a_skip_updates_and_resets_the_streak(tmp_path, monkeypatch):
     poison(monkeypatch, ["loss", "ok", "grad", "ok"])
     cfg = tiny_cfg(tmp_path, max_steps=2, num_minibatches=2, reward_funcs=[starts_with_digit], max_consecutive_skips=2,
