@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from gspo.algo.adamw import LowPrecisionAdamW
 from gspo.algo.schedules import lr_schedule
 from gspo.checkpoint import (
     OPTIMIZER_FILE,
@@ -124,8 +125,13 @@ class Run:
 def adamw(module, lr: float, settings: OptimizerSettings, total_updates: int):
     """The policy's and a critic's optimizer: AdamW on the run's learning-rate schedule; (optimizer, scheduler)."""
     trained = [p for p in module.parameters() if p.requires_grad]  # LoRA: the adapters only
-    optimizer = torch.optim.AdamW(trained, lr=lr, betas=(settings.adam_beta1, settings.adam_beta2),
-                                  weight_decay=settings.weight_decay, **fused_adamw(trained))
+    betas = (settings.adam_beta1, settings.adam_beta2)
+    if settings.adam_state_dtype == "float32":
+        optimizer = torch.optim.AdamW(trained, lr=lr, betas=betas, weight_decay=settings.weight_decay,
+                                      **fused_adamw(trained))
+    else:  # the moments in a lower precision (bfloat16): half the optimizer's memory
+        optimizer = LowPrecisionAdamW(trained, lr=lr, betas=betas, weight_decay=settings.weight_decay,
+                                      state_dtype=getattr(torch, settings.adam_state_dtype))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_schedule(settings.lr_scheduler, settings.warmup_steps, total_updates))
 

@@ -276,7 +276,7 @@ def test_readme_trl_table_names_every_alias_and_refusal():  # the table moved fr
                                "does): no equivalent: gspo computes log-probs in row chunks (logprob_chunk_size)"),
     ({"optim": "adafactor"}, "config: optim='adafactor' is TRL's, and gspo takes it only as 'adamw_torch', "
                              "'adamw_torch_fused' (what gspo does): gspo trains with torch's AdamW, fused where torch "
-                             "has the kernel"),
+                             "has the kernel (adam_state_dtype: bfloat16 stores its moments in bfloat16)"),
     ({"vllm_server_host": "0.0.0.0"}, "config: 'vllm_server_host' is TRL's, and gspo has no setting of that name: "
                                       "gspo runs vLLM in the training process (generation_backend: vllm); other "
                                       "processes and machines sample as endpoints: rollout_workers, "

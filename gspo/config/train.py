@@ -190,6 +190,9 @@ class OptimizerSettings:
     """AdamW beta1."""
     adam_beta2: float = 0.99
     """AdamW beta2."""
+    adam_state_dtype: str = "float32"
+    """AdamW's two moments: float32 (torch's fused AdamW) or bfloat16 (gspo.algo.adamw: half the optimizer's
+    memory, float32 arithmetic; its effect on learning is measured in docs/benchmarks.md, section 13)."""
     warmup_steps: int = 0
     """Linear warmup, in optimizer steps."""
     lr_scheduler: str = "constant"
@@ -203,6 +206,7 @@ class OptimizerSettings:
 @checks(OptimizerSettings)
 def _check_optimizer(s: OptimizerSettings) -> None:
     check_choice(s, "lr_scheduler", SCHEDULES)
+    check_choice(s, "adam_state_dtype", ("float32", "bfloat16"))
     check_positive(s, "learning_rate", "max_consecutive_skips")
     check_positive(s, "weight_decay", "warmup_steps", "max_grad_norm", allow_zero=True)
 
@@ -458,6 +462,9 @@ def check_train(cfg: TrainConfig) -> None:
     if cfg.fp16 and cfg.distributed == "fsdp":
         raise ValueError("config: fp16 with distributed=fsdp is not supported yet (its loss scale is untested on "
                          "sharded gradients); use bf16, or distributed=ddp")
+    if cfg.adam_state_dtype != "float32" and cfg.distributed == "fsdp":
+        raise ValueError(f"config: adam_state_dtype={cfg.adam_state_dtype!r} with distributed=fsdp is not supported "
+                         "yet (untested on sharded parameters); use adam_state_dtype=float32, or distributed=ddp")
     if cfg.fp16 and (gae or cfg.sft_coef > 0):
         raise ValueError("config: fp16 scales the policy loss's backward only; a critic (advantage_estimator=gae) "
                          "or an SFT term (sft_coef) would backpropagate unscaled: not supported yet, use bf16")

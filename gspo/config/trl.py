@@ -112,7 +112,8 @@ NOT_TAKEN: dict[str, NotTaken] = {
                                                      (False,)),
     "transformers_continuous_batching_config": NotTaken("generation_backend picks the sampler", (None,)),
     # transformers' TrainingArguments
-    "optim": NotTaken("gspo trains with torch's AdamW, fused where torch has the kernel",
+    "optim": NotTaken("gspo trains with torch's AdamW, fused where torch has the kernel (adam_state_dtype: "
+                      "bfloat16 stores its moments in bfloat16)",
                       ("adamw_torch", "adamw_torch_fused")),
     "adam_epsilon": NotTaken("gspo's AdamW takes torch's eps, 1e-8", (1e-8,)),
     "lr_scheduler_kwargs": NotTaken("no equivalent: gspo's schedules take no options", (None, {})),
