@@ -287,6 +287,19 @@ def test_a_worker_samples_with_the_run_s_sampler_a_bf16_copy_here(tmp_path):
     assert all(r["mismatch/kl"] > 1e-8 for r in worker)  # bf16 mu against the fp32 trainer
 
 
+def test_a_bf16_run_s_worker_samples_under_the_trainer_s_autocast(tmp_path):
+    # bf16: the trainer's own sampler runs under its autocast, and so does a worker's (before, a worker sampled in
+    # float32: other tokens, mu 1.45x slower on SmolLM2 at T = 128). max_staleness 0, seeded: the same run.
+    common = dict(max_steps=2, seeded_sampling=True, eval_num_prompts=0, bf16=True, reward_funcs=[text_hash],
+                  learning_rate=1e-2, log_mismatch=True)
+    train(tiny_cfg(tmp_path / "here", **common))
+    train(tiny_cfg(tmp_path / "worker", rollout_workers=1, **common))
+    here, worker = read_metrics(tmp_path / "here" / "run"), read_metrics(tmp_path / "worker" / "run")
+    assert len(here) == len(worker) == 2
+    assert [computed(r) for r in here] == [computed(r) for r in worker]  # mu and its mismatch metrics included
+    assert all(r["mismatch/kl"] < 1e-4 for r in worker)
+
+
 def test_a_worker_that_cannot_build_its_sampler_says_why(tmp_path):
     # The worker says in its pipe that it listens, or its traceback once building its Sampler failed: here a vllm
     # engine without vllm.

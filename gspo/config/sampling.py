@@ -278,3 +278,6 @@ class SamplerShape:
     """The template's keywords for episodes' chat messages (DataSettings)."""
     sandbox: str = "os"
     """Where the built-in python tool runs model-written code (RewardSettings)."""
+    autocast: str | None = None
+    """The policy forwards' autocast, "bf16" or "fp16" (PrecisionSettings), or None: a rollout worker samples under
+    it, as the trainer's own sampler does."""

@@ -497,5 +497,5 @@ def sampler_sections(cfg) -> tuple:
     keep = keeps_sampler_logprobs(sampling, section(cfg, CorrectionSettings), section(cfg, ObjectiveSettings))
     shape = SamplerShape(num_generations=cfg.num_generations, per_device_batch_size=cfg.per_device_batch_size,
                          seed=cfg.seed, keep_logprobs=keep, chat_template_kwargs=cfg.chat_template_kwargs,
-                         sandbox=cfg.sandbox)
+                         sandbox=cfg.sandbox, autocast="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None)
     return sampling, section(cfg, EpisodeSettings), shape

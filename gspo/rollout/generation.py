@@ -78,8 +78,8 @@ def generate(
     if not engine:  # an engine samples: the policy is not run here (and may be training in another thread)
         model.eval()
     recording = routing_recorder if routing_recorder is not None else nullcontext()
-    with torch.inference_mode(_inference_mode(sampler if isinstance(sampler, torch.nn.Module) else model)), \
-            recording as recorder:
+    module = sampler if isinstance(sampler, torch.nn.Module) else model
+    with torch.inference_mode(samples_in_inference_mode(module)), recording as recorder:
         completion_ids, sampler_lp = chosen.sample(
             sampler, prompt_ids, prompt_mask, eos=eos, pad=pad, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, greedy=greedy,
@@ -90,7 +90,7 @@ def generate(
                     completion_ids, sampler_lp, recorder, eos=eos, pad=pad)
 
 
-def _inference_mode(model) -> bool:
+def samples_in_inference_mode(model) -> bool:
     """Whether sampling runs in inference mode: no version counters or view tracking per op (~5% off sampling on
     CPU, docs/benchmarks.md section 9); what leaves it (ids, log-probs, the routing record) is rebuilt by
     `_rollout` as normal tensors, which training may save for backward. Not under FSDP2: its all-gather buffers,
@@ -200,4 +200,4 @@ NATIVE = GeneratorBackend(_native_sample, decode.unsupported_reason)  # "gspo" i
 HF_GENERATE = GeneratorBackend(_hf_generate, lambda model: None)  # "hf"
 
 
-__all__ = ["HF_GENERATE", "NATIVE", "generate", "sampling_options"]
+__all__ = ["HF_GENERATE", "NATIVE", "generate", "samples_in_inference_mode", "sampling_options"]

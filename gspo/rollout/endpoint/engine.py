@@ -15,12 +15,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from gspo.rollout.batch import completion_mask_from_ids, eos_ids, pad_id
+from gspo.rollout.generation import samples_in_inference_mode
 
 
 @dataclass
@@ -71,11 +72,14 @@ class Engine:
     `model`, `tokenizer`: the policy (its device, stop and pad tokens); `with_logprobs`: keep mu;
     `max_rows`: completions per generator call at most; `window_s`: how long the first waiting request waits for
     others (`expected()`: how many may come, to stop waiting sooner; None: wait the window); `max_context`: the
-    model's positions (its config's max_position_embeddings by default), which prompt and max_tokens must fit."""
+    model's positions (its config's max_position_embeddings by default), which prompt and max_tokens must fit;
+    `autocast`: a zero-argument context factory every generator call runs under (a rollout worker's: the trainer's
+    bf16 or fp16 autocast, gspo/plugs/precision.py), so the worker samples in the precision the trainer would."""
 
     def __init__(self, generator, sampler, model, tokenizer, *, with_logprobs: bool = True, max_rows: int = 64,
-                 window_s: float = 0.01, max_context: int | None = None):
+                 window_s: float = 0.01, max_context: int | None = None, autocast=nullcontext):
         self.generator, self.sampler, self.model, self.tokenizer = generator, sampler, model, tokenizer
+        self.autocast = autocast
         self.with_logprobs, self.max_rows, self.window_s = with_logprobs, max_rows, window_s
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
         self.eos, self.pad = eos_ids(tokenizer, model), pad_id(tokenizer, model)
@@ -174,7 +178,9 @@ class Engine:
         was_training = self.model.training
         self.model.eval()
         routed = any(job.routing for job in jobs)
-        with self.lock, torch.inference_mode(), _recording(self.sampler if routed else None) as recorder:
+        module = self.sampler if isinstance(self.sampler, torch.nn.Module) else self.model
+        with self.lock, self.autocast(), torch.inference_mode(samples_in_inference_mode(module)), \
+                _recording(self.sampler if routed else None) as recorder:
             out, lp = self.generator.sample(
                 self.sampler, ids, mask, eos=self.eos, pad=self.pad, max_new_tokens=max(j.max_tokens for j in jobs),
                 temperature=temperature, top_p=first.top_p, top_k=first.top_k, min_p=first.min_p,

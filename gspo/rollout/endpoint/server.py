@@ -11,6 +11,7 @@ host other than loopback without a secret is refused at start.
 
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import logging
@@ -109,14 +110,15 @@ class Endpoint:
 
 
 def endpoint_of(sampler, model, tokenizer, secret: bytes | None, *, name: str, max_tokens: int, template_kwargs=None,
-                tool_style: str = "hermes", rows: int = 64):
+                tool_style: str = "hermes", rows: int = 64, autocast=contextlib.nullcontext):
     """The Endpoint serving `sampler` (the Sampler plug of `model`): its engine samples up to `rows` completions per
-    generator call; with the run's `secret` it takes weight updates by the four phases (endpoint/weights.py)."""
+    generator call, under `autocast` (a context factory); with the run's `secret` it takes weight updates by the
+    four phases (endpoint/weights.py)."""
     from gspo.rollout.endpoint.engine import engine_of
     from gspo.rollout.endpoint.requests import Limits
     from gspo.rollout.endpoint.weights import WeightReceiver
 
-    engine = engine_of(sampler, max_rows=rows)
+    engine = engine_of(sampler, max_rows=rows, autocast=autocast)
     weights = WeightReceiver(engine, model, sampler.sync, secret) if secret else None
     limits = Limits(max_tokens=max_tokens, max_tokens_cap=max(4096, max_tokens), max_n=max(64, rows))
     return Endpoint(engine, tokenizer, model_name=name, template_kwargs=template_kwargs, tool_style=tool_style,

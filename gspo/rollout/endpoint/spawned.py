@@ -104,6 +104,7 @@ def _endpoint_main(pipe, secret: bytes, model, tokenizer, load: tuple | None, se
         os.environ.pop(name, None)
     import torch
 
+    from gspo.plugs.precision import forward_precision
     from gspo.rollout.endpoint.server import Server, endpoint_of
     from gspo.rollout.sampler import Sampler
 
@@ -116,9 +117,10 @@ def _endpoint_main(pipe, secret: bytes, model, tokenizer, load: tuple | None, se
             _, model, tokenizer = load_worker_model(*load)
         model = model.to(device).eval()  # one GPU: shared by the trainer and its workers
         sampler = Sampler(model, tokenizer, sampling, episodes, shape, seeded=seeded)
+        autocast = forward_precision(shape.autocast == "bf16", device, shape.autocast == "fp16")  # the trainer's
         endpoint = endpoint_of(sampler, model, tokenizer, secret, name="gspo-rollout-worker", rows=rows,
                                max_tokens=sampling.max_completion_length, template_kwargs=sampler.template_kwargs,
-                               tool_style=episodes.tool_call_style)
+                               tool_style=episodes.tool_call_style, autocast=autocast)
         server = Server(endpoint, "127.0.0.1", 0, secret=secret, open_loopback=False)
     except Exception:  # noqa: BLE001  (no engine, a model it cannot run): the trainer says why and stops
         pipe.send(("error", traceback.format_exc(limit=4)))
