@@ -315,6 +315,34 @@ def test_a_missing_extra_is_named_with_how_to_install_it():
         need("serve", "fastapi", "no_such_module_50")
 
 
+def test_the_engine_samples_under_the_autocast_it_is_given_on_its_own_thread(tiny):
+    # autocast is per thread: a trainer's `with autocast()` does not reach the engine's serving thread (a rollout
+    # worker's, an agent's), so the engine takes the trainer's autocast and enters it around every generator call
+    from gspo.plugs.precision import forward_precision
+
+    model, tok = tiny
+    seen = []
+
+    def spy(sampler, prompt_ids, prompt_mask, *, pad, with_logprobs, **_):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                     torch.is_inference_mode_enabled()))
+        ids = torch.full((prompt_ids.shape[0], 1), 7)  # (n, 1)
+        return ids, torch.zeros(ids.shape) if with_logprobs else None
+
+    for autocast in (forward_precision(True, "cpu"), forward_precision(False, "cpu")):
+        engine = Engine(GeneratorBackend(spy, lambda model: None), model, model, tok, autocast=autocast)
+        stop = threading.Event()
+        thread = threading.Thread(target=engine.serve, args=(stop, 0.02), daemon=True)
+        thread.start()
+        try:
+            engine.submit(Job([5, 6], max_tokens=1)).result(timeout=30)
+        finally:
+            stop.set()
+            thread.join()
+    # bf16: outside inference mode, so autocast caches its casts of the (trainable, float32) weights
+    assert seen == [(True, torch.bfloat16, False), (False, torch.bfloat16, True)]
+
+
 def test_a_closed_engine_fails_waiting_requests_at_once_and_takes_no_more(tiny):
     model, tok = tiny
     engine = Engine(GENERATORS["gspo"], model, model, tok)

@@ -7,6 +7,8 @@ path's (atol 1e-6; measured: identical, on both presets). bf16 autocast rounds e
 above 0.999 (measured: 0.76% / 0.99998 on tiny-dense, 0.82% / 1.00000 on tiny-moe). fp16 autocast rounds to 11
 significant bits: 0.099% on tiny-dense, 0.087% on tiny-moe (8-9x below bf16; the test asks for 3x)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -122,6 +124,30 @@ def test_a_bf16_and_checkpointed_run_trains_with_float32_weights(tmp_path):
     assert all(0 <= r["mismatch/kl"] < 1e-4 for r in rows), [r["mismatch/kl"] for r in rows]
     weights = final_weights(tmp_path / "run")
     assert changed(initial_weights(cfg), weights) and all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_the_current_autocast_carries_to_another_thread():
+    import threading
+
+    from gspo.plugs.precision import current_autocast
+
+    def on_a_thread(factory):
+        seen = []
+
+        def run():
+            with factory():
+                seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = current_autocast("cpu")
+        assert on_a_thread(contextlib.nullcontext)[0] is False  # autocast is per thread
+    assert on_a_thread(inside) == (True, torch.bfloat16)
+    assert on_a_thread(current_autocast("cpu"))[0] is False
 
 
 def test_bf16_and_checkpointing_errors_name_the_problem(tmp_path):

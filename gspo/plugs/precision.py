@@ -41,6 +41,16 @@ def forward_precision(bf16: bool, device: torch.device, fp16: bool = False):
     return partial(torch.autocast, kind, dtype=torch.bfloat16 if bf16 else torch.float16)
 
 
+def current_autocast(device):
+    """A zero-argument context factory of the autocast this thread runs under on `device`'s type now (its dtype), or
+    a null context: for an engine built here whose generator calls run on a thread of its own (autocast is per
+    thread), so that they run in the precision of the forwards around it."""
+    kind = torch.device(device).type
+    if not torch.is_autocast_enabled(kind):
+        return contextlib.nullcontext
+    return partial(torch.autocast, kind, dtype=torch.get_autocast_dtype(kind))
+
+
 def loss_scaler(fp16: bool, device) -> torch.amp.GradScaler | None:
     """fp16's dynamic loss scale: torch's GradScaler on `device` (the loss times the scale before the backward,
     the gradients divided by it before their norm; an overflow skips the step and halves the scale, 2000

@@ -213,11 +213,12 @@ class agent_runner:  # noqa: N801  (used as a function: evaluation's episode run
     limits; `close()` stops the endpoint."""
 
     def __init__(self, agent, name: str, model, tokenizer, episodes, sampling, template_kwargs: dict | None):
+        from gspo.plugs.precision import current_autocast
         from gspo.rollout.endpoint.engine import Engine
         from gspo.rollout.registry import GENERATORS, pick_generator, policy_backend
 
         engine = Engine(GENERATORS[pick_generator(model, policy_backend(sampling.generation_backend))], model, model,
-                        tokenizer)
+                        tokenizer, autocast=current_autocast(next(model.parameters()).device))  # the evaluation's
         self.model, self.tokenizer = model, tokenizer
         self.runner = AgentRunner(agent, name, engine, tokenizer, template_kwargs=template_kwargs,
                                   tool_style=episodes.tool_call_style, limits=session_limits(episodes),

@@ -128,12 +128,15 @@ class Sampler:
 
     def agent_episodes(self, rows: list, seeds: list[int] | None) -> Rollout:
         """Agent episodes of `rows` (one per sequence) on the run's endpoint (gspo/rollout/agents.py)."""
+        from gspo.plugs.precision import current_autocast
         from gspo.rollout.agents import AgentRunner, agent_rollout, session_limits
         from gspo.rollout.endpoint.engine import engine_of
 
         if self.runner is None:
             e = self.episode_settings
-            self.runner = AgentRunner(self.agent, self.agent_name, engine_of(self), self.tokenizer,
+            device = next(self.model.parameters()).device  # the engine samples under the trainer's autocast
+            engine = engine_of(self, autocast=current_autocast(device))
+            self.runner = AgentRunner(self.agent, self.agent_name, engine, self.tokenizer,
                                       template_kwargs=self.template_kwargs, tool_style=e.tool_call_style,
                                       limits=session_limits(e), concurrency=e.agent_concurrency,
                                       max_tokens=self.options["max_new_tokens"])
