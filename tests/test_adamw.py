@@ -77,6 +77,18 @@ def test_with_float32_moments_it_is_torchs_adamw():
         torch.testing.assert_close(a - w, b - w, rtol=0.05, atol=5e-4)
 
 
+def test_a_large_tensor_updated_in_pieces_is_updated_as_a_whole(monkeypatch):
+    import gspo.algo.adamw as adamw
+
+    weights, grads = random_problem(2)  # 35 and 5 elements
+    make = lambda ps: LowPrecisionAdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731
+    whole, _ = run(make, weights, grads)
+    monkeypatch.setattr(adamw, "CHUNK", 4)  # the 35-element matrix in 9 pieces, the 5-element bias in 2
+    pieces, _ = run(make, weights, grads)
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
+    assert not torch.equal(whole[0], weights[0])
+
+
 def test_a_loaded_state_resumes_exactly():
     weights, grads = random_problem(1)
     make = lambda ps: LowPrecisionAdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731

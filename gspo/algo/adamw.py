@@ -15,14 +15,28 @@ import math
 import torch
 from torch import Tensor
 
+CHUNK = 1 << 20  # elements per piece of a large tensor: its float32 temporaries stay at a few MB
+
 
 def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
                  beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
     """One AdamW step on one tensor, in place. `step` counts from 1 (this step); the moments keep their dtype,
-    the arithmetic is float32 (or the parameter's dtype where that is wider).
+    the arithmetic is float32 (or the parameter's dtype where that is wider). A contiguous tensor larger than
+    CHUNK elements is updated a piece at a time (the same values: every operation is elementwise), so the float32
+    copies of its moments never exist whole (SmolLM2's embedding: 4 x 113 MB at once otherwise).
 
     m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2;
     p = p (1 - lr wd) - lr (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)"""
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if param.numel() > CHUNK and all(t.is_contiguous() for t in tensors):
+        for pieces in zip(*(t.view(-1).split(CHUNK) for t in tensors)):  # views: the updates land in place
+            _update(*pieces, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        return
+    _update(*tensors, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+
+def _update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
+            beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
     wide = torch.promote_types(param.dtype, torch.float32)
     g = grad.to(wide)  # (*param)
     m = exp_avg.to(wide).mul_(beta1).add_(g, alpha=1 - beta1)  # (*param)
