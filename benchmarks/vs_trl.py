@@ -76,7 +76,7 @@ def rl_config(spec: dict):
         overwrite_output_dir=True, device=spec.get("device", "cpu"), dtype="float32", bf16=spec.get("bf16", False),
         rollout_workers=int(spec.get("max_staleness") is not None), max_staleness=spec.get("max_staleness") or 0,
         use_sampler_logprobs=spec.get("use_sampler_logprobs", False), seeded_sampling=spec.get("seeded", False),
-        generation_backend=spec.get("backend", "auto")))
+        generation_backend=spec.get("backend", "auto"), **spec.get("overrides", {})))  # gspo-only settings
 
 
 def ordered_prompts(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
