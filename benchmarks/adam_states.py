@@ -35,7 +35,6 @@ def main() -> None:
     parser.add_argument("--work-dir", default="runs/bench/adam_states")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/adam_states.json)")
     args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
     import vs_trl
     from gspo.apps.demo_real import resolve_precision, write_data
 

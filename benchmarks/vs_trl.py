@@ -517,7 +517,7 @@ def main() -> None:
              "generate_s_trl_over_gspo": med["trl"]["generate_s"] / med["gspo"]["generate_s"],
              "train_s_trl_over_gspo": med["trl"]["train_s"] / med["gspo"]["train_s"]}
     for a_side in asyncs:  # the same per-pair medians: asynchronous over synchronous, and over TRL
-        tag = "async" if a_side == "gspo_async" else "async_mu"
+        tag = a_side.removeprefix("gspo_")  # async, async_mu
         for name, other in (("sync", "gspo"), ("trl", "trl")):
             pairs = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"] for a, b in zip(by[a_side], by[other])]
             ratio[f"{tag}_over_{name}_pairs"], ratio[f"{tag}_over_{name}"] = pairs, median(pairs)
@@ -543,7 +543,7 @@ def main() -> None:
           f"{', '.join(f'{r:.2f}' for r in pair_ratio)}); generation {ratio['generate_s_trl_over_gspo']:.2f}x, "
           f"training {ratio['train_s_trl_over_gspo']:.2f}x")
     for a_side in asyncs:
-        tag = "async" if a_side == "gspo_async" else "async_mu"
+        tag = a_side.removeprefix("gspo_")  # async, async_mu
         print(f"{a_side} (max_staleness {args.async_k}) / gspo: steps/s {ratio[f'{tag}_steps_per_s_over_sync']:.2f}x "
               f"(pairs {', '.join(f'{r:.2f}' for r in ratio[f'{tag}_steps_per_s_over_sync_pairs'])}), tokens/s "
               f"{ratio[f'{tag}_over_sync']:.2f}x; {a_side} / TRL tokens/s {ratio[f'{tag}_over_trl']:.2f}x (pairs "

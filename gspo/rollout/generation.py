@@ -78,8 +78,7 @@ def generate(
     if not engine:  # an engine samples: the policy is not run here (and may be training in another thread)
         model.eval()
     recording = routing_recorder if routing_recorder is not None else nullcontext()
-    module = sampler if isinstance(sampler, torch.nn.Module) else model
-    with torch.inference_mode(samples_in_inference_mode(module)), recording as recorder:
+    with torch.inference_mode(samples_in_inference_mode(sampler, model)), recording as recorder:
         completion_ids, sampler_lp = chosen.sample(
             sampler, prompt_ids, prompt_mask, eos=eos, pad=pad, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, greedy=greedy,
@@ -90,14 +89,16 @@ def generate(
                     completion_ids, sampler_lp, recorder, eos=eos, pad=pad)
 
 
-def samples_in_inference_mode(model) -> bool:
+def samples_in_inference_mode(sampler, model) -> bool:
     """Whether sampling runs in inference mode: no version counters or view tracking per op (~5% off sampling on
     CPU, docs/benchmarks.md section 9); what leaves it (ids, log-probs, the routing record) is rebuilt by
     `_rollout` as normal tensors, which training may save for backward. Not under FSDP2: its all-gather buffers,
     made here, are written in place again by the training forward ("Inplace update to inference tensor"). Not
     under an autocast that caches its casts of trainable float32 weights: inference mode turns that cache off,
     and every decode step would cast every weight again (SmolLM2 under bf16 autocast, 32 rows: sampling 1.26x
-    faster with the cache, docs/benchmarks.md section 13); the casts, and the tokens, are the same."""
+    faster with the cache, docs/benchmarks.md section 13); the casts, and the tokens, are the same. What is asked
+    about is `sampler` where it is a module (a copy of the policy), else the policy `model` (an engine's handle)."""
+    model = sampler if isinstance(sampler, torch.nn.Module) else model
     if is_fsdp2(model):
         return False
     device = next(model.parameters()).device.type

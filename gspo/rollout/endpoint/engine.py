@@ -178,8 +178,7 @@ class Engine:
         was_training = self.model.training
         self.model.eval()
         routed = any(job.routing for job in jobs)
-        module = self.sampler if isinstance(self.sampler, torch.nn.Module) else self.model
-        with self.lock, self.autocast(), torch.inference_mode(samples_in_inference_mode(module)), \
+        with self.lock, self.autocast(), torch.inference_mode(samples_in_inference_mode(self.sampler, self.model)), \
                 _recording(self.sampler if routed else None) as recorder:
             out, lp = self.generator.sample(
                 self.sampler, ids, mask, eos=self.eos, pad=self.pad, max_new_tokens=max(j.max_tokens for j in jobs),
