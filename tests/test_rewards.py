@@ -220,6 +220,32 @@ def test_a_reward_that_hangs_is_abandoned_after_the_timeout():
     assert seen == [threading.main_thread()] * 2
 
 
+@pytest.mark.parametrize("thread_ran", [False, True])
+def test_a_stop_signal_inside_the_deadline_watchdog_start_comes_through_as_itself(monkeypatch, thread_ran):
+    # SIGTERM's handler (StopSignals, abandonable) raises wherever the main thread is, Thread.start()'s wait for the
+    # new thread included: before that thread ran, or after. The clean-up neither fails ("cannot join thread before
+    # it is started", which hid the stop from a Ray-launched rank) nor leaves the deadline signal's handler behind.
+    import signal
+
+    from gspo.data.reward_timeout import DEADLINE_SIGNAL
+    from gspo.runtime import StepAbandoned
+
+    real_start = threading.Thread.start
+
+    def start(thread):
+        if thread.name != "gspo-reward-deadline":
+            return real_start(thread)
+        if thread_ran:
+            real_start(thread)
+        raise StepAbandoned(signal.SIGTERM)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    calls = []
+    with pytest.raises(StepAbandoned):
+        score_completions([lambda p, c, **_: calls.append(c) or [0.0]], None, ["p"], ["c"], {}, timeout_s=5)
+    assert calls == [] and signal.getsignal(DEADLINE_SIGNAL) == signal.SIG_DFL
+
+
 def _slow_batches(prompts, completions, **_):
     time.sleep(0.6 if len(completions) > 1 else 0)
     return [0.5] * len(completions)

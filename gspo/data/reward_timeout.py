@@ -77,11 +77,15 @@ class _Deadline:
         self.live = self.sent = self.received = False
 
     def run(self, target) -> bool:
+        # A stop signal's handler (gspo.runtime.StopSignals) may raise anywhere in here, start() included: the
+        # handler is installed inside the try, and the watchdog is joined only where it started (a watchdog that
+        # starts after `done` is set sends nothing), so the finally neither fails nor hides that exception.
         alarm = _alarm_handler()
-        previous = signal.signal(DEADLINE_SIGNAL, self._handle)
+        previous = signal.getsignal(DEADLINE_SIGNAL)
         watchdog = threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True,
                                     name="gspo-reward-deadline")
         try:
+            signal.signal(DEADLINE_SIGNAL, self._handle)
             self.live = True
             watchdog.start()
             try:
@@ -96,7 +100,8 @@ class _Deadline:
             return True
         finally:
             self.done.set()
-            watchdog.join()
+            if watchdog.is_alive():  # False where start() was cut short before the thread ran: it sends nothing
+                watchdog.join()
             settle_by = time.monotonic() + 1.0
             while self.sent and not self.received and time.monotonic() < settle_by:
                 time.sleep(0.001)  # a system call: the signal sent is handled on its return
