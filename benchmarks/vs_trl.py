@@ -407,6 +407,9 @@ def main() -> None:
     parser.add_argument("--mu-as-pi-old", action="store_true",
                         help="with --async: also run gspo_async_mu, the worker side with the sampler's log-probs "
                              "(mu) as pi_old (use_sampler_logprobs) instead of pi_old recomputed by the trainer")
+    parser.add_argument("--skip", nargs="+", choices=["trl", "gspo_async"], default=[],
+                        help="leave these sides out: trl (gspo's sides against each other, no TRL ratios), "
+                             "gspo_async (with --mu-as-pi-old: the mu side alone beside synchronous gspo)")
     parser.add_argument("--worker", choices=["gspo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -440,7 +443,9 @@ def main() -> None:
     try:
         import trl
     except ImportError:
-        sys.exit("vs_trl.py needs TRL: pip install '.[bench]'")
+        if "trl" not in args.skip:
+            sys.exit("vs_trl.py needs TRL: pip install '.[bench]' (or --skip trl)")
+        trl = None
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     if args.model == "demo":
@@ -455,8 +460,9 @@ def main() -> None:
     if args.mu_as_pi_old and args.async_k is None:
         sys.exit("--mu-as-pi-old adds an asynchronous side: give --async K too")
     asyncs = ("gspo_async", *(("gspo_async_mu",) if args.mu_as_pi_old else ())) if args.async_k is not None else ()
+    asyncs = tuple(side for side in asyncs if side not in args.skip)
     sides = ("gspo", *asyncs,
-             *(("gspo_base",) if args.baseline else ()), "trl")
+             *(("gspo_base",) if args.baseline else ()), *(() if "trl" in args.skip else ("trl",)))
     env = {side: dict(os.environ) for side in sides}
     if args.baseline:
         base = baseline_tree(args.baseline, work)
@@ -510,15 +516,18 @@ def main() -> None:
     keys = ["s_per_step", "tokens_per_s", "generate_s", "rollout_s", "train_s", "mean_len", "reward_first",
             "reward_last5", "eval_accuracy", "eval_mean_at_k", "peak_rss_gib", "worker_peak_rss_gib", "cuda_peak_gib"]
     med = {side: {k: median(r["summary"][k] for r in by[side]) for k in keys} for side in by}
-    pair_ratio = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"] for a, b in zip(by["gspo"], by["trl"])]
-    pair_step = [b["summary"]["s_per_step"] / a["summary"]["s_per_step"] for a, b in zip(by["gspo"], by["trl"])]
-    ratio = {"tokens_per_s": median(pair_ratio), "step_time_trl_over_gspo": median(pair_step),
-             "tokens_per_s_pairs": pair_ratio,
-             "generate_s_trl_over_gspo": med["trl"]["generate_s"] / med["gspo"]["generate_s"],
-             "train_s_trl_over_gspo": med["trl"]["train_s"] / med["gspo"]["train_s"]}
+    ratio = {}
+    if "trl" in by:
+        pair_ratio = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"]
+                      for a, b in zip(by["gspo"], by["trl"])]
+        pair_step = [b["summary"]["s_per_step"] / a["summary"]["s_per_step"] for a, b in zip(by["gspo"], by["trl"])]
+        ratio = {"tokens_per_s": median(pair_ratio), "step_time_trl_over_gspo": median(pair_step),
+                 "tokens_per_s_pairs": pair_ratio,
+                 "generate_s_trl_over_gspo": med["trl"]["generate_s"] / med["gspo"]["generate_s"],
+                 "train_s_trl_over_gspo": med["trl"]["train_s"] / med["gspo"]["train_s"]}
     for a_side in asyncs:  # the same per-pair medians: asynchronous over synchronous, and over TRL
         tag = a_side.removeprefix("gspo_")  # async, async_mu
-        for name, other in (("sync", "gspo"), ("trl", "trl")):
+        for name, other in (("sync", "gspo"), *((("trl", "trl"),) if "trl" in by else ())):
             pairs = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"] for a, b in zip(by[a_side], by[other])]
             ratio[f"{tag}_over_{name}_pairs"], ratio[f"{tag}_over_{name}"] = pairs, median(pairs)
         steps = [b["summary"]["s_per_step"] / a["summary"]["s_per_step"] for a, b in zip(by[a_side], by["gspo"])]
@@ -528,8 +537,9 @@ def main() -> None:
         ratio["tokens_per_s_over_baseline_pairs"] = [a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"]
                                                      for a, b in zip(by["gspo"], by["gspo_base"])]
         ratio["tokens_per_s_over_baseline"] = median(ratio["tokens_per_s_over_baseline_pairs"])
-        ratio["baseline_over_trl"] = median(b["summary"]["tokens_per_s"] / t["summary"]["tokens_per_s"]
-                                            for b, t in zip(by["gspo_base"], by["trl"]))
+        if "trl" in by:
+            ratio["baseline_over_trl"] = median(b["summary"]["tokens_per_s"] / t["summary"]["tokens_per_s"]
+                                                for b, t in zip(by["gspo_base"], by["trl"]))
     print()
     print(f"{args.reps} runs per side, {args.steps} RL steps each (first {args.skip_first} untimed), "
           f"B={args.B} G={args.G} M={args.M} T={args.T}, lr={args.lr}; {machine()['cores']} CPU cores")
@@ -539,19 +549,22 @@ def main() -> None:
             for side in sides]
     print(table(["side", "tokens/s", "s/step", "generate s", "rewards + pi_old s", "train s (M opt. steps)",
                  "mean len", "peak GiB", "worker peak GiB"], rows))
-    print(f"\ngspo / TRL end-to-end tokens/s: {ratio['tokens_per_s']:.2f}x (median of per-pair ratios "
-          f"{', '.join(f'{r:.2f}' for r in pair_ratio)}); generation {ratio['generate_s_trl_over_gspo']:.2f}x, "
-          f"training {ratio['train_s_trl_over_gspo']:.2f}x")
+    pairs_of = lambda key: ", ".join(f"{r:.2f}" for r in ratio[key])  # noqa: E731
+    if "trl" in by:
+        print(f"\ngspo / TRL end-to-end tokens/s: {ratio['tokens_per_s']:.2f}x (median of per-pair ratios "
+              f"{pairs_of('tokens_per_s_pairs')}); generation {ratio['generate_s_trl_over_gspo']:.2f}x, "
+              f"training {ratio['train_s_trl_over_gspo']:.2f}x")
     for a_side in asyncs:
         tag = a_side.removeprefix("gspo_")  # async, async_mu
+        versus_trl = (f"; {a_side} / TRL tokens/s {ratio[f'{tag}_over_trl']:.2f}x "
+                      f"(pairs {pairs_of(f'{tag}_over_trl_pairs')})" if "trl" in by else "")
         print(f"{a_side} (max_staleness {args.async_k}) / gspo: steps/s {ratio[f'{tag}_steps_per_s_over_sync']:.2f}x "
-              f"(pairs {', '.join(f'{r:.2f}' for r in ratio[f'{tag}_steps_per_s_over_sync_pairs'])}), tokens/s "
-              f"{ratio[f'{tag}_over_sync']:.2f}x; {a_side} / TRL tokens/s {ratio[f'{tag}_over_trl']:.2f}x (pairs "
-              f"{', '.join(f'{r:.2f}' for r in ratio[f'{tag}_over_trl_pairs'])})")
+              f"(pairs {pairs_of(f'{tag}_steps_per_s_over_sync_pairs')}), tokens/s {ratio[f'{tag}_over_sync']:.2f}x "
+              f"(pairs {pairs_of(f'{tag}_over_sync_pairs')}){versus_trl}")
     if args.baseline:
+        versus_trl = f"; gspo@{args.baseline} / TRL: {ratio['baseline_over_trl']:.2f}x" if "trl" in by else ""
         print(f"gspo / gspo@{args.baseline}: {ratio['tokens_per_s_over_baseline']:.2f}x (pairs "
-              f"{', '.join(f'{r:.2f}' for r in ratio['tokens_per_s_over_baseline_pairs'])}); "
-              f"gspo@{args.baseline} / TRL: {ratio['baseline_over_trl']:.2f}x")
+              f"{pairs_of('tokens_per_s_over_baseline_pairs')}){versus_trl}")
     rows = [[side, r["seed"], r["summary"]["reward_first"], r["summary"]["reward_last5"],
              r["summary"]["eval_accuracy"], r["summary"]["eval_mean_at_k"]] for side in by for r in by[side]]
     print()
@@ -562,9 +575,9 @@ def main() -> None:
     path = write_result("vs_trl", {
         "settings": {**{k: getattr(args, k) for k in ("model", "reps", "steps", "B", "G", "M", "T", "lr",
                                                        "eval_prompts", "eval_k", "skip_first", "threads", "baseline",
-                                                       "async_k", "mu_as_pi_old", "precision", "device")},
+                                                       "async_k", "mu_as_pi_old", "skip", "precision", "device")},
                      "bf16": bf16},
-        "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
+        "versions": {"trl": trl and trl.__version__, "transformers": transformers.__version__},
         "cold_start": cold, "median": med, "ratio": ratio,
         "runs": [{k: r[k] for k in ("side", "seed", "summary", "steps", "eval", "process_s", "load_before",
                                      "torch_threads")}
