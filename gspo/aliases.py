@@ -73,18 +73,18 @@ def _cispo(values: dict) -> bool:
 def _epsilon(value, values: dict, defaults: dict) -> dict:
     """TRL's epsilon: the lower clip, and the upper one too unless epsilon_high (clip_high) is given."""
     loss = values.get("loss_type")
-    if loss in ("cispo", "sapo"):
+    if loss in ("cispo", "sapo", "vespo"):
         raise ValueError(f"config: epsilon: TRL's loss_type={loss} ignores it ("
-                         + ("no lower clip; gspo's cispo default clip_low 1.0 is the same" if loss == "cispo"
-                            else "a soft gate, no clip") + "); drop it")
+                         + {"cispo": "no lower clip; gspo's cispo default clip_low 1.0 is the same",
+                            "sapo": "a soft gate, no clip", "vespo": "a smooth kernel, no clip"}[loss] + "); drop it")
     both = "epsilon_high" not in values and "clip_high" not in values  # TRL: epsilon_high defaults to epsilon
     return {"clip_low": value, **({"clip_high": value} if both else {})}
 
 
 def _epsilon_high(value, values: dict, defaults: dict) -> dict:
     """TRL's epsilon_high: ratio <= 1 + epsilon_high; under cispo the largest weight itself."""
-    if values.get("loss_type") == "sapo":
-        raise ValueError("config: epsilon_high: TRL's loss_type=sapo ignores it (a soft gate, no clip); drop it")
+    if values.get("loss_type") in ("sapo", "vespo"):
+        raise ValueError(f"config: epsilon_high: TRL's loss_type={values['loss_type']} ignores it (no clip); drop it")
     if _cispo(values):  # TRL clamps cispo's weight at epsilon_high itself; gspo at 1 + clip_high
         high = _number("epsilon_high", value) - 1.0
         note(f"epsilon_high={value!r} is cispo's largest weight in TRL: read as clip_high={high!r} (1 + clip_high)")
@@ -97,17 +97,20 @@ SAMPLING_LEVELS = {"token": "grpo", "sequence": "gspo"}
 
 LOSS_TYPES = {"grpo": ("aggregation", "seq_mean_token_mean"), "dapo": ("aggregation", "token_mean"),
               "dr_grpo": ("aggregation", "seq_mean_token_sum_norm"), "cispo": ("objective", "cispo"),
-              "sapo": ("objective", "sapo")}
+              "sapo": ("objective", "sapo"), "luspo": ("objective", "luspo"), "vespo": ("objective", "vespo")}
 """TRL's loss_type -> the gspo setting and value of the same meaning: an aggregation of the clipped
 ratio loss (grpo: mean over tokens then sequences; dapo: over all the step's tokens, as gspo's
 token_mean, across processes too; dr_grpo: token sums over max_completion_length), or an objective
-that comes with its own (cispo: token_mean; sapo: seq_mean_token_mean, TRL's too)."""
+that comes with its own (cispo: token_mean; sapo: seq_mean_token_mean; luspo: token sums, then the mean
+over sequences; vespo: token_mean; TRL's too)."""
+
+OBJECTIVE_LEVELS = {"cispo": "token", "sapo": "token", "luspo": "sequence", "vespo": None}
+"""The importance_sampling_level that each loss_type's objective has (None: either is read the same: VESPO's
+kernel forms its own sequence weight, in TRL too). LUSPO is the paper's sequence-level ratio."""
 
 LOSS_TYPES_REFUSED = {
     "bnpo": "it normalises by each process's own token count; gspo's token_mean counts the whole step's "
             "tokens across processes (TRL's dapo): use loss_type: dapo",
-    "luspo": "gspo has no LUSPO objective (register one with gspo.algo.objectives.register_objective)",
-    "vespo": "gspo has no VESPO objective (register one with gspo.algo.objectives.register_objective)",
 }
 """TRL loss types whose meaning gspo lacks -> the hint."""
 
@@ -123,9 +126,11 @@ def _sampling_level(value, values: dict, defaults: dict) -> dict:
     named = _objective_of_loss(values)
     if named is None:
         return {"objective": objective}
-    if value != "token":  # TRL's sequence-level cispo / sapo
+    level = OBJECTIVE_LEVELS[named]
+    if level is not None and value != level:  # TRL's sequence-level cispo / sapo, token-level luspo
+        ratios = "token ratios only" if level == "token" else "the sequence ratio only (LUSPO's)"
         raise ValueError(f"config: importance_sampling_level={value!r} with loss_type={named}: gspo's {named} "
-                         "objective has token ratios only; use importance_sampling_level: token")
+                         f"objective has {ratios}; use importance_sampling_level: {level}")
     return {}  # the loss_type sets the objective
 
 
@@ -146,6 +151,9 @@ def _loss_type(value, values: dict, defaults: dict) -> dict:
                     "use loss_type: grpo, or importance_sampling_level: token (TRL's default: objective grpo)")
             raise ValueError(f"config: loss_type={value!r} (TRL; aggregation {gspo_value}) with objective "
                              f"{objective!r}: {err}; {hint}") from None
+    if value == "luspo" and "importance_sampling_level" not in values:
+        note("loss_type=luspo without importance_sampling_level: TRL's default, token, would weight clipped token "
+             "ratios by length; gspo's luspo is the paper's sequence ratio (TRL: importance_sampling_level: sequence)")
     minibatches = rollout_shape(values, defaults)[1]
     if value in ("dapo", "cispo") and minibatches > 1:  # TRL: num_items_in_batch counts the generation batch's
         note(f"loss_type={value} with num_minibatches={minibatches}: TRL divides each optimizer step's token sum by "
@@ -337,7 +345,7 @@ ALIASES: dict[str, Alias] = {
     "importance_sampling_level": Alias("objective", _sampling_level, "token: grpo, sequence: gspo"),
     "loss_type": Alias(("aggregation", "objective"), _loss_type,
                        "grpo: seq_mean_token_mean, dapo: token_mean, dr_grpo: seq_mean_token_sum_norm, "
-                       "cispo / sapo: the objective; bnpo, luspo, vespo refused"),
+                       "cispo / sapo / luspo / vespo: the objective; bnpo refused"),
     "scale_rewards": Alias("advantage_estimator", _scale_rewards,
                            "group / true: group, batch: batch, none / false: none"),
     "steps_per_generation": Alias("num_minibatches", _steps_per_generation,

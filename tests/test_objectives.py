@@ -53,6 +53,8 @@ GRPO_ADV = [1.0, -1.0]
         ("token_mean", None, -0.5),
         # Dr. GRPO: token sums / 4: -2.3/4 = -0.575 and 0.8/4 = 0.2, mean -0.1875
         ("seq_mean_token_sum_norm", 4, -0.1875),
+        # token sums -2.3 and 0.8, mean over sequences
+        ("seq_mean_token_sum", None, -0.75),
     ],
 )
 def test_grpo_hand_values(aggregation, norm_length, expected):
@@ -277,6 +279,90 @@ def test_pg_hand():
     assert weighted.item() == pytest.approx(((-2 * math.exp(0.5) - 1) / 2 + math.exp(-1)) / 2)
 
 
+def test_luspo_hand():
+    # clip 0.5/0.5 -> s in [0.5, 1.5]. seq 0 (A = +1, 2 tokens): log r = [0.1, 0.3] -> s = e^0.2, term -e^0.2,
+    #   counted on both tokens: -2 e^0.2. seq 1 (A = -1, 1 token): log r = [0.4] -> s = e^0.4 < 1.5, term +e^0.4.
+    # Mean over the two sequences: (-2 e^0.2 + e^0.4) / 2.
+    # Gradient: d s_i / d logp_{i,t} = s_i / |y_i|, times |y_i| copies: every token gets A_i s_i * (-1/2)
+    #   whatever its sequence's length (GSPO gives seq 0's tokens half of that: -e^0.2 / 4).
+    logp = leaf([[0.1, 0.3], [0.4, 9.0]])
+    mask = t([[1, 1], [1, 0]])
+    loss, stats = policy_loss(logp, torch.zeros(2, 2, dtype=D), t([1.0, -1.0]), mask, objective="luspo",
+                              clip_low=0.5, clip_high=0.5)
+    assert loss.item() == pytest.approx((-2 * math.exp(0.2) + math.exp(0.4)) / 2)
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[-math.exp(0.2) / 2, -math.exp(0.2) / 2], [math.exp(0.4) / 2, 0.0]]))
+    gspo_logp = leaf([[0.1, 0.3], [0.4, 9.0]])
+    gspo_loss, _ = policy_loss(gspo_logp, torch.zeros(2, 2, dtype=D), t([1.0, -1.0]), mask, objective="gspo",
+                               clip_low=0.5, clip_high=0.5)
+    gspo_loss.backward()
+    assert torch.allclose(gspo_logp.grad, t([[-math.exp(0.2) / 4, -math.exp(0.2) / 4], [math.exp(0.4) / 2, 0.0]]))
+    # clipped as GSPO: s = e^0.2 > 1 + 0.1 with A > 0 holds the term at -1.1 per token, no gradient
+    held = leaf([[0.1, 0.3], [0.4, 9.0]])
+    loss, stats = policy_loss(held, torch.zeros(2, 2, dtype=D), t([1.0, -1.0]), mask, objective="luspo",
+                              clip_low=0.5, clip_high=0.1)
+    assert loss.item() == pytest.approx((-2 * 1.1 + math.exp(0.4)) / 2)
+    loss.backward()
+    assert held.grad[0].abs().max().item() == 0.0
+    assert stats["clip/high_frac"].item() == 0.5 and stats["clip/low_frac"].item() == 0.0
+    assert stats["ratio/max"].item() == pytest.approx(math.exp(0.4))
+    # token_mean: the same terms over all 3 tokens; seq_mean_token_mean: GSPO's value
+    tm, _ = policy_loss(logp.detach(), torch.zeros(2, 2, dtype=D), t([1.0, -1.0]), mask, objective="luspo",
+                        clip_low=0.5, clip_high=0.5, aggregation="token_mean")
+    assert tm.item() == pytest.approx((-2 * math.exp(0.2) + math.exp(0.4)) / 3)
+    assert policy_loss(logp.detach(), torch.zeros(2, 2, dtype=D), t([1.0, -1.0]), mask, objective="luspo",
+                       clip_low=0.5, clip_high=0.5, aggregation="seq_mean_token_mean")[0].item() == pytest.approx(
+        gspo_loss.item())
+    with pytest.raises(ValueError, match="'luspo' takes one advantage per sequence"):
+        policy_loss(t([[0.0]]), t([[0.0]]), t([[1.0]]), t([[1]]), objective="luspo")
+
+
+def test_vespo_hand():
+    # phi(W) = W^k exp(lambda (1 - W)); k, lambda = (2, 3) for A >= 0 and (3, 2) for A < 0. Token mean.
+    # seq 0 (A = +1): log r = [0.1, 0.2] -> log W = 0.3: phi0 = exp(2 * 0.3 + 3 (1 - e^0.3)).
+    # seq 1 (A = -2, 1 token): log r = [-0.5] -> phi1 = exp(3 * -0.5 + 2 (1 - e^-0.5)).
+    # loss = -(phi0 * 1 * (0.1 + 0.2) + phi1 * -2 * -0.5) / 3; phi is a constant, so
+    # d loss / d logp = -phi0 / 3 on seq 0's tokens and +2 phi1 / 3 on seq 1's.
+    phi0 = math.exp(2 * 0.3 + 3 * (1 - math.exp(0.3)))
+    phi1 = math.exp(3 * -0.5 + 2 * (1 - math.exp(-0.5)))
+    logp = leaf([[0.1, 0.2], [-0.5, 7.0]])
+    mask = t([[1, 1], [1, 0]])
+    loss, stats = policy_loss(logp, torch.zeros(2, 2, dtype=D), t([1.0, -2.0]), mask, objective="vespo")
+    assert loss.item() == pytest.approx(-(phi0 * 0.3 + phi1 * 1.0) / 3)
+    loss.backward()
+    assert torch.allclose(logp.grad, t([[-phi0 / 3, -phi0 / 3], [2 * phi1 / 3, 0.0]]))
+    assert stats["ratio/max"].item() == pytest.approx(math.exp(0.3))
+    assert stats["ratio/min"].item() == pytest.approx(math.exp(-0.5))
+    assert stats["vespo/phi_mean"].item() == pytest.approx((2 * phi0 + phi1) / 3)
+    assert stats["vespo/phi_small_frac"].item() == 0.0
+    # on-policy (W = 1): phi = 1, REINFORCE's gradient -A grad log pi / tokens
+    on = leaf([[-1.0, -2.0], [-3.0, 0.0]])
+    loss, _ = policy_loss(on, on.detach().clone(), t([1.0, -2.0]), mask, objective="vespo")
+    loss.backward()
+    assert torch.allclose(on.grad, t([[-1 / 3, -1 / 3], [2 / 3, 0.0]]))
+    # the peak: W = k / lambda = 2/3 for A > 0, phi = (2/3)^2 e^(3 * 1/3) = 4e/9 > 1
+    peak, stats = policy_loss(t([[math.log(2 / 3)]]), t([[0.0]]), t([1.0]), t([[1]]), objective="vespo")
+    assert stats["vespo/phi_mean"].item() == pytest.approx(4 * math.e / 9)
+    # the clamps: a token's log-ratio at +-20, the sum at [log 1e-8, 20]; far from 1, phi is ~0
+    far, stats = policy_loss(t([[30.0, 30.0], [-30.0, -30.0]]), torch.zeros(2, 2, dtype=D), t([1.0, -1.0]),
+                             torch.ones(2, 2, dtype=D), objective="vespo")
+    assert stats["ratio/max"].item() == pytest.approx(math.exp(20.0))
+    assert stats["ratio/min"].item() == pytest.approx(1e-8)
+    assert stats["vespo/phi_small_frac"].item() == 1.0 and math.isfinite(far.item())
+    # the options: another kernel, checked
+    loss, _ = policy_loss(logp.detach(), torch.zeros(2, 2, dtype=D), t([1.0, -2.0]), mask, objective="vespo",
+                          options={"vespo_k_pos": 1.0, "vespo_lambda_pos": 1.0})
+    assert loss.item() == pytest.approx(-(math.exp(0.3 + 1 - math.exp(0.3)) * 0.3 + phi1 * 1.0) / 3)
+    with pytest.raises(ValueError, match=r"vespo_lambda_neg=0.0: the kernel's decay must be a finite number > 0"):
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1]]), objective="vespo", options={"vespo_lambda_neg": 0.0})
+    with pytest.raises(ValueError, match=r"vespo_k_pos=-1.0: the kernel's power must be a finite number >= 0"):
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1]]), objective="vespo", options={"vespo_k_pos": -1.0})
+    with pytest.raises(ValueError, match="has no hard clip"):
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1]]), objective="vespo", clip_low=0.2)
+    with pytest.raises(ValueError, match="rollout_correction: objective 'vespo' does not apply"):
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1]]), objective="vespo", correction_weight=t([[1.0]]))
+
+
 def test_gmpo_hand():
     # clip 0.4 in log space. seq 0 (A = +1): log r = [0.5, -0.1] -> the push-up side held at 0.4, the other free:
     #   [0.4, -0.1], ratio e^0.15, term -e^0.15; gradient only through token 1: -e^0.15 / 2
@@ -479,12 +565,17 @@ def test_the_length_rule_is_read_from_the_registry():
 
 
 def test_built_in_registrations():
-    assert list(OBJECTIVES) == ["gspo", "grpo", "gspo_token", "cispo", "sapo", "pg", "gmpo", "kl_cov"]
+    assert list(OBJECTIVES) == ["gspo", "grpo", "gspo_token", "cispo", "sapo", "pg", "gmpo", "kl_cov", "luspo",
+                                "vespo"]
     assert dict(DEFAULT_CLIP) == {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.2), "gspo_token": (3e-4, 4e-4),
                                   "cispo": (1.0, 0.28), "sapo": (None, None), "pg": (None, None),
-                                  "gmpo": (0.4, 0.4), "kl_cov": (None, None)}
+                                  "gmpo": (0.4, 0.4), "kl_cov": (None, None), "luspo": (3e-4, 4e-4),
+                                  "vespo": (None, None)}
     assert [o for o, spec in OBJECTIVES.items() if spec.length_neutral] == ["gspo", "gspo_token", "gmpo"]
     assert dict(OBJECTIVES["kl_cov"].options) == {"kl_cov_ratio": 2e-4, "kl_cov_coef": 1.0}
     assert DEFAULT_AGGREGATION["cispo"] == "token_mean"
     assert dict(OBJECTIVES["sapo"].options) == {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}
-    assert [o for o, spec in OBJECTIVES.items() if spec.options] == ["sapo", "kl_cov"]  # gmpo: clip_low/clip_high
+    assert [o for o, spec in OBJECTIVES.items() if spec.options] == ["sapo", "kl_cov", "vespo"]  # gmpo: its clip
+    assert dict(OBJECTIVES["vespo"].options) == {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
+                                                 "vespo_lambda_neg": 2.0}
+    assert DEFAULT_AGGREGATION["luspo"] == "seq_mean_token_sum" and DEFAULT_AGGREGATION["vespo"] == "token_mean"

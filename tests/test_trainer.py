@@ -59,7 +59,7 @@ def test_few_steps_change_parameters_and_log_documented_metrics(tmp_path, preset
     assert samples[0]["prompt"].endswith("=")  # an add3 prompt such as "347+585="
 
 
-@pytest.mark.parametrize("objective", ["gspo", "grpo", "pg", "gmpo", "kl_cov"])
+@pytest.mark.parametrize("objective", ["gspo", "grpo", "pg", "gmpo", "kl_cov", "luspo", "vespo"])
 def test_learnable_reward_rises(tmp_path, objective):
     # A random-init model starts a completion with one of the 10 digits ~12% of the time
     # (10 of 81 tokens); the reward pays exactly that, so RL must push the rate up.

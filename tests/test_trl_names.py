@@ -40,6 +40,10 @@ def settings(cfg, names) -> dict:
      {"objective": "grpo", "aggregation": "seq_mean_token_sum_norm"}),
     ({"loss_type": "cispo"}, {"objective": "cispo"}),
     ({"importance_sampling_level": "token", "loss_type": "sapo"}, {"objective": "sapo"}),
+    ({"importance_sampling_level": "sequence", "loss_type": "luspo", "epsilon": 2e-3, "epsilon_high": 2.5e-3},
+     {"objective": "luspo", "clip_low": 2e-3, "clip_high": 2.5e-3}),
+    ({"importance_sampling_level": "token", "loss_type": "vespo"}, {"objective": "vespo"}),
+    ({"importance_sampling_level": "sequence", "loss_type": "vespo"}, {"objective": "vespo"}),
     ({"scale_rewards": "group"}, {"advantage_estimator": "group"}),
     ({"scale_rewards": True}, {"advantage_estimator": "group"}),
     ({"scale_rewards": "batch"}, {"advantage_estimator": "batch"}),
@@ -103,6 +107,15 @@ def test_every_alias_and_refusal_has_a_test_or_a_row():
     assert set(REFUSED) == {name for name, _ in REFUSED_CASES}
 
 
+def test_loss_type_luspo_is_the_papers_sequence_level_loss_with_a_note_where_trl_would_differ(capsys):
+    cfg = make_config(TrainConfig, {"loss_type": "luspo"})
+    assert cfg.objective == "luspo" and cfg.aggregation is None  # luspo's own: token sums, mean over sequences
+    assert "config: note: loss_type=luspo without importance_sampling_level: TRL's default, token, would weight " \
+           "clipped token ratios by length" in capsys.readouterr().err
+    make_config(TrainConfig, {"loss_type": "luspo", "importance_sampling_level": "sequence"})
+    assert "loss_type=luspo" not in capsys.readouterr().err
+
+
 def test_per_device_train_batch_size_is_converted_with_a_note(capsys):
     cfg = make_config(TrainConfig, {"per_device_train_batch_size": 16, "num_generations": 4})
     assert (cfg.per_device_batch_size, cfg.num_generations, cfg.num_minibatches) == (4, 4, 4)
@@ -123,9 +136,13 @@ def test_per_device_train_batch_size_is_converted_with_a_note(capsys):
      "x steps_per_generation=2 = 12 completions is not a multiple of num_generations=8"),
     ({"per_device_train_batch_size": "8"}, "per_device_train_batch_size='8' has the wrong type: expected int"),
     ({"loss_type": "bnpo"}, "loss_type='bnpo' \\(TRL\\): it normalises by each process's own token count"),
-    ({"loss_type": "luspo"}, "gspo has no LUSPO objective"),
-    ({"loss_type": "vespo"}, "gspo has no VESPO objective"),
-    ({"loss_type": "ppo"}, "loss_type='ppo' is not one of TRL's 'grpo', 'dapo', 'dr_grpo', 'cispo', 'sapo'"),
+    ({"loss_type": "ppo"}, "loss_type='ppo' is not one of TRL's 'grpo', 'dapo', 'dr_grpo', 'cispo', 'sapo', "
+                           "'luspo', 'vespo'"),
+    ({"importance_sampling_level": "token", "loss_type": "luspo"},
+     "importance_sampling_level='token' with loss_type=luspo: gspo's luspo objective has the sequence ratio only "
+     "\\(LUSPO's\\); use importance_sampling_level: sequence"),
+    ({"loss_type": "vespo", "epsilon": 0.2}, "epsilon: TRL's loss_type=vespo ignores it \\(a smooth kernel"),
+    ({"loss_type": "vespo", "epsilon_high": 0.2}, "epsilon_high: TRL's loss_type=vespo ignores it"),
     # TRL's default objective is token-level; gspo's (gspo) refuses a length-weighted aggregation
     ({"loss_type": "dapo"}, "loss_type='dapo' \\(TRL; aggregation token_mean\\) with objective 'gspo': aggregation: "
                             "'token_mean' would weight gspo sequences by length"),

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
 """seq_mean_token_mean: mean over each sequence's tokens, then over sequences (GRPO, GSPO);
 token_mean: mean over all tokens (DAPO); seq_mean_token_sum_norm: each sequence's sum over a constant
-norm_length, then the mean over sequences (Dr. GRPO)."""
+norm_length, then the mean over sequences (Dr. GRPO); seq_mean_token_sum: each sequence's sum, then the mean
+over sequences (LUSPO: a sequence counts as many times as it has tokens)."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -21,6 +22,8 @@ def aggregate(values: torch.Tensor, maskf: torch.Tensor, aggregation: str, norm_
         return ((values * maskf).sum(-1) / maskf.sum(-1)).mean()
     if aggregation == "token_mean":
         return (values * maskf).sum() / maskf.sum()
+    if aggregation == "seq_mean_token_sum":
+        return (values * maskf).sum(-1).mean()
     return ((values * maskf).sum(-1) / float(norm_length)).mean()
 
 

@@ -1,4 +1,5 @@
-"""Policy objectives for group-based RL: GRPO, GSPO, GSPO-token, CISPO, SAPO, PG, GMPO and KL-Cov, by name.
+"""Policy objectives for group-based RL: GRPO, GSPO, GSPO-token, CISPO, SAPO, PG, GMPO, KL-Cov, LUSPO and VESPO,
+by name.
 
 Everything here is a pure function of tensors. Shapes:
     logprobs, old_logprobs, ref_logprobs, mask: (N, T) over completion tokens
@@ -327,6 +328,75 @@ def kl_cov(x: LossInputs, *, kl_cov_ratio: float = 2e-4, kl_cov_coef: float = 1.
     policy = aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length)
     stats = ratio_stats(ratio.detach(), x.mask)
     stats["kl_cov/token_frac"] = masked_frac(chosen, x.mask)
+    return policy, stats
+
+
+@register_objective("luspo", default_clip=(3e-4, 4e-4),  # GSPO's: luspo vs gspo then differs in the length weight only
+                    default_aggregation="seq_mean_token_sum",  # LUSPO: each sequence's term times |y_i|
+                    ratio_unit="sequences", corrects=True, token_advantages=False)
+def luspo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """LUSPO (arXiv 2602.05261): GSPO's clipped sequence term, counted once per token of the sequence, so a
+    sequence weighs |y_i| times as much (GSPO's mean over sequences gives every token of a long answer a smaller
+    share of the gradient, which the paper finds drives answers shorter). With seq_mean_token_mean it is GSPO."""
+    if x.adv.dim() == 2:
+        raise ValueError("advantages: objective 'luspo' takes one advantage per sequence (N,)")
+    # GSPO eq. (7): s_i = exp(mean_t log pi_theta / pi_old); eq. (5)'s clipped term, per sequence
+    ratio = (x.log_ratio.sum(-1) / x.lengths).exp()  # (N,)
+    clipped = ratio.clamp(1.0 - x.low, 1.0 + x.high)  # (N,)
+    per_seq = -torch.minimum(ratio * x.adv, clipped * x.adv)  # (N,)
+    # LUSPO: 1/G sum_i |y_i| * term_i, which is the token sum of the term repeated on every token
+    per_tok = per_seq[:, None].expand_as(x.logp)  # (N, T)
+    policy = aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length)
+    stats = ratio_stats(ratio.detach(), None)
+    stats["clip/low_frac"] = ((ratio < 1.0 - x.low) & (x.adv < 0)).float().mean()
+    stats["clip/high_frac"] = ((ratio > 1.0 + x.high) & (x.adv > 0)).float().mean()
+    return policy, stats
+
+
+VESPO_LOG_RATIO_BOUND = 20.0
+"""VESPO's clamp on each token's log-ratio and on the sequence's sum (the authors' code and TRL's): W <= e^20."""
+VESPO_MIN_WEIGHT = 1e-8
+"""VESPO's floor on the sequence weight W (the same sources), so log W >= log(1e-8)."""
+
+
+def _check_vespo(*, vespo_k_pos: float, vespo_lambda_pos: float, vespo_k_neg: float,
+                 vespo_lambda_neg: float) -> None:
+    for name, value in (("vespo_k_pos", vespo_k_pos), ("vespo_k_neg", vespo_k_neg)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}={value!r}: the kernel's power must be a finite number >= 0")
+    for name, value in (("vespo_lambda_pos", vespo_lambda_pos), ("vespo_lambda_neg", vespo_lambda_neg)):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name}={value!r}: the kernel's decay must be a finite number > 0")
+
+
+@register_objective("vespo", default_clip=(None, None),  # a smooth kernel on the whole-sequence weight, no clip
+                    default_aggregation="token_mean",  # the authors' (verl's token-mean) and TRL's
+                    ratio_unit="sequences", token_advantages=False, check_options=_check_vespo)
+def vespo(x: LossInputs, *, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+          vespo_lambda_neg: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """VESPO (arXiv 2602.10693): REINFORCE on log pi_theta, each sequence weighted by a constant
+    phi(W) = W^k exp(lambda (1 - W)) of its whole-sequence ratio W = pi_theta(y|x) / pi_old(y|x) (a product of
+    token ratios, not length-normalised); phi(1) = 1, so on-policy it is plain REINFORCE. k and lambda for
+    A >= 0 (vespo_k_pos, vespo_lambda_pos) and A < 0 (vespo_k_neg, vespo_lambda_neg); the weight peaks at
+    W = k / lambda and decays to 0 on both sides. Its off-policy correction is the kernel itself: for a
+    sampler's mismatch use pi_old = mu (use_sampler_logprobs), not rollout_correction."""
+    if x.adv.dim() == 2:
+        raise ValueError("advantages: objective 'vespo' takes one advantage per sequence (N,)")
+    bound = VESPO_LOG_RATIO_BOUND
+    log_w = x.log_ratio.detach().clamp(-bound, bound).sum(-1)  # (N,), 0 on padding
+    log_w = log_w.clamp(math.log(VESPO_MIN_WEIGHT), bound)  # (N,)
+    positive = x.adv >= 0  # (N,)
+    k = torch.where(positive, torch.full_like(log_w, vespo_k_pos), torch.full_like(log_w, vespo_k_neg))  # (N,)
+    lam = torch.where(positive, torch.full_like(log_w, vespo_lambda_pos),
+                      torch.full_like(log_w, vespo_lambda_neg))  # (N,)
+    # log phi(W) = k log W + lambda (1 - W): finite for every W in [1e-8, e^20]
+    phi = (k * log_w + lam * (1.0 - log_w.exp())).exp()  # (N,), a constant
+    per_tok = -phi[:, None] * x.adv_t * x.logp  # (N, T): gradient -phi(W) A grad log pi_theta
+    policy = aggregate(per_tok, x.maskf, x.aggregation, x.norm_length)
+    stats = ratio_stats(log_w.exp(), None)  # W, the whole-sequence ratio
+    phi_t = phi[:, None].expand_as(x.logp)  # (N, T)
+    stats["vespo/phi_mean"] = (phi_t * x.maskf).sum() / x.maskf.sum()  # a token mean
+    stats["vespo/phi_small_frac"] = masked_frac(phi_t < 1e-3, x.mask)  # tokens whose sequence phi all but drops
     return policy, stats
 
 

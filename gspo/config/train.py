@@ -96,13 +96,14 @@ class ObjectiveSettings:
 
     objective: str = "gspo"
     """Policy objective: gspo (sequence ratio), grpo (token ratio), gspo_token, cispo, sapo, pg (no clip), gmpo,
-    kl_cov or a registered one."""
+    kl_cov, luspo (GSPO's term times the length), vespo (a kernel on the sequence weight) or a registered one."""
     clip_low: float | None = None
     """Lower clip range: ratio >= 1 - clip_low; default per objective (gspo 3e-4, grpo 0.2)."""
     clip_high: float | None = None
     """Upper clip range: ratio <= 1 + clip_high; default per objective (gspo 4e-4, grpo 0.2)."""
     aggregation: str | None = None
-    """Loss aggregation: seq_mean_token_mean, token_mean or seq_mean_token_sum_norm; default per objective."""
+    """Loss aggregation: seq_mean_token_mean, token_mean, seq_mean_token_sum_norm or seq_mean_token_sum; default per
+    objective."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) model; 0 loads no reference model."""
     kl_estimator: str = "k3"
@@ -111,8 +112,8 @@ class ObjectiveSettings:
     """Use the sampler's own log-probs as pi_old instead of recomputing them (GSPO sec. 5.4)."""
     objective_options: dict = field(default_factory=dict)
     """The objective's own options by name, e.g. {sapo_tau_pos: 1.2} (sapo: sapo_tau_pos, sapo_tau_neg; kl_cov:
-    kl_cov_ratio, kl_cov_coef); unset ones keep the objective's defaults. An option of another objective is an
-    error."""
+    kl_cov_ratio, kl_cov_coef; vespo: vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg); unset ones keep
+    the objective's defaults. An option of another objective is an error."""
 
 
 @checks(ObjectiveSettings)
