@@ -186,6 +186,16 @@ def test_add3x6_answers_are_long(tok):
     assert sum(n >= 200 for n in lengths) / len(lengths) > 0.99 and 240 < sorted(lengths)[1000] < 270
 
 
+def test_add3x3_answers_span_100_to_150_tokens(tok):
+    # Lab part 4's length level: three lines "<sum>+<b>:<columns>=<new sum>", ~31-48 characters each, then the
+    # answer; one token per character + EOS. 2000 problems: 102 to 145 tokens, median 130.
+    rng = random.Random(0)
+    rows = [get_task("add3x3").sample(rng) for _ in range(2000)]
+    lengths = sorted(len(tok(r["solution"], add_special_tokens=False)["input_ids"]) + 1 for r in rows)
+    assert (lengths[0], lengths[1000], lengths[-1]) == (102, 130, 145)
+    assert get_task("add3x3").name == "add3x3" and all(r["solution"].count("\n") == 3 for r in rows)
+
+
 def test_repeated_addition_errors():
     with pytest.raises(ValueError, match="times must be an int >= 1"):
         ArithmeticTask(times=0)

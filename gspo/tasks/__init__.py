@@ -14,6 +14,7 @@ _REGISTRY: dict[str, dict] = {
     "add2": {"digits": 2, "op": "+"},
     "add3": {"digits": 3, "op": "+"},
     "add4": {"digits": 4, "op": "+"},
+    "add3x3": {"digits": 3, "op": "+", "times": 3},  # a+3*b, 102-145-token answers: lab part 4's length level
     "add3x6": {"digits": 3, "op": "+", "times": 6},  # a+6*b, 195-289-token answers: the regimes lab's long answers
     "sub3": {"digits": 3, "op": "-"},
     "mul3": {"digits": 3, "op": "*"},
