@@ -246,6 +246,29 @@ def test_a_stop_signal_inside_the_deadline_watchdog_start_comes_through_as_itsel
     assert calls == [] and signal.getsignal(DEADLINE_SIGNAL) == signal.SIG_DFL
 
 
+def test_a_stop_signal_right_after_the_gil_watchdog_is_armed_still_disarms_it(monkeypatch):
+    # faulthandler's C watchdog ends the process at its deadline: armed and left so by a stop signal's exception
+    # (raised as the arming call returns), it would kill the run while it saves its checkpoint.
+    import faulthandler
+    import signal
+
+    from gspo.data import reward_timeout
+    from gspo.runtime import StepAbandoned
+
+    calls = []
+
+    def arm(*args, **kwargs):
+        calls.append("armed")
+        raise StepAbandoned(signal.SIGTERM)
+
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", arm)
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: calls.append("disarmed"))
+    with pytest.raises(StepAbandoned):
+        with reward_timeout.gil_watchdog(5.0):
+            calls.append("body")
+    assert calls == ["armed", "disarmed"]
+
+
 def _slow_batches(prompts, completions, **_):
     time.sleep(0.6 if len(completions) > 1 else 0)
     return [0.5] * len(completions)

@@ -138,8 +138,8 @@ def gil_watchdog(timeout_s: float):
     except (AttributeError, OSError, ValueError):  # no real stderr (pythonw, some embedders): no watchdog
         yield
         return
-    faulthandler.dump_traceback_later(2 * timeout_s + 5, exit=True, file=stream)
-    try:
+    try:  # armed inside the try: a stop signal's exception right after arming still disarms it
+        faulthandler.dump_traceback_later(2 * timeout_s + 5, exit=True, file=stream)
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
