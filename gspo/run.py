@@ -160,7 +160,8 @@ def build_run(cfg: TrainConfig, topology: Topology, model=None, tokenizer=None, 
     device, model, tokenizer = seeded_model(section(cfg, ModelSettings), model, tokenizer)  # None: as configured
     enable_gradient_checkpointing(model, cfg.gradient_checkpointing)
     autocast = forward_precision(cfg.bf16, device, cfg.fp16)  # every policy forward under autocast, weights fp32
-    routing = build_routing(model, cfg.routing_replay, cfg.log_routing_drift, cfg.padding_free)
+    routing = build_routing(model, cfg.routing_replay, cfg.log_routing_drift, cfg.padding_free,
+                            cfg.router_aux_loss_coef)
     make_optimizer = partial(adamw, settings=section(cfg, OptimizerSettings),
                              total_updates=cfg.max_steps * cfg.num_minibatches * cfg.num_epochs)
     baseline = build_baseline(  # a critic copies the policy first

@@ -146,7 +146,9 @@ class Learner:
                                                          *self.correction)  # (n, t) or None
             loss, stats = self.loss_fn(logp, mb.old_logprobs, mb.advantages, mb.completion_mask,
                                        ref_logprobs=mb.ref_logprobs, correction_weight=weight, **self.loss_kwargs)
-            stats.update(correction_stats)
+            balance, balance_stats = watch.router_loss()  # the routers' load-balancing term (0.0 without)
+            loss = loss + balance
+            stats.update(correction_stats, **balance_stats)
             self.optimizer.zero_grad(set_to_none=True)
             scaled = loss if self.guard.scaler is None else self.guard.scaler.scale(loss)  # fp16: loss x scale
             self.topology.backward(scaled, part)  # this rank's share of the minibatch's loss

@@ -185,3 +185,54 @@ def test_old_policy_record_is_full_width_and_replays_in_other_minibatches():
         _, free = minibatch_logprobs_and_routing(model, rollout, later, {}, record=True)
     assert torch.equal(used.indices[:, real], rec.indices[:, real])
     assert expert_change_frac(rec, free, real)[0] > 0.3
+
+
+# ----------------------------------------------------------------------------- the routers' load-balancing loss
+
+def test_router_aux_loss_is_hugging_faces_over_the_real_tokens_padded_and_packed():
+    from gspo.algo.logprobs import completion_logprobs
+    from gspo.plugs.routing import build_routing
+
+    model, tok = load_model("tiny-moe", overrides=SMALL_MOE)
+    rollout = tiny_rollout(model, tok)  # left-padded prompts, right-padded completions
+    assert not rollout.attention_mask.all()
+    out = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, output_router_logits=True)
+    expected = out.aux_loss.item()  # Hugging Face's own, over the same real tokens (8 experts, top-2: in [2, 8])
+    assert 2.0 <= expected <= 8.0
+    seen = []
+    for packed in (False, True):
+        routing = build_routing(model, "none", False, packed, aux_coef=0.5)
+        watch = routing.watch(rollout)
+        assert (watch.layout is not None) == packed
+        with watch.recording():
+            logp, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_len,
+                                          packed=packed)
+        term, stats = watch.router_loss()
+        assert term.item() == pytest.approx(0.5 * stats["moe/aux_loss"].item())
+        assert stats["moe/aux_loss"].item() == pytest.approx(expected, rel=1e-5)
+        seen.append(term)
+        assert no_hooks(model)
+    # the term trains the routers: its gradient reaches every router's weight
+    seen[1].backward()
+    assert all(r.module.weight.grad is not None and r.module.weight.grad.abs().sum() > 0 for r in find_routers(model))
+
+
+def test_router_aux_loss_in_a_run_is_logged_and_trains_the_routers(tmp_path, loaded):
+    routers = {}
+    for coef in (0.0, 1.0):
+        train(moe_cfg(tmp_path / str(coef), router_aux_loss_coef=coef, log_routing_drift=False, max_steps=1))
+        routers[coef] = [r.module.weight.detach().clone() for r in find_routers(loaded["model"])]
+        assert no_hooks(loaded["model"])
+    on, off = (read_metrics(tmp_path / str(coef) / "run")[1] for coef in (1.0, 0.0))
+    assert 2.0 <= on["moe/aux_loss"] <= 8.0 and "moe/aux_loss" not in off  # top-2 of 8 experts; the default: none
+    assert on["reward/mean"] == off["reward/mean"]  # the same samples (seeded), then other updates of the routers
+    assert all(not torch.equal(a, b) for a, b in zip(routers[0.0], routers[1.0]))
+
+
+def test_router_aux_loss_needs_an_moe_model_and_a_coefficient_at_least_0(tmp_path):
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.001: the routers' load-balancing loss needs a "
+                                         r"Mixture-of-Experts model; Qwen3ForCausalLM has no MoE router; use "
+                                         r"router_aux_loss_coef: 0"):
+        train(moe_cfg(tmp_path, model="tiny-dense", model_overrides=SMALL, router_aux_loss_coef=0.001))
+    with pytest.raises(ValueError, match=r"config: router_aux_loss_coef=-0.1 must be >= 0"):
+        make_config(TrainConfig, dict(task="add3", router_aux_loss_coef=-0.1))

@@ -293,6 +293,9 @@ class RoutingSettings:
     """MoE routing replay: none, old_policy (record at pi_old) or rollout (record at generation)."""
     log_routing_drift: bool = True
     """MoE only: log moe/expert_change_frac (one extra no-grad forward per optimizer step)."""
+    router_aux_loss_coef: float = 0.0
+    """MoE only: weight of the routers' load-balancing loss added to every minibatch's loss (Hugging Face's, which
+    the model's own router_aux_loss_coef scales in pre-training: Qwen3-MoE 0.001); 0: none."""
 
 
 @checks(RoutingSettings)
@@ -300,6 +303,7 @@ def _check_routing(s: RoutingSettings) -> None:
     from gspo.plugs.moe import REPLAY_MODES
 
     check_choice(s, "routing_replay", REPLAY_MODES)
+    check_positive(s, "router_aux_loss_coef", allow_zero=True)
 
 
 @dataclass

@@ -93,8 +93,6 @@ NOT_TAKEN: dict[str, NotTaken] = {
     "use_liger_loss": NotTaken("no equivalent: gspo computes log-probs in row chunks (logprob_chunk_size)",
                                (False,)),
     "use_liger_kernel": NotTaken("no equivalent", (False,)),
-    "router_aux_loss_coef": NotTaken("no equivalent: gspo adds no load-balancing loss (TRL's default 0.001 adds one "
-                                     "to an MoE model's loss)", (0.0,)),
     "pad_to_multiple_of": NotTaken("no equivalent: training forwards pack rows without padding (padding_free)",
                                    (None,)),
     "entropy_coef": NotTaken("no equivalent: no entropy bonus", (0.0,)),

@@ -42,6 +42,7 @@ __all__ = [
     "RoutingRecorder",
     "RoutingReplayer",
     "SUPPORTED_ARCHITECTURES",
+    "collect_router_logits",
     "expert_change_frac",
     "find_routers",
     "gate_weights",
@@ -313,6 +314,24 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecorder]:
             handles.append(router.block.register_forward_pre_hook(block_pre_hook, with_kwargs=True))
             handles.append(router.module.register_forward_hook(router_hook))
         yield recorder
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def collect_router_logits(model: nn.Module) -> Iterator[list[list[Tensor]]]:
+    """Every router's logits of the forwards inside the block, with their gradient: the yielded list holds one list
+    per router (in layer order) of (rows, E) tensors, one per forward (rows: the forward's N*L flattened tokens).
+    Wrap the forward only: a checkpointed recompute in the backward would add its logits again."""
+    routers = require_replay_support(model)
+    logits: list[list[Tensor]] = [[] for _ in routers]
+    handles = []
+    try:
+        for i, router in enumerate(routers):
+            handles.append(router.module.register_forward_hook(
+                lambda module, args, output, i=i: logits[i].append(output[0])))  # (N*L, E)
+        yield logits
     finally:
         for handle in handles:
             handle.remove()

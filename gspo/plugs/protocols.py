@@ -67,6 +67,9 @@ class RoutingWatch(Protocol):
 
     def recording(self) -> AbstractContextManager: ...
 
+    def router_loss(self) -> tuple[torch.Tensor | float, dict]:
+        """(the routers' load-balancing term to add to the loss, its moe/aux_loss statistic); (0.0, {}) without."""
+
     def after_step(self) -> tuple[dict, dict]:
         """(moe/* statistics, their weights) of the update just taken."""
 

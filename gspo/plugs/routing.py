@@ -4,8 +4,10 @@
 ("old_policy", GSPO sec. 5.3's Routing Replay) or by the sampler ("rollout", R3); with
 `log_routing_drift`, `moe/expert_change_frac` measures how many expert choices each optimizer
 step changes under free routing, and under replay `moe/replay_mismatch_frac` how often the
-replayed experts overrule the routers' own choice. `build_routing` returns `NoRouting` when there
-is nothing to replay or measure, so the trainer never asks which case it is in.
+replayed experts overrule the routers' own choice. `router_aux_loss_coef` adds the routers'
+load-balancing loss (gspo.algo.balance) to each minibatch's loss, logged as `moe/aux_loss`.
+`build_routing` returns `NoRouting` when there is nothing to replay, measure or balance, so the
+trainer never asks which case it is in.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from gspo.algo.balance import load_balance_loss
 from gspo.algo.logprobs import (
     PackedLayout,
     is_fsdp2,
@@ -25,6 +28,7 @@ from gspo.algo.logprobs import (
 from gspo.plugs.moe import (
     REPLAY_MODES,
     RoutingRecord,
+    collect_router_logits,
     expert_change_counts,
     find_routers,
     record_routing,
@@ -36,18 +40,25 @@ from gspo.rollout import Rollout
 from gspo.rollout.batch import one_sequence_per_row
 
 
-def build_routing(model, replay: str, drift: bool, packed: bool = False):
-    """The plug for `routing_replay=replay` and `log_routing_drift=drift` (drift is measured on MoE models only);
-    `packed`: the training forwards run padding-free (cfg.padding_free), so records move between the layouts."""
+def build_routing(model, replay: str, drift: bool, packed: bool = False, aux_coef: float = 0.0):
+    """The plug for `routing_replay=replay`, `log_routing_drift=drift` (drift is measured on MoE models only) and
+    `router_aux_loss_coef=aux_coef`; `packed`: the training forwards run padding-free (cfg.padding_free), so
+    records move between the layouts."""
     if replay not in REPLAY_MODES:
         raise ValueError(f"routing_replay={replay!r} is not one of {', '.join(REPLAY_MODES)}")
     if replay != "none":
         require_replay_support(model)  # dense or unsupported MoE: a clear ValueError before any rollout
+    if aux_coef and not find_routers(model):
+        raise ValueError(f"router_aux_loss_coef={aux_coef}: " + (unsupported_moe(model) or (
+            f"the routers' load-balancing loss needs a Mixture-of-Experts model; {type(model).__name__} has no MoE "
+            "router")) + "; use router_aux_loss_coef: 0")
     reason = unsupported_moe(model) if drift else None
     if reason is not None:
         warnings.warn(f"log_routing_drift: no moe/* drift metrics for this model: {reason}", stacklevel=2)
     drift = drift and bool(find_routers(model))
-    return NoRouting() if replay == "none" and not drift else MoERouting(model, replay, drift, packed)
+    if replay == "none" and not drift and not aux_coef:
+        return NoRouting()
+    return MoERouting(model, replay, drift, packed, aux_coef)
 
 
 class NoRouting:
@@ -73,6 +84,9 @@ class _NoWatch:
     def recording(self):
         return nullcontext()
 
+    def router_loss(self) -> tuple[float, dict]:
+        return 0.0, {}
+
     def after_step(self) -> tuple[dict, dict]:
         return {}, {}
 
@@ -84,8 +98,9 @@ class MoERouting:
     they are packed into its rows for replay and recorded ones unpacked (`to_layout`, `from_layout`).
     """
 
-    def __init__(self, model, replay: str, drift: bool, packed: bool = False):
-        self.model, self.replay, self.drift, self.packed = model, replay, drift, packed
+    def __init__(self, model, replay: str, drift: bool, packed: bool = False, aux_coef: float = 0.0):
+        self.model, self.replay, self.drift, self.packed, self.aux_coef = model, replay, drift, packed, aux_coef
+        self.top_k = find_routers(model)[0].module.top_k if aux_coef else None  # experts per token, the loss's k
         self.records_pi_old = replay == "old_policy"  # pi_old forwards record the experts for every minibatch
         self.records_sampling = replay == "rollout"  # the sampler records them (the generator must be able to)
 
@@ -106,7 +121,7 @@ class MoERouting:
         """The routing of minibatch `mb`'s training forward through `model` (the policy as trained: a DDP
         wrapper runs padded; None: the routers' model)."""
         forward = self.model if model is None else model
-        one_sequence_per_row(mb, "routing replay or the drift meter on an MoE model")
+        one_sequence_per_row(mb, "routing replay, the drift meter or the routers' load-balancing loss on an MoE model")
         layout = padding_free_layout(forward, mb.attention_mask, mb.completion_len) if self.packed else None
         return _Watch(self, mb, 0.0 if stand_in else 1.0, layout)
 
@@ -120,7 +135,7 @@ class _Watch:
 
     def __init__(self, routing: MoERouting, mb: Rollout, weight: float, layout: PackedLayout | None = None):
         self.routing, self.mb, self.weight, self.layout = routing, mb, weight, layout
-        self.replayer = None
+        self.replayer, self.logits = None, None
         replay = routing.replay != "none"
         # Drift is measured with free routing: under replay that needs its own forward.
         self.before = free_routing(routing.model, mb, layout) if routing.drift and replay else None
@@ -136,13 +151,24 @@ class _Watch:
 
     @contextmanager
     def recording(self):
-        """Spans the forward only: free routing's experts are the drift meter's "before"."""
-        if not self.routing.drift or self.routing.replay != "none":
-            yield
-            return
-        with record_routing(self.routing.model) as recorder:
-            yield
-        self.before = from_layout(recorder.record(), self.layout)
+        """Spans the forward only: free routing's experts are the drift meter's "before"; with the load-balancing
+        loss, the routers' logits (with their gradient)."""
+        meters = self.routing.drift and self.routing.replay == "none"
+        with record_routing(self.routing.model) if meters else nullcontext() as recorder:
+            with collect_router_logits(self.routing.model) if self.routing.aux_coef else nullcontext() as logits:
+                yield
+        if recorder is not None:
+            self.before = from_layout(recorder.record(), self.layout)
+        self.logits = logits
+
+    def router_loss(self) -> tuple[torch.Tensor | float, dict]:
+        """(router_aux_loss_coef x the routers' load-balancing loss over the forward's real tokens, prompts too, as
+        Hugging Face's; `moe/aux_loss`, the loss itself), or (0.0, {}) without it."""
+        if not self.routing.aux_coef:
+            return 0.0, {}
+        logits = [torch.cat(forwards) for forwards in self.logits]  # per router: (rows, E), one forward
+        loss = load_balance_loss(logits, self.routing.top_k, real_rows(self.mb, self.layout))
+        return self.routing.aux_coef * loss, {"moe/aux_loss": loss.detach()}
 
     def after_step(self) -> tuple[dict, dict]:
         """(stats, weights) after the optimizer step: `moe/expert_change_frac` (and per layer),
@@ -243,6 +269,16 @@ def from_layout(record: RoutingRecord, layout: PackedLayout | None) -> RoutingRe
         return record
     indices = layout.unpack(record.indices.movedim(0, 2), fill=-1).movedim(2, 0).contiguous()  # (R, n, l, k)
     return RoutingRecord(indices, record.layers)
+
+
+def real_rows(mb: Rollout, layout: PackedLayout | None) -> torch.Tensor:
+    """(rows,) 1 on the router rows of `mb`'s training forward that hold a real token, 0 on padding: the (N, L)
+    attention mask flattened, or for padding-free rows (`layout`) the slots its tokens were packed into."""
+    if layout is None:
+        return mb.attention_mask.reshape(-1)  # (N*L,)
+    real = torch.zeros(layout.rows * layout.capacity, device=layout.slots.device)  # (R*C,)
+    real[layout.slots[layout.slots >= 0]] = 1.0
+    return real
 
 
 def completion_positions(mb: Rollout) -> torch.Tensor:
