@@ -441,6 +441,7 @@ def test_a_run_trains_on_episodes_and_logs_them(tmp_path):
     train(cfg)
     run = tmp_path / "run"
     metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [0, 1, 2]  # the loop below checks every step, and there are steps
     for m in metrics[1:]:
         assert 1 <= m["episode/turns_mean"] <= 3 and 0 < m["episode/observation_token_frac"] < 1
         assert m["episode/tool_calls"] == 0 and 0 <= m["episode/truncated_frac"] <= 1

@@ -70,7 +70,9 @@ def test_training_with_each_replay_mode_moves_weights_and_logs_drift(tmp_path, l
     routers = [r.name + ".weight" for r in find_routers(model)]
     assert len(routers) == 2 and set(routers) <= set(moved), "replay must still train the routers"
     assert no_hooks(model)
-    for r in read_metrics(tmp_path / "run")[1:]:
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert [r["step"] for r in rows] == [1, 2]  # the loop below checks every step, and there are steps
+    for r in rows:
         for key in DRIFT_KEYS:
             assert math.isfinite(r[key]) and 0 <= r[key] <= 1, (key, r[key])
         # lr 1e-2 on random weights moves the routing a lot (about half the choices in practice)
@@ -86,7 +88,9 @@ def test_training_with_each_replay_mode_moves_weights_and_logs_drift(tmp_path, l
 @pytest.mark.parametrize("mode", ["old_policy", "rollout"])
 def test_single_minibatch_under_replay_is_exactly_on_policy(tmp_path, mode):
     train(moe_cfg(tmp_path, routing_replay=mode, num_minibatches=1))
-    for r in read_metrics(tmp_path / "run")[1:]:
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
         assert r["ratio/min"] == 1.0 and r["ratio/max"] == 1.0 and r["kl/approx"] == 0.0
         if mode == "old_policy":  # pi_old's own free choices are replayed at the same weights
             assert r["moe/replay_mismatch_frac"] == 0.0

@@ -149,6 +149,7 @@ def test_a_padding_free_run_learns_what_the_padded_run_learns(tmp_path):
     for packed in (True, False):
         train(tiny_cfg(tmp_path / str(packed), reward_funcs=[starts_with_digit], padding_free=packed, max_steps=3))
         runs[packed] = [r for r in read_metrics(tmp_path / str(packed) / "run") if r["step"] > 0]
+    assert [r["step"] for r in runs[True]] == [r["step"] for r in runs[False]] == [1, 2, 3]  # zip compares them all
     for a, b in zip(runs[True], runs[False]):
         assert a["reward/mean"] == b["reward/mean"] and a["completion/mean_len"] == b["completion/mean_len"]
         assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-4, abs=1e-7)
@@ -173,6 +174,7 @@ def test_a_padding_free_moe_run_replays_and_measures_drift_as_the_padded_run(tmp
     for packed in (True, False):
         train(tiny_cfg(tmp_path / str(packed), **MOE_RUN, routing_replay=replay, padding_free=packed))
         runs[packed] = [r for r in read_metrics(tmp_path / str(packed) / "run") if r["step"] > 0]
+    assert [r["step"] for r in runs[True]] == [r["step"] for r in runs[False]] == [1, 2, 3]  # zip compares them all
     for a, b in zip(runs[True], runs[False]):
         assert a["reward/mean"] == b["reward/mean"] and a["completion/mean_len"] == b["completion/mean_len"]
         assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-4, abs=1e-7)

@@ -91,7 +91,9 @@ def test_pi_old_equals_first_minibatch_logprobs():
 def test_single_minibatch_is_exactly_on_policy(tmp_path):
     cfg = tiny_cfg(tmp_path, num_minibatches=1, max_steps=2)
     train(cfg)
-    for r in read_metrics(tmp_path / "run")[1:]:
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert [r["step"] for r in rows] == [1, 2]  # the loop below checks every step, and there are steps
+    for r in rows:
         assert r["ratio/min"] == 1.0 and r["ratio/max"] == 1.0 and r["kl/approx"] == 0.0
         assert r["clip/low_frac"] == 0.0 and r["clip/high_frac"] == 0.0
 
@@ -100,7 +102,9 @@ def test_later_minibatches_are_off_policy(tmp_path):
     cfg = tiny_cfg(tmp_path, num_minibatches=4, per_device_batch_size=2, num_generations=4, max_steps=2,
                    learning_rate=1e-2, reward_funcs=[starts_with_digit])
     train(cfg)
-    for r in read_metrics(tmp_path / "run")[1:]:
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
         # A step's ratio/min and ratio/max are the extremes over its minibatches. The first is on-policy
         # (every ratio exactly 1), so they bracket 1; the later ones follow an update, so they spread.
         assert r["ratio/min"] <= 1.0 <= r["ratio/max"], r
