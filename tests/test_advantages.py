@@ -131,6 +131,7 @@ def test_reinforce_pp_hand_values():
     expected = [(r - 9 / 8) / std for r in rewards.tolist()]
     torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-6, rtol=0)
     assert abs(expected[0] - (-0.0917)) < 1e-3  # (1 - 1.125) / 1.36358
+    assert adv[0].item() == pytest.approx(-0.09167, abs=1e-5)  # the code's own output against the hand value
     # a dropped sample: out of the mean and std, advantage 0; rewards (1, NaN | 0, 3): mean 4/3, var 14/9
     valid = torch.tensor([True, False, True, True])
     adv = group_advantages(torch.tensor([1.0, float("nan"), 0.0, 3.0]), 2, estimator="reinforce_pp", eps=1e-9,
