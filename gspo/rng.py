@@ -2,6 +2,7 @@
 
     state = capture_rng({"shuffle": shuffle})   # Python, NumPy, torch CPU (+ CUDA), named generators
     restore_rng(state, {"shuffle": shuffle})
+    check_rng(state, {"shuffle": shuffle})      # the errors restore_rng would raise, no RNG changed
 """
 
 from __future__ import annotations
@@ -36,21 +37,33 @@ def restore_rng(state: dict, generators: dict[str, torch.Generator] | None = Non
     The generator names must match the captured ones exactly. CUDA states are set for the GPUs
     present (none on a CPU-only machine, where a CUDA run cannot be resumed bit for bit anyway).
     """
-    generators = generators or {}
+    _set_states(state, generators or {}, random, np.random, torch.set_rng_state)
+    if state.get("cuda") and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_unb64(s), i)
+
+
+def check_rng(state: dict, generators: dict[str, torch.Generator] | None = None) -> None:
+    """Raise what `restore_rng(state, generators)` would raise for a state it cannot set (CUDA's aside), setting
+    throwaway generators of each kind only: no RNG in use changes."""
+    spares = {name: torch.Generator(device=gen.device) for name, gen in (generators or {}).items()}
+    _set_states(state, spares, random.Random(), np.random.RandomState(), torch.Generator().set_state)
+
+
+def _set_states(state: dict, generators: dict, python, numpy, set_torch) -> None:
+    """`state`'s Python, NumPy, torch CPU and named generators' states set on `python` (random or a Random),
+    `numpy` (np.random or a RandomState), through `set_torch` and on `generators`."""
     saved = state.get("generators", {})
     if set(saved) != set(generators):
         raise ValueError(f"rng_generators: names {sorted(generators)} do not match the checkpoint's {sorted(saved)}")
     py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    python.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     npy = state["numpy"]
-    np.random.set_state((npy["bit_generator"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached_gaussian"]))
-    torch.set_rng_state(_unb64(state["torch"]))
+    numpy.set_state((npy["bit_generator"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"],
+                     npy["has_gauss"], npy["cached_gaussian"]))
+    set_torch(_unb64(state["torch"]))
     for name, gen in generators.items():
         gen.set_state(_unb64(saved[name]))
-    if state.get("cuda") and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(_unb64(s), i)
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -79,6 +79,25 @@ def test_a_checkpoint_can_hold_rng_states_captured_earlier(tmp_path):
     assert draws(shuffle) == first  # the draws since `earlier` come again, not the ones after saving
 
 
+def test_check_rng_raises_as_restore_would_and_changes_no_rng():
+    from gspo.rng import check_rng
+
+    shuffle = torch.Generator().manual_seed(3)
+    state = json.loads(json.dumps(capture_rng({"shuffle": shuffle})))
+    random.random(), np.random.rand(), torch.rand(1), torch.rand(1, generator=shuffle)  # move every RNG on
+    now = capture_rng({"shuffle": shuffle})
+    check_rng(state, {"shuffle": shuffle})  # a state it could set: nothing raised, nothing set
+    assert capture_rng({"shuffle": shuffle}) == now
+    for broken, error in [({**state, "python": 1}, TypeError), ({**state, "torch": "AAAA"}, RuntimeError),
+                          ({**state, "generators": {}}, ValueError)]:
+        with pytest.raises(error):
+            check_rng(broken, {"shuffle": shuffle})
+        assert capture_rng({"shuffle": shuffle}) == now  # refused having set nothing
+        with pytest.raises(error):  # the same state refused by restore_rng (which may have set some RNGs first)
+            restore_rng(broken, {"shuffle": shuffle})
+        now = capture_rng({"shuffle": shuffle})
+
+
 def test_restore_rng_rejects_other_generator_names():
     state = capture_rng({"shuffle": torch.Generator()})
     with pytest.raises(ValueError, match=r"rng_generators: names \['other'\].*\['shuffle'\]"):
@@ -424,8 +443,8 @@ def test_garbage_json_under_a_matching_manifest_is_named(tmp_path, name, text):
     before = {k: v.clone() for k, v in model2.state_dict().items()}
     with pytest.raises(ValueError, match=rf"checkpoint-12/{name}: not the (JSON|RNG states) gspo writes"):
         load_checkpoint(path, model=model2, optimizer=optimizer2, scheduler=scheduler2)
-    if text == "garbage" or name != "rng.json":  # unreadable JSON is refused before anything is copied in
-        assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
+    # refused before anything is copied in: unreadable JSON, and RNG states that cannot be set (checked first)
+    assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
 
 
 def test_check_finite_state_names_the_first_bad_floating_tensor_only():

@@ -39,7 +39,7 @@ from gspo.checkpoint.files import (
     write_error,
 )
 from gspo.plugs.lora import is_peft
-from gspo.rng import capture_rng, restore_rng
+from gspo.rng import capture_rng, check_rng, restore_rng
 
 
 # ------------------------------------------------------------------------------- save
@@ -126,9 +126,9 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None,
     `model` gets its weights in place (`load_model_weights`), so an optimizer built over its
     parameters stays valid; build optimizer and scheduler as in a fresh run, then pass them here.
     Verified first (`hashes=False`: sizes only, for a folder `resolve_resume` just hashed); weights
-    and optimizer/scheduler state are checked finite before any is copied in, so a refused
-    checkpoint leaves all three untouched. RNG states (global and `rng_generators`) are restored
-    last, after anything that might draw; `rng=False` leaves every RNG as it is.
+    and optimizer/scheduler state are checked finite, and the RNG states checked settable, before any is
+    copied in, so a refused checkpoint leaves all three untouched. RNG states (global and `rng_generators`)
+    are restored last, after anything that might draw; `rng=False` leaves every RNG as it is.
     """
     path = Path(path)
     manifest = verify_checkpoint(path, hashes=hashes)
@@ -141,20 +141,26 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None,
             raise ValueError(f"checkpoint {path}: no {name}, but a {label} was passed to restore")
         states.append((obj, load_state_file(path / name)))
         check_finite_state(states[-1][1], str(path / name))
+    if rng:  # an RNG file it cannot restore is refused before anything is copied in, too
+        _rng_checked(path, lambda: check_rng(texts[RNG_FILE], rng_generators))
     if model is not None:
         load_model_weights(model, path)
     for obj, state in states:
         obj.load_state_dict(state)
     if rng:
-        try:
-            restore_rng(texts[RNG_FILE], rng_generators)
-        except (KeyError, TypeError, ValueError, RuntimeError) as err:
-            if str(err).startswith("rng_generators:"):
-                raise
-            raise ValueError(f"{path / RNG_FILE}: not the RNG states gspo writes "
-                             f"({type(err).__name__}: {err})") from None
+        _rng_checked(path, lambda: restore_rng(texts[RNG_FILE], rng_generators))
     return {"step": manifest["step"], "path": path, "trainer_state": texts[TRAINER_STATE_FILE],
             "config": texts[CONFIG_FILE]}
+
+
+def _rng_checked(path: Path, call) -> None:
+    """`call()` (checking or restoring the checkpoint's RNG states), its errors named as the RNG file's."""
+    try:
+        call()
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        if str(err).startswith("rng_generators:"):
+            raise
+        raise ValueError(f"{path / RNG_FILE}: not the RNG states gspo writes ({type(err).__name__}: {err})") from None
 
 
 def load_state_file(file) -> dict:
