@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import random_record, read_metrics, tiny_cfg
+from conftest import changed, final_weights, random_record, read_metrics, tiny_cfg
 from gspo.algo.logprobs import completion_logprobs, naive_completion_logprobs, padding_free_layout
 from gspo.plugs.moe import SUPPORTED_ARCHITECTURES, find_routers, replay_routing
 from gspo.plugs.routing import to_layout
@@ -105,6 +105,8 @@ def test_each_architecture_trains_gspo_steps(model_type, tmp_path):
     assert all(math.isfinite(r["loss/policy"]) and math.isfinite(r["grad/norm"]) and r["grad/norm"] > 0
                for r in rows)
     assert all(r["completion/mean_len"] > 0 for r in rows)
+    before, after = model.state_dict(), final_weights(tmp_path / "run")  # the saved model against the built one
+    assert set(after) == set(before) and len(changed(before, after)) > len(before) // 2, changed(before, after)
 
 
 @pytest.mark.parametrize("model_type", list(SPARSE))
