@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, TINY_MODEL, TINY_RUN, gspo_env, logged_steps, read_metrics, run_gspo
+from conftest import ROOT, SMALL_MOE, TINY_MODEL, TINY_RUN, gspo_env, logged_steps, read_metrics, run_gspo
 from gspo.config import SFTConfig, TrainConfig, field_docs, load_config
 from gspo.models import PACKAGED
+from gspo.sft import sft
 from gspo.trainer import train
 
 TINY_OVERRIDES = "model_overrides=" + json.dumps(TINY_MODEL)  # JSON is YAML: one command-line override
@@ -118,6 +119,13 @@ def test_shipped_configs_validate_and_run_one_step(path, tmp_path, monkeypatch):
                                             "output_dir": str(tmp_path / "run")})
         train(small)
         assert logged_steps(tmp_path / "run") == [0, 1]
+    else:  # an SFT config runs a step too, a tiny model of its preset standing in (its data, task and length)
+        tiny = {"tiny-dense": TINY_MODEL, "tiny-moe": SMALL_MOE}[cfg.model]
+        small = dataclasses.replace(cfg, model_overrides=tiny, num_examples=8, batch_size=4, max_steps=1,
+                                    eval_num_prompts=2, progress=False, output_dir=str(tmp_path / "sft"))
+        sft(small)
+        assert [r["step"] for r in read_metrics(tmp_path / "sft")] == [1]
+        assert (tmp_path / "sft" / "model" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
