@@ -484,20 +484,56 @@ def test_a_run_on_chat_prompts_renders_the_environment_s_messages(tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_s_critic_trains_on_episodes(tmp_path):
+def test_ppo_s_critic_trains_on_episodes(tmp_path, monkeypatch):
     # gae over episodes: values and advantages on the model's tokens only (the recursion skips observations:
     # tests/test_advantages.py), the critic fitted on them, the policy moved
     from conftest import final_weights, initial_weights, read_metrics, tiny_cfg
+    from gspo.plugs import baselines
     from gspo.trainer import train
 
+    critics, fitted = [], []  # the critic built (and its first weights); each critic step's minibatch and mask
+    built, fit, loss = baselines.value_model_from, baselines.CriticBaseline.update, baselines.value_loss
+
+    def value_model_from(policy):
+        critic = built(policy)
+        critics.append((critic, {k: v.clone() for k, v in critic.state_dict().items()}))
+        return critic
+
+    def update(self, mb, part, step):
+        fitted.append({"mb": mb})
+        return fit(self, mb, part, step)
+
+    def value_loss(values, old_values, returns, mask, clip):
+        fitted[-1]["mask"] = mask.clone()
+        return loss(values, old_values, returns, mask, clip)
+
+    monkeypatch.setattr(baselines, "value_model_from", value_model_from)
+    monkeypatch.setattr(baselines.CriticBaseline, "update", update)
+    monkeypatch.setattr(baselines, "value_loss", value_loss)
     cfg = tiny_cfg(tmp_path, max_steps=2, eval_num_prompts=0, advantage_estimator="gae", objective="grpo",
                    **EPISODES)
     train(cfg)
     metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2]  # no evaluation: no step-0 line
     assert all(torch.isfinite(torch.tensor(m["value/explained_var"])) and m["episode/turns_mean"] >= 1
                for m in metrics)
     before, after = initial_weights(cfg), final_weights(tmp_path / "run")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    # the critic itself was fitted: most of its tensors moved
+    ((critic, first),) = critics
+    moved = [k for k, v in critic.state_dict().items() if not torch.equal(v, first[k])]
+    assert len(moved) > len(first) // 2, moved
+    # and only on the model's tokens: an observation (inside the completion, attended, not the model's) has no
+    # value target; there are observations in these episodes
+    assert len(fitted) == 2 * cfg.num_minibatches
+    observations = 0
+    for f in fitted:
+        mb = f["mb"]
+        attended = mb.attention_mask[:, -mb.completion_len:].bool()  # (n, t) every token after the prompt
+        observation = attended & ~mb.completion_mask  # (n, t)
+        observations += int(observation.sum())
+        assert not (f["mask"] & observation).any() and torch.equal(f["mask"], mb.completion_mask)
+    assert observations > 0
 
 
 @pytest.mark.slow
