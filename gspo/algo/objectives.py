@@ -172,19 +172,25 @@ def gspo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     if x.adv.dim() == 2:
         raise ValueError("advantages: objective 'gspo' takes one advantage per sequence (N,); "
                          "use objective='gspo_token' for per-token advantages")
+    per_seq, stats = _clipped_sequence_terms(x)  # (N,)
+    return x.weigh_seq(per_seq).mean(), stats
+
+
+def _clipped_sequence_terms(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO's term of each sequence, -min(s_i A_i, clip(s_i) A_i) (N,), with its ratio and clip statistics
+    (gspo, luspo)."""
     # GSPO eq. (7): s_i = (pi_theta(y_i|x) / pi_old(y_i|x)) ^ (1/|y_i|)
     seq_log_ratio = x.log_ratio.sum(-1) / x.lengths  # (N,)
     ratio = seq_log_ratio.exp()  # (N,)
     clipped = ratio.clamp(1.0 - x.low, 1.0 + x.high)  # (N,)
     # GSPO eq. (5): -min(s_i A_i, clip(s_i) A_i), one term per sequence
     per_seq = -torch.minimum(ratio * x.adv, clipped * x.adv)  # (N,)
-    policy = x.weigh_seq(per_seq).mean()
     stats = ratio_stats(ratio.detach(), None)
     low_hit = (ratio < 1.0 - x.low) & (x.adv < 0)  # (N,) clipping zeroes these gradients
     high_hit = (ratio > 1.0 + x.high) & (x.adv > 0)
     stats["clip/low_frac"] = low_hit.float().mean()
     stats["clip/high_frac"] = high_hit.float().mean()
-    return policy, stats
+    return per_seq, stats
 
 
 @register_objective("grpo", default_clip=(0.2, 0.2),  # DeepSeekMath / PPO epsilon; DAPO's clip-higher: (0.2, 0.28)
@@ -340,17 +346,10 @@ def luspo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     share of the gradient, which the paper finds drives answers shorter). With seq_mean_token_mean it is GSPO."""
     if x.adv.dim() == 2:
         raise ValueError("advantages: objective 'luspo' takes one advantage per sequence (N,)")
-    # GSPO eq. (7): s_i = exp(mean_t log pi_theta / pi_old); eq. (5)'s clipped term, per sequence
-    ratio = (x.log_ratio.sum(-1) / x.lengths).exp()  # (N,)
-    clipped = ratio.clamp(1.0 - x.low, 1.0 + x.high)  # (N,)
-    per_seq = -torch.minimum(ratio * x.adv, clipped * x.adv)  # (N,)
+    per_seq, stats = _clipped_sequence_terms(x)  # (N,)
     # LUSPO: 1/G sum_i |y_i| * term_i, which is the token sum of the term repeated on every token
     per_tok = per_seq[:, None].expand_as(x.logp)  # (N, T)
-    policy = aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length)
-    stats = ratio_stats(ratio.detach(), None)
-    stats["clip/low_frac"] = ((ratio < 1.0 - x.low) & (x.adv < 0)).float().mean()
-    stats["clip/high_frac"] = ((ratio > 1.0 + x.high) & (x.adv > 0)).float().mean()
-    return policy, stats
+    return aggregate(x.weigh(per_tok), x.maskf, x.aggregation, x.norm_length), stats
 
 
 VESPO_LOG_RATIO_BOUND = 20.0
