@@ -119,14 +119,14 @@ def test_the_shipped_regimes_lab_builds_every_run_and_names_what_it_leaves_out(t
     assert all(x["reason"] for x in left_out) and {s.seed for s in specs} == {0, 1, 2}
 
 
-@pytest.mark.parametrize("part, runs", [("policy", 63), ("moe", 90)])
-def test_the_shipped_part3_labs_build_every_run(tmp_path, part, runs):
+@pytest.mark.parametrize("part, runs", [("part3_policy", 63), ("part3_moe", 90), ("part4_length", 15)])
+def test_the_shipped_part3_and_part4_labs_build_every_run(tmp_path, part, runs):
     # policy: baseline 3, mb1 5, mb8 8, stale2 5 (21 x 3); moe: baseline 2, bf16 4, fp16 4, lag4 4, autocast-bf16
     # and -fp16 2 each, lr3e-4, lr1e-3, e64top1 and e64top1_lr2e-4 3 each (30 x 3): the axis_methods picks, each
     # applicable there
     from gspo.apps.lab.runs import load_lab_config
 
-    cfg = load_lab_config(False, Path(__file__).resolve().parents[1] / "configs" / f"lab_part3_{part}.yaml",
+    cfg = load_lab_config(False, Path(__file__).resolve().parents[1] / "configs" / f"lab_{part}.yaml",
                           [f"output_dir={tmp_path / 'lab'}"])
     specs = expand_grid(cfg)
     for spec in specs:
@@ -162,6 +162,11 @@ def test_axis_methods_pick_each_axis_methods_and_the_baseline_runs_their_union(t
            for s in expand_grid(regimes_lab(tmp_path, seeds=[0], axis_methods={**only, "baseline": ["grpo_r2"]}))
            if s.label == "baseline"]
     assert own == ["grpo_r2"]
+    # or nothing: an empty baseline list runs no baseline, and says so
+    none = expand_grid(regimes_lab(tmp_path, seeds=[0], axis_methods={**only, "baseline": []}))
+    assert [s.label for s in none if s.label == "baseline"] == [] and len(none) == 6 + HAS_VLLM
+    left_out = regime_runs(REGIMES, METHODS, "moe", {**only, "baseline": []})[1]
+    assert [x["method"] for x in left_out if x["regime"] == "baseline"] == list(METHODS)
 
 
 def test_bad_regime_settings_are_named(tmp_path):

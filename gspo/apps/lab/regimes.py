@@ -88,8 +88,9 @@ def check_regimes(regimes: dict, methods: dict, axis_methods: dict | None = None
         if axis not in regimes and axis != BASELINE:
             raise ValueError(f"config: axis_methods[{axis!r}]: no such axis in regimes "
                              f"({', '.join(regimes) or 'none'})")
-        if not isinstance(names, list) or not names:
-            raise ValueError(f"config: axis_methods[{axis!r}] must be a non-empty list of method names, got {names!r}")
+        if not isinstance(names, list) or not (names or axis == BASELINE):
+            raise ValueError(f"config: axis_methods[{axis!r}] must be a non-empty list of method names (only the "
+                             f"baseline's may be empty: no baseline runs), got {names!r}")
         unknown = [n for n in names if n not in methods]
         if unknown:
             raise ValueError(f"config: axis_methods[{axis!r}] names {unknown}, not in regime_methods "
