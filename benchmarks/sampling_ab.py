@@ -4,6 +4,7 @@ call as of git revision REV, in alternating fresh processes on the same machine 
     python benchmarks/sampling_ab.py --baseline a4a988c --threads 1 --rounds 4 --repeats 4
     python benchmarks/sampling_ab.py --baseline a4a988c --threads 1 --case 50M-long --rounds 2 --repeats 2
     python benchmarks/sampling_ab.py --baseline 1300c9f --threads 1 --case smollm2 --rounds 2 --repeats 2
+    python benchmarks/sampling_ab.py --baseline 1fbb88f --threads 1 --case smollm2-128 --rounds 2 --repeats 2
 
 Each process builds the case's model from config (random init, seed 0; nothing downloaded; `smollm2`: the
 packaged SmolLM2-135M-Instruct of `make demo-real`, under bf16 autocast where the CPU has it natively), samples
@@ -32,6 +33,7 @@ CASES = {
     "50M-long": (MODEL_50M, 2, 4, 512),  # random init: completions stop anywhere up to T
     # SmolLM2-135M-Instruct (make demo-real) on the real-model demo's a+b chat prompts, bf16 autocast where native
     "smollm2": ("smollm2", 8, 4, 32),
+    "smollm2-128": ("smollm2", 8, 4, 128),  # the same up to 128 tokens: a row that runs on keeps the batch going
 }
 
 

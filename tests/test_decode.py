@@ -186,6 +186,45 @@ def test_early_stop_pads_finished_rows_like_hf(dense):
     assert torch.equal(raw, hf_raw) and (raw[0, int(lengths[0]):] == 0).all() and int(lengths[0]) < raw.shape[1]
 
 
+def test_finished_rows_leave_the_forward_batch_and_the_tokens_stay_hfs(dense):
+    """Once at most half of the rows run, the finished ones leave the decode forward; the draw still covers all
+    N rows, so every token is HF generate's and the log-probs its own within rounding."""
+    model, tok = dense
+    eos_before = model.generation_config.eos_token_id
+    try:
+        model.generation_config.eos_token_id = [999]  # never sampled: every row runs 16 steps
+        torch.manual_seed(5)
+        free = generate(model, tok, PROMPTS, 2, max_new_tokens=16, backend="gspo")
+        P = free.input_ids.shape[1] - 16
+        rows = free.input_ids[:, P:].tolist()
+        # stop tokens: the other rows' first two tokens, less every token of one row, which runs to the end
+        stops = min(([v for other in rows if other is not row for v in other[:2] if v not in row] for row in rows),
+                    key=lambda stops: sum(not set(other[:2]) & set(stops) for other in rows))
+        model.generation_config.eos_token_id = sorted(set(stops))
+        batches = []
+        hook = model.register_forward_pre_hook(lambda _m, args, kwargs: batches.append(kwargs["input_ids"].shape[0]),
+                                               with_kwargs=True)
+        try:
+            ours, hf = both(model, tok, seed=5, max_new_tokens=16, with_logprobs=True)
+        finally:
+            hook.remove()
+    finally:
+        model.generation_config.eos_token_id = eos_before
+    assert_same(ours, hf, logprobs=True)
+    lengths = ours.completion_mask.sum(1).tolist()  # (N,)
+    assert ours.completion_len == 16 and sum(n <= 2 for n in lengths) >= 5  # most rows stopped by token 2
+    # ours (16 forwards, then HF's 16, all of 8 rows): the prefill of the 4 distinct prompts, then 15 decode
+    # batches that shrink to the unfinished rows once those are at most half of the batch
+    prefill, decode, hf_batches = batches[0], batches[1:16], batches[16:]
+    assert prefill == 4 and hf_batches == [8] * 16
+    running = [sum(n > t + 1 for n in lengths) for t in range(15)]  # rows unfinished after token t
+    expected, n = [], 8
+    for r in running:
+        n = r if 2 * r <= n else n
+        expected.append(n)
+    assert decode == expected and decode[-1] == 1  # e.g. [4, 1, 1, ...]: 4 rows ended at token 1, 3 at token 2
+
+
 def test_all_rows_stop_early_then_T_is_the_steps_run(dense):
     model, tok = dense
     ids, mask = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left").values()

@@ -9,7 +9,10 @@ The loop reproduces HF `generate` (transformers 5.24) call for call, so that wit
 it samples the same tokens: the same forwards (prefill (N, P), then one (N, 1) forward per new
 token except the last, which is never fed back), the same inputs (position ids from the attention
 mask's cumsum; an all-ones mask dropped), the same float32 scores, warpers and
-`torch.multinomial` draw from the global RNG. MoE routing hooks therefore see what they see
+`torch.multinomial` draw from the global RNG. Two departures change no token (and only the last bits of a
+log-prob: a matmul's rounding depends on its batch): a prompt shared by G rows is prefilled once, and once at
+most half of the rows still run, the finished ones leave the forward batch (`_Batch`) while the draw still
+covers all N rows, so the global RNG advances as HF's does. MoE routing hooks therefore see what they see
 under HF `generate`. Models that need more than a plain per-layer KV cache (sliding-window,
 linear-attention or shared-KV layers, encoder-decoders) or FSDP2 sharding (every rank must run
 the same number of forwards) are left to HF `generate`: see `unsupported_reason`.
@@ -79,8 +82,9 @@ class PrefixKVLayer(CacheLayerMixin):
         self.values = self.value_buffer[:, :, :end]  # (N, H, filled, Dv)
         return self.keys, self.values
 
-    def repeat_rows(self, index: Tensor) -> None:
-        """Keep row index[i] of the cache as row i (N',) -> N rows: one prefill of each distinct prompt, repeated."""
+    def select_rows(self, index: Tensor) -> None:
+        """Row index[i] of the cache becomes row i: (N',) -> N rows repeats one prefill of each distinct prompt,
+        (n,) -> n' < n rows drops the rows that finished."""
         self.key_buffer = self.key_buffer.index_select(0, index)  # (N, H, C, D)
         self.value_buffer = self.value_buffer.index_select(0, index)  # (N, H, C, Dv)
         self.keys = self.key_buffer[:, :, : self.filled]
@@ -298,7 +302,7 @@ def _prefill(model, prompt_ids: Tensor, prompt_mask: Tensor | None, position_ids
         raise ValueError(f"{type(model).__name__} did not fill gspo's KV cache in every layer; use backend='hf'")
     if shared is not None:
         for layer in cache.layers:
-            layer.repeat_rows(index)
+            layer.select_rows(index)
         out.logits = out.logits.index_select(0, index)  # (N, 1 or P, V)
     return out, extra
 
@@ -341,6 +345,38 @@ def _choose(logits: Tensor, prefix: Tensor, processors: list, warpers: list, *, 
     return token, scores
 
 
+class _Batch:
+    """Which of the N rows the decode forward still runs. HF keeps every row to the end, feeding padding to the
+    finished ones; one runaway answer then costs N rows per step (SmolLM2 at T = 128: 31 of 32 rows done after
+    ~20 steps, the batch of 32 running to step 127). Once at most half of the batch is unfinished, the finished
+    rows leave it: their KV cache rows are dropped (at most log2(N) copies). An MoE keeps every row: its
+    routing record and replay follow every row through every forward."""
+
+    def __init__(self, model, n: int, cache: Cache, device):
+        self.rows = torch.arange(n, device=device)  # (n,) the rows of N in the forward batch
+        self.n = n
+        self.cache = cache
+        self.shrinks = not has_experts(model)
+
+    def drop_finished(self, unfinished: Tensor) -> None:
+        """`unfinished` (N,): keep only the unfinished rows once they are at most half of the batch."""
+        running = unfinished[self.rows]  # (n,)
+        if not self.shrinks or int(running.sum()) * 2 > running.numel():
+            return
+        keep = running.nonzero().squeeze(1)  # (n',) positions in the batch
+        for layer in self.cache.layers:
+            layer.select_rows(keep)
+        self.rows = self.rows[keep]
+
+    def full(self, logits: Tensor) -> Tensor:
+        """(n, V) logits of the batch -> (N, V), zeros for the rows that left (their token becomes padding)."""
+        if self.rows.numel() == self.n:
+            return logits
+        out = logits.new_zeros((self.n, logits.shape[-1]))  # (N, V)
+        out[self.rows] = logits
+        return out
+
+
 @torch.no_grad()
 def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, eos_token_ids: list[int],
            pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
@@ -373,11 +409,12 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
     logprobs = torch.zeros(N, max_new_tokens, device=device) if with_logprobs else None  # (N, max)
     unfinished = torch.ones(N, dtype=torch.bool, device=device)  # (N,)
     out, extra = _prefill(model, prompt_ids, None if mask is None else mask[:, :P], position_ids, max_new_tokens)
+    batch = _Batch(model, N, next(v for v in extra.values() if isinstance(v, Cache)), device)
     T = max_new_tokens
     with _decode_experts(model):
         for t in range(max_new_tokens):
             # (N, V) float32 scores, copied as HF does: frees a full-prompt logits tensor, joins devices
-            logits = out.logits[:, -1].to(device=device, dtype=torch.float32, copy=True)
+            logits = batch.full(out.logits[:, -1].to(device=device, dtype=torch.float32, copy=True))  # (N, V)
             del out
             token, scores = _choose(logits, ids[:, : P + t], processors, warpers, seeded_sampler=seeded_sampler,
                                     greedy=greedy, temperature=temperature, with_logprobs=with_logprobs)
@@ -389,8 +426,10 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
             if t == max_new_tokens - 1 or not bool(unfinished.any()):
                 T = t + 1
                 break
+            batch.drop_finished(unfinished)
+            rows = batch.rows  # (n,)
             out = model(  # noqa: F841  (read at the loop's top next step; ruff loses it after `del out`)
-                input_ids=token[:, None], attention_mask=None if mask is None else mask[:, : P + t + 1],
-                position_ids=next_position + t, use_cache=True, return_dict=True, **extra)
+                input_ids=token[rows, None], attention_mask=None if mask is None else mask[rows, : P + t + 1],
+                position_ids=next_position[rows] + t, use_cache=True, return_dict=True, **extra)
     completion_ids = ids[:, P : P + T].clone()  # (N, T)
     return completion_ids, logprobs[:, :T].clone() if with_logprobs else None
