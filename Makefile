@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo demo-real smoke-real test test-fast test-vllm lab-regimes lab-part3-policy lab-part3-moe lab-part4-length docs lint clean
+.PHONY: setup demo demo-real smoke-real test test-fast test-vllm lab-regimes lab-part3-policy lab-part3-moe lab-part4-length lab-part4-router docs lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,9 @@ lab-part3-moe: setup
 
 lab-part4-length: setup
 	$(VENV)/bin/gspo lab --config configs/lab_part4_length.yaml
+
+lab-part4-router: setup
+	$(VENV)/bin/gspo lab --config configs/lab_part4_router.yaml
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
