@@ -149,6 +149,23 @@ def test_mismatch_metrics_where_mu_is_pi_old():
     assert m["mismatch/prob_pearson"] == pytest.approx(1.0)
 
 
+def test_ess_where_every_sequence_weight_is_far_below_one():
+    # 1024-token answers from a stale sampler: log W around -300 (W ~ 1e-130, W^2 underflows the W - 1 moments)
+    # raised ZeroDivisionError; the ESS is scale-free, so it is the ESS of log W + 300
+    log_w = torch.tensor([-300.0, -301.0, -303.0, -310.0])  # (N,)
+    old = torch.stack([log_w / 4] * 4, 1) - 1.0  # (N, 4): four tokens each
+    mu = torch.full_like(old, -1.0)
+    W = (log_w + 300).exp()
+    expected = float(W.mean() ** 2 / W.square().mean())  # 0.49
+    m = metrics(old, mu, torch.ones_like(old, dtype=torch.bool))
+    assert m["mismatch/ess"] == pytest.approx(expected, rel=1e-6) and 0.4 < expected < 0.6
+    # one sequence near 1 keeps the W - 1 moments' value (the same ESS either way, to float precision)
+    near = torch.tensor([0.0, -0.5, -1.0, -2.0])
+    m = metrics(torch.stack([near / 4] * 4, 1) - 1.0, mu, torch.ones_like(old, dtype=torch.bool))
+    W = near.double().exp()
+    assert m["mismatch/ess"] == pytest.approx(float(W.mean() ** 2 / W.square().mean()), rel=1e-6)
+
+
 def test_k3_estimates_the_exact_kl_from_samples_of_mu():
     mu = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
     pi_old = torch.tensor([0.3, 0.3, 0.2, 0.1, 0.1])

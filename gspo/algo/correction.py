@@ -145,6 +145,10 @@ def mismatch_moments(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tenso
         "tok/p": tok(p), "tok/q": tok(q), "tok/pp": tok(p * p), "tok/qq": tok(q * q), "tok/pq": tok(p * q),
         "seq/Wm1": torch.expm1(seq_log_w.clamp(-_MAX_LOG, _MAX_LOG)).mean(),  # W - 1
         "seq/W2m1": torch.expm1(2 * seq_log_w.clamp(-_MAX_LOG, _MAX_LOG)).mean(),  # W^2 - 1
+        # the ESS in log space, for where the two above lose it: every W far below 1 (long answers, a stale
+        # sampler) makes 1 + W2m1 round to 0 in float64
+        "seq/ess_log": (2 * torch.logsumexp(seq_log_w, 0) - torch.logsumexp(2 * seq_log_w, 0)
+                        - math.log(seq_log_w.numel())).exp(),
     }
     units = {k: "sequences" if k.startswith("seq/") else "tokens" for k in moments}
     return moments, units
@@ -156,7 +160,9 @@ def mismatch_metrics(moments: dict) -> dict[str, float]:
     kl: k3 estimate of KL(mu || pi_old) per token; chi2_token: E_mu[w_t^2] - 1 and chi2_seq:
     E_mu[W_i^2] - 1 (chi-square divergences of pi_old from mu, per token and per sequence);
     ess: (mean W)^2 / mean W^2 in (0, 1], the normalised effective sample size of the sequence
-    weights (1: all equal); abs_logp_diff_mean/_max: |log pi_old - log mu| over tokens;
+    weights (1: all equal); where mean W^2 is below 1e-6 (every answer's W far below 1: long answers, a
+    stale sampler; the W - 1 moments have lost its digits) it is computed in log space, on one rank
+    exactly, over several the mean of the ranks' own; abs_logp_diff_mean/_max: |log pi_old - log mu| over tokens;
     prob_pearson: Pearson correlation of the tokens' probabilities under pi_old and mu (NaN when
     either is constant).
     """
@@ -168,7 +174,8 @@ def mismatch_metrics(moments: dict) -> dict[str, float]:
         "mismatch/kl": g["tok/k3"],
         "mismatch/chi2_token": g["tok/w2m1"],
         "mismatch/chi2_seq": g["seq/W2m1"],
-        "mismatch/ess": (1.0 + g["seq/Wm1"]) ** 2 / (1.0 + g["seq/W2m1"]),
+        "mismatch/ess": ((1.0 + g["seq/Wm1"]) ** 2 / (1.0 + g["seq/W2m1"]) if 1.0 + g["seq/W2m1"] > 1e-6
+                         else g["seq/ess_log"]),
         "mismatch/abs_logp_diff_mean": g["tok/absdiff"],
         "mismatch/abs_logp_diff_max": g["tok/absdiff/max"],
         "mismatch/prob_pearson": pearson,
