@@ -233,6 +233,22 @@ def test_router_aux_loss_in_a_run_is_logged_and_trains_the_routers(tmp_path, loa
     assert all(not torch.equal(a, b) for a, b in zip(routers[0.0], routers[1.0]))
 
 
+def test_the_drift_meter_logs_the_balance_and_leaves_the_update_alone(tmp_path, loaded):
+    """At coefficient 0 the drift meter also logs the routers' load-balancing loss: the same weights and metrics as
+    a run without it, plus moe/aux_loss, which equals what the loss's own run measured at its first minibatch."""
+    weights = {}
+    for name, drift in (("meter", True), ("plain", False)):
+        train(moe_cfg(tmp_path / name, log_routing_drift=drift, max_steps=1))
+        weights[name] = [p.detach().clone() for p in loaded["model"].parameters()]
+    meter, plain = (read_metrics(tmp_path / name / "run")[1] for name in ("meter", "plain"))
+    assert 2.0 <= meter["moe/aux_loss"] <= 8.0 and "moe/aux_loss" not in plain  # top-2 of 8 experts
+    assert meter["loss/policy"] == plain["loss/policy"] and meter["grad/norm"] == plain["grad/norm"]
+    assert all(torch.equal(a, b) for a, b in zip(weights["meter"], weights["plain"]))
+    train(moe_cfg(tmp_path / "on", router_aux_loss_coef=1e-6, log_routing_drift=False, max_steps=1))
+    on = read_metrics(tmp_path / "on" / "run")[1]
+    assert meter["moe/aux_loss"] == pytest.approx(on["moe/aux_loss"], rel=1e-4)  # the same samples, a tiny push
+
+
 def test_router_aux_loss_needs_an_moe_model_and_a_coefficient_at_least_0(tmp_path):
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.001: the routers' load-balancing loss needs a "
                                          r"Mixture-of-Experts model; Qwen3ForCausalLM has no MoE router; use "

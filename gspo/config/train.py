@@ -292,7 +292,8 @@ class RoutingSettings:
     routing_replay: str = "none"
     """MoE routing replay: none, old_policy (record at pi_old) or rollout (record at generation)."""
     log_routing_drift: bool = True
-    """MoE only: log moe/expert_change_frac (one extra no-grad forward per optimizer step)."""
+    """MoE only: log moe/expert_change_frac (one extra no-grad forward per optimizer step) and moe/aux_loss, the
+    routers' load-balancing loss (measured, added to the loss only with router_aux_loss_coef)."""
     router_aux_loss_coef: float = 0.0
     """MoE only: weight of the routers' load-balancing loss added to every minibatch's loss (Hugging Face's, which
     the model's own router_aux_loss_coef scales in pre-training: Qwen3-MoE 0.001); 0: none."""

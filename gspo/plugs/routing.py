@@ -100,7 +100,8 @@ class MoERouting:
 
     def __init__(self, model, replay: str, drift: bool, packed: bool = False, aux_coef: float = 0.0):
         self.model, self.replay, self.drift, self.packed, self.aux_coef = model, replay, drift, packed, aux_coef
-        self.top_k = find_routers(model)[0].module.top_k if aux_coef else None  # experts per token, the loss's k
+        self.balance = bool(aux_coef) or drift  # the load-balancing loss: added with a coefficient, else only logged
+        self.top_k = find_routers(model)[0].module.top_k if self.balance else None  # experts per token, the loss's k
         self.records_pi_old = replay == "old_policy"  # pi_old forwards record the experts for every minibatch
         self.records_sampling = replay == "rollout"  # the sampler records them (the generator must be able to)
 
@@ -152,10 +153,10 @@ class _Watch:
     @contextmanager
     def recording(self):
         """Spans the forward only: free routing's experts are the drift meter's "before"; with the load-balancing
-        loss, the routers' logits (with their gradient)."""
+        loss or the drift meter, the routers' logits (with their gradient)."""
         meters = self.routing.drift and self.routing.replay == "none"
         with record_routing(self.routing.model) if meters else nullcontext() as recorder:
-            with collect_router_logits(self.routing.model) if self.routing.aux_coef else nullcontext() as logits:
+            with collect_router_logits(self.routing.model) if self.routing.balance else nullcontext() as logits:
                 yield
         if recorder is not None:
             self.before = from_layout(recorder.record(), self.layout)
@@ -163,12 +164,14 @@ class _Watch:
 
     def router_loss(self) -> tuple[torch.Tensor | float, dict]:
         """(router_aux_loss_coef x the routers' load-balancing loss over the forward's real tokens, prompts too, as
-        Hugging Face's; `moe/aux_loss`, the loss itself), or (0.0, {}) without it."""
-        if not self.routing.aux_coef:
+        Hugging Face's, or 0.0 without a coefficient; `moe/aux_loss`, the loss itself, where it is added or the
+        drift meter runs: at coefficient 0 it measures the routers' balance without touching the update), or
+        (0.0, {}) with neither."""
+        if not self.routing.balance:
             return 0.0, {}
         logits = [torch.cat(forwards) for forwards in self.logits]  # per router: (rows, E), one forward
         loss = load_balance_loss(logits, self.routing.top_k, real_rows(self.mb, self.layout))
-        return self.routing.aux_coef * loss, {"moe/aux_loss": loss.detach()}
+        return (self.routing.aux_coef * loss if self.routing.aux_coef else 0.0), {"moe/aux_loss": loss.detach()}
 
     def after_step(self) -> tuple[dict, dict]:
         """(stats, weights) after the optimizer step: `moe/expert_change_frac` (and per layer),
