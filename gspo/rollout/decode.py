@@ -360,8 +360,10 @@ class _Batch:
 
     def drop_finished(self, unfinished: Tensor) -> None:
         """`unfinished` (N,): keep only the unfinished rows once they are at most half of the batch."""
+        if not self.shrinks:
+            return
         running = unfinished[self.rows]  # (n,)
-        if not self.shrinks or int(running.sum()) * 2 > running.numel():
+        if int(running.sum()) * 2 > running.numel():
             return
         keep = running.nonzero().squeeze(1)  # (n',) positions in the batch
         for layer in self.cache.layers:
