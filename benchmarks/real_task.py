@@ -1,4 +1,4 @@
-"""The real model on a task of its own config, methods x seeds (issue 53 point 5: configs/lab_part4_real.yaml,
+"""The real model on a task of its own config, methods x seeds (issue 53 point 5: configs/letters_smollm2.yaml,
 SmolLM2-135M-Instruct on reasoning-gym's letter counting): each run `gspo train --config CONFIG objective=...
 seed=...` in a fresh process on one CPU thread, `--workers` at a time, then one table.
 
@@ -76,7 +76,7 @@ def digest(run: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/lab_part4_real.yaml")
+    p.add_argument("--config", default="configs/letters_smollm2.yaml")
     p.add_argument("--methods", nargs="+", default=["gspo", "grpo", "luspo", "vespo", "cispo", "pg+token_tis"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--reference", default="gspo", help="the method every other one is compared with, seed by seed")

@@ -1,4 +1,4 @@
-"""Writes the data of configs/lab_part4_real.yaml: reasoning-gym's `letter_counting` ("How many times does the
+"""Writes the data of configs/letters_smollm2.yaml: reasoning-gym's `letter_counting` ("How many times does the
 letter "h" appear in the text: ...?"), a generator nobody here wrote (pip install reasoning-gym; 0.1.25 made the
 committed files), 3 to 5 words a question. The generator draws question i from seed + i, so one draw of 1,200 is
 split in order: the first 1,000 train, the rest test, less any test question that also occurs in train (the

@@ -1,4 +1,4 @@
-"""The reward of configs/lab_part4_real.yaml: each answer scored by the scorer of the reasoning-gym generator that
+"""The reward of configs/letters_smollm2.yaml: each answer scored by the scorer of the reasoning-gym generator that
 wrote its question (the data's `task` column: reasoning_gym.get_score_answer_fn), on the completion's last integer
 (the prompt asks for just the number; a 135M model often answers in a sentence: "The letter "h" appears 3 times.").
 """
