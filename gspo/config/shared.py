@@ -146,6 +146,9 @@ class RewardSettings:
     """Where an rm:<path> reward model scores: cpu, auto, cuda, cuda:<i> or mps."""
     reward_model_dtype: str = "float32"
     """Dtype of an rm:<path> reward model: float32, bfloat16, float16 or auto (the checkpoint's)."""
+    overlong_penalty: dict | None = None
+    """{buffer: L, factor: f}: DAPO's soft overlong penalty added to every reward (weight 1): 0 up to
+    max_completion_length - L tokens, falling linearly to -f at the limit; logged as reward/overlong. null: none."""
 
 
 @checks(RewardSettings)
@@ -169,6 +172,16 @@ def _check_rewards(s: RewardSettings) -> None:
     for i, w in enumerate(s.reward_weights or []):
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
             raise ValueError(f"config: reward_weights[{i}]={w!r} must be a finite number")
+    if s.overlong_penalty is not None:
+        penalty = s.overlong_penalty
+        if not isinstance(penalty, dict) or set(penalty) != {"buffer", "factor"}:
+            raise ValueError(f"config: overlong_penalty={penalty!r} must be a mapping of buffer (tokens) and factor, "
+                             "e.g. {buffer: 64, factor: 1.0}")
+        buffer, factor = penalty["buffer"], penalty["factor"]
+        if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+            raise ValueError(f"config: overlong_penalty.buffer={buffer!r} must be a whole number of tokens >= 1")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 0:
+            raise ValueError(f"config: overlong_penalty.factor={factor!r} must be a finite number >= 0")
 
 
 @dataclass

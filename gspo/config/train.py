@@ -459,6 +459,10 @@ def check_train(cfg: TrainConfig) -> None:
     if cfg.rollout_correction != "none" and not OBJECTIVES[cfg.objective].corrects:
         raise ValueError(f"config: objective {cfg.objective!r} does not apply a rollout correction "
                          "(registered without corrects=True); use rollout_correction=none")
+    if cfg.overlong_penalty is not None and cfg.overlong_penalty["buffer"] > cfg.max_completion_length:
+        raise ValueError(f"config: overlong_penalty.buffer={cfg.overlong_penalty['buffer']} is longer than "
+                         f"max_completion_length={cfg.max_completion_length}: the penalty starts at the limit minus "
+                         "the buffer")
     if cfg.bf16 and cfg.fp16:
         raise ValueError("config: bf16 and fp16 are two autocast precisions; choose one")
     for precision in ("bf16", "fp16"):

@@ -33,7 +33,7 @@ from gspo.algo.advantages import group_stats
 from gspo.config import WEIGHTINGS, DataSettings, RewardSettings, TaskSettings, TaskSpec, parse_tasks
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.reward_scoring import reward_names
-from gspo.data.rewards import get_reward_fn, reward_options, reward_spec, score_completions
+from gspo.data.rewards import get_reward_fn, reward_options, reward_spec, score_completions, with_terms
 from gspo.data.rows import (
     PromptSampler,
     SplitLoader,
@@ -165,10 +165,12 @@ class TaskMixture:
 
     @classmethod
     def build(cls, tasks: TaskSettings, data: DataSettings, rewards: RewardSettings, load: SplitLoader, *, seed: int,
-              evaluation: Evaluation | None = None) -> TaskMixture:
+              evaluation: Evaluation | None = None, shaping: list = ()) -> TaskMixture:
         """The mixture of `tasks.tasks`: each task's data (its entry's task or dataset in place of `data`'s) loaded
-        by `load` as a single-task run's would be; `rewards`: the run's reward functions and options."""
-        specs = parse_tasks(tasks.tasks, rewards.reward_funcs, rewards.reward_weights)
+        by `load` as a single-task run's would be; `rewards`: the run's reward functions and options; `shaping`:
+        (function, weight) terms added to every task's (gspo.data.rewards.overlong_terms)."""
+        specs = [with_terms(s, list(shaping)) for s in parse_tasks(tasks.tasks, rewards.reward_funcs,
+                                                                  rewards.reward_weights)]
         splits = [load(dataclasses.replace(data, task=s.task, dataset=s.dataset, eval_dataset=s.eval_dataset))
                   for s in specs]
         return cls(specs, [train for train, _ in splits], [held for _, held in splits], weighting=tasks.task_weighting,

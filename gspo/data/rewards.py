@@ -19,6 +19,7 @@ gspo.data.reward_import).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import sys
@@ -283,6 +284,50 @@ def code_tests(prompts: list[str], completions: list[str], **columns) -> list[fl
 
 
 code_tests = reads_text(code_tests)
+
+def overlong_penalty(length: int, max_length: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong penalty (arXiv 2503.14476, sec. 3.4) of one answer of `length` tokens: 0 up to
+    `max_length - buffer` tokens, then falling linearly by `factor / buffer` a token, to -`factor` at
+    `max_length` (and beyond it). Example: max_length 10, buffer 4, factor 1: lengths 6, 7, 8, 10 -> 0, -0.25,
+    -0.5, -1."""
+    free = max_length - buffer  # tokens an answer may take before the penalty starts
+    return 0.0 - factor * min(max(length - free, 0), buffer) / buffer  # 0.0 - x: 0 where x is 0, not -0.0
+
+
+class OverlongReward:
+    """The soft overlong penalty as a reward function (`overlong_penalty: {buffer, factor}` adds it to a run's
+    reward_funcs with weight 1): each completion's penalty from its token count, logged as reward/overlong."""
+
+    __name__ = "overlong"
+
+    def __init__(self, max_length: int, buffer: int, factor: float):
+        if not 1 <= buffer <= max_length:
+            raise ValueError(f"overlong_penalty: buffer={buffer!r} must be between 1 and max_completion_length "
+                             f"({max_length})")
+        if not (math.isfinite(factor) and factor >= 0):
+            raise ValueError(f"overlong_penalty: factor={factor!r} must be a finite number >= 0")
+        self.max_length, self.buffer, self.factor = max_length, buffer, float(factor)
+
+    def __call__(self, prompts, completions, completion_ids, **_) -> list[float]:
+        return [overlong_penalty(len(ids), self.max_length, self.buffer, self.factor) for ids in completion_ids]
+
+
+def overlong_terms(rewards, max_length: int) -> list:
+    """The reward terms a run (its RewardSettings `rewards`) adds to every task's functions, as (function, weight):
+    DAPO's soft overlong penalty (`overlong_penalty`, weight 1: its factor is its scale), or none."""
+    if rewards.overlong_penalty is None:
+        return []
+    return [(OverlongReward(max_length, **rewards.overlong_penalty), 1.0)]
+
+
+def with_terms(settings, terms: list):
+    """`settings` (a RewardSettings or a TaskSpec) with `terms` appended to its reward functions and weights."""
+    if not terms:
+        return settings
+    weights = settings.reward_weights or [1.0] * len(settings.reward_funcs)
+    return dataclasses.replace(settings, reward_funcs=[*settings.reward_funcs, *(fn for fn, _ in terms)],
+                               reward_weights=[*weights, *(w for _, w in terms)])
+
 
 def environment(prompts: list[str], completions: list[str], env_reward: list | None = None,
                 **_) -> list[float | None]:

@@ -26,7 +26,7 @@ from gspo.config import (
 )
 from gspo.data.evaluation import Evaluation, evaluate
 from gspo.data.mixture import TaskMixture
-from gspo.data.rewards import get_reward_fn, reward_options, score_completions
+from gspo.data.rewards import get_reward_fn, overlong_terms, reward_options, score_completions, with_terms
 from gspo.data.rows import (
     EPISODE_COLUMNS,
     MESSAGES,
@@ -128,11 +128,12 @@ def prompt_source(tokenizer, num_train: int, *, data: DataSettings, rewards: Rew
     data = dataclasses.replace(data, chat_template_kwargs=evaluation.template_kwargs)
     load = SplitLoader(tokenizer, num_train, evals.eval_num_prompts, seed, sampling.max_prompt_length,
                        sampling.truncate_prompts, given, note)
+    shaping = overlong_terms(rewards, sampling.max_completion_length)  # added to every task's reward functions
     if tasks.tasks:
-        source = TaskMixture.build(tasks, data, rewards, load, seed=seed, evaluation=evaluation)
+        source = TaskMixture.build(tasks, data, rewards, load, seed=seed, evaluation=evaluation, shaping=shaping)
         fns_per_task = source.reward_fns
     else:
-        source = SingleTask.build(data, rewards, load, seed=seed, evaluation=evaluation)
+        source = SingleTask.build(data, with_terms(rewards, shaping), load, seed=seed, evaluation=evaluation)
         fns_per_task = [source.reward_fns]
     for fns, train, held_out in zip(fns_per_task, source.train_rows, source.eval_rows, strict=True):
         for check in filter(None, (getattr(fn, "check_rows", None) for fn in fns)):
