@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -89,9 +89,16 @@ def prepare(rollout: Rollout, scores: Scores, *, plan: BatchSettings, objective:
     rollout.rewards = scores.rewards[topology.batch_share(rollout.num_sequences)].to(device)  # (n,)
     token_units = stat_units(objective.objective, objective.aggregation)["loss/policy"] == "tokens"  # a share counts
     N = len(scores.rewards)
-    epochs = [[topology.part(idx, rollout.num_sequences, scores.lengths, token_units)
-               for idx in torch.randperm(N, generator=shuffle).chunk(M)] for _ in range(plan.num_epochs)]
-    first_on_policy = not objective.use_sampler_logprobs and not routing.records_pi_old and not baseline.needs_pi_old
+    chunks = [torch.randperm(N, generator=shuffle).chunk(M) for _ in range(plan.num_epochs)]  # global row numbers
+    epochs = [[topology.part(idx, rollout.num_sequences, scores.lengths, token_units) for idx in c] for c in chunks]
+    # overlong filtering: the updates train on the completions that ended (every rank keeps the same rows); pi_old,
+    # pi_ref and the baseline still see every row, on the full plan
+    trained = scores.stopped if plan.mask_truncated_completions else torch.ones(N, dtype=torch.bool)  # (N,)
+    updates = epochs if trained.all() else [
+        [topology.part(idx[trained[idx]], rollout.num_sequences, scores.lengths, token_units)
+         for idx in c if trained[idx].any()] for c in chunks]  # a minibatch left empty: no optimizer step
+    first_on_policy = (not objective.use_sampler_logprobs and not routing.records_pi_old and not baseline.needs_pi_old
+                       and updates is epochs)  # a filtered first minibatch's forward does not cover its rows
     with torch.no_grad():
         if objective.use_sampler_logprobs:
             rollout.old_logprobs = rollout.sampler_logprobs  # (n, T)
@@ -101,8 +108,11 @@ def prepare(rollout: Rollout, scores: Scores, *, plan: BatchSettings, objective:
                                                     writes=[not p.stand_in for p in parts])  # (n, T)
         rollout.ref_logprobs = reference.logprobs(rollout, [p.index for p in epochs[0]], logp_kwargs,
                                                   writes=[not p.stand_in for p in epochs[0]])  # (n, T) or None
-        stats = baseline.estimate(rollout, scores, epochs[0], topology)  # rollout.advantages (n,) or (n, T)
-    return Batch(rollout, epochs, first_on_policy, stats)
+        grouped = scores if plan.truncated_in_groups else replace(scores, valid=scores.valid & trained)
+        stats = baseline.estimate(rollout, grouped, epochs[0], topology)  # rollout.advantages (n,) or (n, T)
+    if plan.mask_truncated_completions:
+        stats["loss/masked_truncated_frac"] = 1.0 - trained.float().mean().item()
+    return Batch(rollout, updates, first_on_policy, stats)
 
 
 class Learner:
@@ -268,7 +278,7 @@ def reduce_stats(step_stats: list[dict]) -> dict[str, float]:
     sec. 4: token-level ratios make gradients noisier); 0 with a single minibatch.
     """
     out = {}
-    for key in step_stats[0]:
+    for key in step_stats[0] if step_stats else ():  # none: every minibatch was left empty (overlong filtering)
         values = torch.stack([torch.as_tensor(s[key]).float() for s in step_stats])
         if key == "ratio/min":
             out[key] = values.min().item()

@@ -1,13 +1,14 @@
 """DAPO's pieces beyond token-mean and clip-higher (arXiv 2503.14476): the soft overlong penalty (sec. 3.4)."""
 
 import json
+import math
 import re
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from conftest import read_metrics, tiny_cfg
+from conftest import changed, final_weights, initial_weights, read_metrics, tiny_cfg
 from gspo.config import TrainConfig, make_config
 from gspo.data.rewards import OverlongReward, overlong_penalty, overlong_terms, score_completions, with_terms
 from gspo.trainer import train
@@ -94,3 +95,95 @@ def test_in_a_mixture_every_task_pays_it_its_own_functions_or_the_runs(tmp_path)
     for s in samples:
         task = f"add{len(s['prompt'].split('+')[0])}"  # add2: 2-digit terms, add3: 3-digit
         assert s["reward"] == pytest.approx(weight[task] * s["rewards"]["answer_match"] + s["rewards"]["overlong"])
+
+
+# ------------------------------------------------------------------------------- overlong filtering
+def _prepared(tmp_path, stopped: list[bool], **kw):
+    """`prepare` of a tiny rollout (2 prompts x 4, 4 minibatches) whose stop flags are `stopped`, rewards 0..7."""
+    from dataclasses import replace
+
+    from conftest import SMALL
+    from gspo.config import BatchSettings, ObjectiveSettings, PrecisionSettings, section
+    from gspo.models import load_model
+    from gspo.plugs.baselines import GroupBaseline
+    from gspo.plugs.parallel import Topology
+    from gspo.plugs.reference import NoReference
+    from gspo.plugs.routing import NoRouting
+    from gspo.rollout import generate
+    from gspo.step import gather_scores, logprob_options, prepare
+    from gspo.tasks import get_task
+
+    class Counting(NoRouting):
+        calls: list = []
+
+        def logprobs(self, model, rollout, minibatches, logp_kwargs, writes=None):
+            self.calls.append(sorted(int(i) for idx in minibatches for i in idx))
+            return super().logprobs(model, rollout, minibatches, logp_kwargs, writes)
+
+    model, tok = load_model("tiny-dense", overrides=SMALL)
+    cfg = tiny_cfg(tmp_path, num_minibatches=4, per_device_batch_size=2, **kw)
+    prompts = [r["prompt"] for r in get_task("add3").dataset("train", 2, 0)]
+    rollout = generate(model, tok, prompts, 4, max_new_tokens=6)
+    scores = gather_scores(Topology(), rollout, torch.arange(8, dtype=torch.float32), {}, [tok.eos_token_id])
+    scores = replace(scores, stopped=torch.tensor(stopped))
+    routing = Counting()
+    batch = prepare(rollout, scores, plan=section(cfg, BatchSettings), objective=section(cfg, ObjectiveSettings),
+                    logp_kwargs=logprob_options(cfg.temperature, section(cfg, PrecisionSettings)),
+                    topology=Topology(), routing=routing, model=model, reference=NoReference(),
+                    baseline=GroupBaseline("group", 4), shuffle=torch.Generator().manual_seed(0))
+    return batch, routing.calls
+
+
+STOPPED = [True, False, True, True, False, False, False, True]  # rows 1, 4, 5, 6 hit the limit
+
+
+def test_the_updates_train_on_the_finished_completions_only_and_pi_old_covers_every_row(tmp_path):
+    batch, calls = _prepared(tmp_path, STOPPED, mask_truncated_completions=True)
+    trained = sorted(int(i) for part in batch.epochs[0] for i in part.index)
+    assert trained == [0, 2, 3, 7]  # every finished row once, no truncated one
+    assert all(len(part.index) for part in batch.epochs[0])  # a minibatch with no finished row is not planned
+    assert batch.first_on_policy is False and calls == [list(range(8))]  # pi_old of all 8 rows, before the updates
+    assert batch.stats["loss/masked_truncated_frac"] == 0.5
+    unmasked, _ = _prepared(tmp_path, STOPPED)
+    assert sorted(int(i) for part in unmasked.epochs[0] for i in part.index) == list(range(8))
+    assert "loss/masked_truncated_frac" not in unmasked.stats
+    # by default (truncated_in_groups) the groups' statistics are the same: so are the advantages
+    assert torch.equal(batch.rollout.advantages, unmasked.rollout.advantages)
+
+
+def test_left_out_of_the_groups_the_truncated_rewards_no_longer_move_the_baseline(tmp_path):
+    batch, _ = _prepared(tmp_path, STOPPED, mask_truncated_completions=True, truncated_in_groups=False)
+    adv = batch.rollout.advantages
+    # group 0 = rows 0-3 (rewards 0-3), finished 0, 2, 3: mean 5/3, std (population) of [0, 2, 3] = sqrt(14/9)
+    mean, std = 5 / 3, (14 / 9) ** 0.5
+    for i, r in ((0, 0.0), (2, 2.0), (3, 3.0)):
+        assert adv[i].item() == pytest.approx((r - mean) / (std + 1e-4), rel=1e-5)
+    assert adv[1].item() == 0.0 and adv[4:7].tolist() == [0.0, 0.0, 0.0]  # left out: advantage 0
+    assert adv[7].item() == 0.0  # group 1's one finished row: alone in its group, no spread
+
+
+def test_when_the_limit_cuts_every_answer_the_step_trains_nothing(tmp_path, monkeypatch):
+    import gspo.step
+
+    monkeypatch.setattr(gspo.step, "ended_with_eos", lambda rollout, stop_ids: torch.zeros(
+        rollout.num_sequences, dtype=torch.bool))  # every completion truncated
+    cfg = tiny_cfg(tmp_path, max_steps=2, mask_truncated_completions=True, eval_num_prompts=0)
+    train(cfg)
+    lines = [r for r in read_metrics(tmp_path / "run") if r["step"] >= 1]
+    assert [r["loss/masked_truncated_frac"] for r in lines] == [1.0, 1.0]
+    assert all(r["completion/truncated_frac"] == 1.0 and "loss/policy" not in r for r in lines)
+    assert changed(initial_weights(cfg), final_weights(tmp_path / "run")) == []  # no optimizer step at all
+
+
+def test_a_run_masks_exactly_the_truncated_share_and_trains_on_the_rest(tmp_path):
+    cfg = tiny_cfg(tmp_path, max_steps=2, max_completion_length=4, mask_truncated_completions=True,
+                   eval_num_prompts=0)  # 4 tokens: the untrained model ends some answers, the limit cuts others
+    train(cfg)
+    lines = [r for r in read_metrics(tmp_path / "run") if r["step"] >= 1]
+    fracs = [r["completion/truncated_frac"] for r in lines]
+    assert any(0 < f < 1 for f in fracs), fracs  # the case under test: some of each
+    for r in lines:
+        assert r["loss/masked_truncated_frac"] == r["completion/truncated_frac"]
+        # a step with finished answers takes its updates (the untrained model scores 0 everywhere, so the
+        # advantages and the weights' change are 0: the loss and gradient norm show the updates ran)
+        assert r["completion/truncated_frac"] == 1.0 or (math.isfinite(r["loss/policy"]) and "grad/norm" in r)

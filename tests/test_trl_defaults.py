@@ -54,7 +54,7 @@ def test_the_note_names_exactly_the_defaults_that_differ(capsys):
     {"scale_rewards": "batch", "num_generations": 4, "max_steps": 5},
     {"importance_sampling_level": "token", "epsilon_high": 0.28, "max_steps": 5},
     {"gradient_accumulation_steps": 4, "optim": "adamw_torch", "max_steps": 5},
-    {"mask_truncated_completions": False, "max_steps": 5},  # a TRL-only name, even one gspo drops, reads as TRL's
+    {"cast_lm_head_to_fp32": False, "max_steps": 5},  # a TRL-only name, even one gspo drops, reads as TRL's
 ])
 def test_the_settings_the_note_names_give_trls_defaults(trl, capsys):
     make_config(TrainConfig, trl)

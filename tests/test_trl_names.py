@@ -286,9 +286,8 @@ def test_readme_trl_table_names_every_alias_and_refusal():  # the table moved fr
 @pytest.mark.parametrize("values, message", [
     # these got "did you mean 'truncate_prompts'?" / "'use_sampler_logprobs'?" before (dataset_name, which got
     # "'dataset'?", is an alias now: tests/test_cached_dataset.py)
-    ({"mask_truncated_completions": True}, "config: mask_truncated_completions=True is TRL's, and gspo takes it only "
-                                           "as False (what gspo does): no equivalent: a truncated completion stays in "
-                                           "the loss with its reward"),
+    ({"sync_ref_model": True}, "config: sync_ref_model=True is TRL's, and gspo takes it only as False (what gspo "
+                               "does): no equivalent: the reference stays the initial model"),
     ({"use_liger_loss": True}, "config: use_liger_loss=True is TRL's, and gspo takes it only as False (what gspo "
                                "does): no equivalent: gspo computes log-probs in row chunks (logprob_chunk_size)"),
     ({"optim": "adafactor"}, "config: optim='adafactor' is TRL's, and gspo takes it only as 'adamw_torch', "
@@ -320,7 +319,7 @@ def test_every_trl_name_gspo_does_not_take_is_accepted_where_it_means_what_gspo_
     assert to_dict(make_config(TrainConfig, everything)) == plain
     assert to_dict(make_config(TrainConfig, {"top_entropy_quantile": 1})) == plain  # YAML's 1 is TRL's 1.0
     with pytest.raises(ValueError, match="gspo takes it only as False"):  # False, not 0
-        make_config(TrainConfig, {"mask_truncated_completions": 0})
+        make_config(TrainConfig, {"sync_ref_model": 0})
 
 
 def test_docs_name_every_trl_name_gspo_does_not_take():

@@ -57,6 +57,13 @@ class BatchSettings:
     """Optimizer steps per rollout batch (GSPO paper: 4); minibatches after the first are off-policy."""
     num_epochs: int = 1
     """Passes over each rollout batch (TRL's num_iterations, PPO epochs)."""
+    mask_truncated_completions: bool = False
+    """Leave completions the length limit cut (no end-of-sequence token) out of the loss: DAPO's overlong filtering
+    (TRL's name). Their minibatches train on the rest; one left empty takes no optimizer step."""
+    truncated_in_groups: bool = True
+    """With mask_truncated_completions: a truncated completion's reward still counts in its group's mean and std
+    (true, TRL's: the other answers' advantages are the same as without the mask), or is left out of them as a
+    dropped sample's (false)."""
 
 
 @checks(BatchSettings)

@@ -4,7 +4,7 @@ gspo.aliases reads TRL's names that gspo has a meaning for; this module holds th
 may say (GRPOConfig, transformers' TrainingArguments, TRL's ModelConfig and script arguments):
 
 - `NOT_TAKEN`: each name with what gspo does instead, or "no equivalent". A value that means what gspo does
-  anyway (`optim: adamw_torch`, `mask_truncated_completions: false`) is accepted and dropped; any other is an
+  anyway (`optim: adamw_torch`, `cast_lm_head_to_fp32: false`) is accepted and dropped; any other is an
   error saying so, never a did-you-mean to an unrelated gspo field.
 - `trl_defaults`: a config that uses TRL's names gets gspo's defaults, not TRL's; one note on stderr lists
   the defaults that differ in that config and the TRL settings that give TRL's behaviour.
@@ -78,8 +78,6 @@ NOT_TAKEN: dict[str, NotTaken] = {
     "multi_objective_aggregation": NotTaken("gspo sums the weighted rewards, then normalises (TRL's "
                                             "sum_then_normalize); normalize_then_sum: no equivalent",
                                             ("sum_then_normalize",)),
-    "mask_truncated_completions": NotTaken("no equivalent: a truncated completion stays in the loss with its "
-                                           "reward", (False,)),
     "sync_ref_model": NotTaken("no equivalent: the reference stays the initial model", (False,)),
     "ref_model_mixup_alpha": NotTaken("no equivalent (sync_ref_model)", (0.6,)),
     "ref_model_sync_steps": NotTaken("no equivalent (sync_ref_model)", (512,)),
