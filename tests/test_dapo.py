@@ -113,12 +113,15 @@ def _prepared(tmp_path, stopped: list[bool], **kw):
     from gspo.step import gather_scores, logprob_options, prepare
     from gspo.tasks import get_task
 
-    class Counting(NoRouting):
-        calls: list = []
+    class Counting:  # NoRouting, noting the rows each pi_old call covers
+        records_pi_old = False
+
+        def __init__(self):
+            self.calls = []
 
         def logprobs(self, model, rollout, minibatches, logp_kwargs, writes=None):
             self.calls.append(sorted(int(i) for idx in minibatches for i in idx))
-            return super().logprobs(model, rollout, minibatches, logp_kwargs, writes)
+            return NoRouting().logprobs(model, rollout, minibatches, logp_kwargs, writes)
 
     model, tok = load_model("tiny-dense", overrides=SMALL)
     cfg = tiny_cfg(tmp_path, num_minibatches=4, per_device_batch_size=2, **kw)
