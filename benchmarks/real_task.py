@@ -66,6 +66,8 @@ def digest(run: dict) -> dict:
     return {"method": run["method"], "seed": run["seed"],
             "greedy": (before["eval/accuracy"], after["eval/accuracy"]),
             "sampled": (before["eval/mean_at_k"], after["eval/mean_at_k"]),
+            # the greedy answers' mean reward: above the accuracy where the reward gives partial credit
+            "greedy_reward": (before["eval/reward"], after["eval/reward"]),
             "length_first_last": (steps[0]["completion/mean_len"], steps[-1]["completion/mean_len"]),
             "length_mean": mean("completion/mean_len"),
             "length_early_late": (statistics.fmean(r["completion/mean_len"] for r in steps[:3]),
