@@ -42,6 +42,10 @@ def run_one(config: str, method: str, seed: int, folder: Path) -> dict:
     summary = folder / "summary.json"
     if not summary.exists():
         if folder.exists():
+            from gspo.runtime import run_lock
+
+            with run_lock(folder):  # a run still going there (another invocation's) is an error, not deleted
+                pass
             shutil.rmtree(folder)  # an interrupted run starts over
         cmd = [sys.executable, "-m", "gspo", "train", "--config", config, f"seed={seed}", f"output_dir={folder}",
                "progress=false", *overrides(method)]
