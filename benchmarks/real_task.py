@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, write_result  # noqa: E402
+from lab_paired import verdict  # noqa: E402
 
 
 def overrides(method: str) -> list[str]:
@@ -144,14 +145,13 @@ def main() -> None:
 
 
 def spread(values: list[float]) -> dict:
-    """Mean of paired differences, 2 standard errors of it, and the lab's verdict: beyond (|mean| > 2 SE) or
-    within; n = 1 has no spread."""
+    """Mean of paired differences, 2 standard errors of it, and the lab's verdict (`verdict`: beyond or within);
+    n = 1 has no spread."""
     n = len(values)
     if n < 2:
         return {"n": n, "mean": values[0] if values else math.nan, "two_se": math.nan, "verdict": "one seed"}
-    two_se = 2 * statistics.stdev(values) / math.sqrt(n)
-    mean = statistics.fmean(values)
-    return {"n": n, "mean": mean, "two_se": two_se, "verdict": "beyond" if abs(mean) > two_se else "within"}
+    mean, two_se, said = verdict(values)  # the regimes lab's rule (benchmarks/lab_paired.py)
+    return {"n": n, "mean": mean, "two_se": two_se, "verdict": said}
 
 
 def plot(rows: list[dict], methods: list[str], path: str) -> None:
