@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -27,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, write_result  # noqa: E402
+from lab_paired import verdict  # noqa: E402
 
 
 def overrides(method: str) -> list[str]:
@@ -41,6 +43,10 @@ def run_one(config: str, method: str, seed: int, folder: Path) -> dict:
     summary = folder / "summary.json"
     if not summary.exists():
         if folder.exists():
+            from gspo.runtime import run_lock
+
+            with run_lock(folder):  # a run still going there (another invocation's) is an error, not deleted
+                pass
             shutil.rmtree(folder)  # an interrupted run starts over
         cmd = [sys.executable, "-m", "gspo", "train", "--config", config, f"seed={seed}", f"output_dir={folder}",
                "progress=false", *overrides(method)]
@@ -65,11 +71,16 @@ def digest(run: dict) -> dict:
     return {"method": run["method"], "seed": run["seed"],
             "greedy": (before["eval/accuracy"], after["eval/accuracy"]),
             "sampled": (before["eval/mean_at_k"], after["eval/mean_at_k"]),
+            # the greedy answers' mean reward: above the accuracy where the reward gives partial credit
+            "greedy_reward": (before["eval/reward"], after["eval/reward"]),
             "length_first_last": (steps[0]["completion/mean_len"], steps[-1]["completion/mean_len"]),
-            "length_mean": mean("completion/mean_len"), "truncated": mean("completion/truncated_frac"),
+            "length_mean": mean("completion/mean_len"),
+            "length_early_late": (statistics.fmean(r["completion/mean_len"] for r in steps[:3]),
+                                  statistics.fmean(r["completion/mean_len"] for r in steps[-3:])),
+            "truncated": mean("completion/truncated_frac"),
             "clipped": mean("clip/low_frac") + mean("clip/high_frac"),
             "grad_norm": (mean("grad/norm"), max(r["grad/norm"] for r in steps)),
-            "reward_first_last": (steps[0]["reward"], steps[-1]["reward"]),
+            "reward_first_last": (steps[0]["reward/mean"], steps[-1]["reward/mean"]),
             "step_s": statistics.fmean(r["time/rollout_s"] + r["time/train_s"] for r in steps),
             "lengths": [r["completion/mean_len"] for r in steps]}
 
@@ -84,6 +95,8 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "runs" / "lab-part4-real"))
     p.add_argument("--note", default="", help="the conditions (runs side by side, load), kept in the result")
     p.add_argument("--name", default="real_task_letters")
+    p.add_argument("--plot", default=None, help="also draw each method's completion length over the steps (the mean "
+                   "over seeds) and its held-out gains into this PNG (matplotlib)")
     args = p.parse_args()
     jobs = [(m, s) for s in args.seeds for m in args.methods]  # seed-major: a seed's methods finish together
     started = time.time()
@@ -100,23 +113,77 @@ def main() -> None:
               f"({r['grad_norm'][1]:.2f}) | {r['step_s']:.0f} |")
     by = {(r["method"], r["seed"]): r for r in rows}
     methods = {}
+    gain = lambda r, key: r[key][1] - r[key][0]  # noqa: E731
     for method in args.methods:
         mine = [r for r in rows if r["method"] == method]
-        gain = lambda r, key: r[key][1] - r[key][0]  # noqa: E731
-        ref = [by.get((args.reference, r["seed"])) for r in mine]
-        paired = [gain(r, "greedy") - gain(q, "greedy") for r, q in zip(mine, ref, strict=True) if q]
-        methods[method] = {"greedy_gain": statistics.fmean(gain(r, "greedy") for r in mine),
-                           "sampled_gain": statistics.fmean(gain(r, "sampled") for r in mine),
-                           "length_mean": statistics.fmean(r["length_mean"] for r in mine),
-                           f"greedy_gain_minus_{args.reference}_per_seed": paired,
-                           "step_s": statistics.fmean(r["step_s"] for r in mine)}
+        pairs = [(r, by[(args.reference, r["seed"])]) for r in mine if (args.reference, r["seed"]) in by]
+        paired = {  # method minus the reference, seed by seed: held-out gains (points) and late length (tokens)
+            "greedy": [gain(r, "greedy") - gain(q, "greedy") for r, q in pairs],
+            "sampled": [gain(r, "sampled") - gain(q, "sampled") for r, q in pairs],
+            "late_length": [r["length_early_late"][1] - q["length_early_late"][1] for r, q in pairs]}
+        methods[method] = {
+            "greedy_gain": statistics.fmean(gain(r, "greedy") for r in mine),
+            "sampled_gain": statistics.fmean(gain(r, "sampled") for r in mine),
+            "length_early": statistics.fmean(r["length_early_late"][0] for r in mine),
+            "length_late": statistics.fmean(r["length_early_late"][1] for r in mine),
+            "truncated": statistics.fmean(r["truncated"] for r in mine),
+            "clipped": statistics.fmean(r["clipped"] for r in mine),
+            f"minus_{args.reference}": {k: {"per_seed": v, **spread(v)} for k, v in paired.items()},
+            "step_s": statistics.fmean(r["step_s"] for r in mine),
+        }
         m = methods[method]
-        print(f"{method}: greedy gain {m['greedy_gain']:+.1%}, sampled {m['sampled_gain']:+.1%}, minus "
-              f"{args.reference} per seed {', '.join(f'{d:+.1%}' for d in paired)}, mean length "
-              f"{m['length_mean']:.1f}, {m['step_s']:.0f} s/step")
+        diffs = "; ".join(f"{k} {d['mean']:+.3g} (2 SE {d['two_se']:.3g}, {d['verdict']})"
+                          for k, d in m[f"minus_{args.reference}"].items() if d["n"])
+        print(f"{method}: greedy gain {m['greedy_gain']:+.1%}, sampled {m['sampled_gain']:+.1%}, length "
+              f"{m['length_early']:.1f} -> {m['length_late']:.1f}, truncated {m['truncated']:.1%}, clipped "
+              f"{m['clipped']:.1%}, {m['step_s']:.0f} s/step" + (f"; minus {args.reference}: {diffs}" if diffs else ""))
+    if args.plot:
+        plot(rows, args.methods, args.plot)
     print("wrote", write_result(args.name, {"note": args.note, "config": args.config, "workers": args.workers,
                                             "wall_s": round(time.time() - started), "runs": rows,
                                             "methods": methods}))
+
+
+def spread(values: list[float]) -> dict:
+    """Mean of paired differences, 2 standard errors of it, and the lab's verdict (`verdict`: beyond or within);
+    n = 1 has no spread."""
+    n = len(values)
+    if n < 2:
+        return {"n": n, "mean": values[0] if values else math.nan, "two_se": math.nan, "verdict": "one seed"}
+    mean, two_se, said = verdict(values)  # the regimes lab's rule (benchmarks/lab_paired.py)
+    return {"n": n, "mean": mean, "two_se": two_se, "verdict": said}
+
+
+def plot(rows: list[dict], methods: list[str], path: str) -> None:
+    """Completion length over the steps (mean over seeds, the seeds' range shaded) and greedy / sampled gains."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in methods:
+        curves = [r["lengths"] for r in rows if r["method"] == method]
+        steps = range(1, min(map(len, curves)) + 1)
+        by_step = [[c[i] for c in curves] for i in range(len(steps))]
+        line = left.plot(steps, [statistics.fmean(v) for v in by_step], label=method)[0]
+        left.fill_between(steps, [min(v) for v in by_step], [max(v) for v in by_step], alpha=0.15,
+                          color=line.get_color())
+    left.set(xlabel="RL step", ylabel="mean completion length (tokens)", title="answer length (seeds' range shaded)")
+    left.legend(fontsize=8)
+    for k, key in enumerate(("greedy", "sampled")):
+        gains = [[100 * (r[key][1] - r[key][0]) for r in rows if r["method"] == m] for m in methods]
+        x = [i + (k - 0.5) * 0.35 for i in range(len(methods))]
+        right.bar(x, [statistics.fmean(g) for g in gains], width=0.35, label=key, alpha=0.7)
+        for xi, g in zip(x, gains, strict=True):
+            right.scatter([xi] * len(g), g, color="black", s=8, zorder=3)
+    right.axhline(0, color="grey", lw=0.5)
+    right.set_xticks(range(len(methods)), methods, rotation=20, fontsize=8)
+    right.set(ylabel="held-out accuracy gain (points)", title="before -> after (dots: seeds)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,24 @@
 """examples/reasoning_gym: the committed data is what the generator writes, and the reward is the generator's own
 scorer on the completion's last integer (configs/letters_smollm2.yaml runs them; test_cli runs one step of it)."""
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "reasoning_gym"))
+from gspo.data.rewards import get_reward_fn
 
-import make_data  # noqa: E402
-from rewards import scored_by_generator  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "reasoning_gym"
+_spec = importlib.util.spec_from_file_location("reasoning_gym_make_data", EXAMPLE / "make_data.py")
+make_data = importlib.util.module_from_spec(_spec)  # by path, under a name of its own: no clash on sys.path
+_spec.loader.exec_module(make_data)
+scored_by_generator = get_reward_fn(f"{EXAMPLE / 'rewards.py'}:scored_by_generator")  # as the config names it
 
 
 def test_the_committed_rows_are_the_generators_and_no_test_question_is_trained_on():
     drawn = make_data.splits()
     for split, rows in drawn.items():
-        committed = [json.loads(line) for line in (ROOT / "examples" / "reasoning_gym" /
-                                                   f"letters_{split}.jsonl").read_text().splitlines()]
+        committed = [json.loads(line) for line in (EXAMPLE / f"letters_{split}.jsonl").read_text().splitlines()]
         assert committed == rows, split
     assert (len(drawn["train"]), len(drawn["test"])) == (1000, 198)  # 2 of the 200 drawn after train repeat one
     train = {row["prompt"][0]["content"] for row in drawn["train"]}

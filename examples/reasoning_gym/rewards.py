@@ -13,10 +13,11 @@ def scored_by_generator(completions, answer, task, **_):
     the completion has no integer."""
     from reasoning_gym import get_score_answer_fn  # lazily: the example's own dependency
 
+    scorers = {name: get_score_answer_fn(name) for name in set(task)}  # one per generator in the batch
     rewards = []
     for completion, expected, name in zip(completions, answer, task, strict=True):
         text = completion[-1]["content"] if isinstance(completion, list) else completion
         found = _INTEGER.findall(text)
-        score = get_score_answer_fn(name)
+        score = scorers[name]
         rewards.append(float(score(found[-1], {"answer": expected, "metadata": {}})) if found else 0.0)
     return rewards
