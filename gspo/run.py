@@ -65,11 +65,12 @@ from gspo.plugs.parallel import Topology
 from gspo.plugs.precision import enable_gradient_checkpointing, forward_precision, loss_scaler
 from gspo.plugs.reference import reference_policy
 from gspo.plugs.routing import build_routing
-from gspo.rollout import eos_ids
+from gspo.rollout import eos_ids, pad_id
 from gspo.rollout.feed import PENDING_FILE, RolloutFeed, all_ranks_pending, rank_pending
 from gspo.rollout.sampling import build_sampler, sampler_sections
+from gspo.rounds import DynamicSampling, OneRound
 from gspo.runtime import CRITIC_DIR, MERGED_DIR, NonFiniteGuard, prepare_output_dir, save_model, stderr_printer
-from gspo.step import Learner, logprob_options, loss_options
+from gspo.step import Learner, group_members, logprob_options, loss_options
 from gspo.tracking import MetricsLogger
 
 
@@ -94,6 +95,7 @@ class Run:
     stop_ids: list[int]
     sampler: object  # plugs.protocols.Sampler
     feed: RolloutFeed
+    rounds: object  # stages 1-2, sample and score: gspo.rounds.OneRound, or DynamicSampling over it
     logger: MetricsLogger
     say: object  # a line as each long phase begins (rank 0, with progress on)
     plan: BatchSettings  # the minibatch plan's settings
@@ -207,11 +209,17 @@ def build_run(cfg: TrainConfig, topology: Topology, model=None, tokenizer=None, 
                        first_row=topology.rank * B * cfg.num_generations, ahead=cfg.max_staleness, after=first - 1,
                        last=cfg.max_steps, pending=pending)
     say(getattr(sampler, "reason", f"sampler: {sampler.name}"))  # which sampler, and why
+    rounds = OneRound(feed, source, topology, batch=B, group_size=cfg.num_generations, drop_bad=cfg.drop_bad_rewards,
+                      timeout_s=cfg.reward_timeout_s, stop_ids=stop_ids)
+    if cfg.dynamic_sampling:  # more rounds until the step holds B groups whose rewards do not all agree
+        rounds = DynamicSampling(rounds, rounds=cfg.max_sampling_rounds, factor=cfg.oversample_factor,
+                                 grouped=partial(group_members, plan=section(cfg, BatchSettings)),
+                                 pad=pad_id(tokenizer, model))
     logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb, wandb_project=cfg.wandb_project,
                            config=to_dict(cfg), truncate_after_step=None if checkpoint is None else first - 1,
                            enabled=topology.is_main)
     return Run(cfg, topology, out_dir, model, tokenizer, autocast, routing, reference, baseline, source, aux,
-               learner, shuffle, logp_kwargs, stop_ids, sampler, feed, logger, say,
+               learner, shuffle, logp_kwargs, stop_ids, sampler, feed, rounds, logger, say,
                section(cfg, BatchSettings), section(cfg, ObjectiveSettings), first, checkpoint is not None, evals)
 
 

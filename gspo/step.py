@@ -55,6 +55,14 @@ def gather_scores(topology: Topology, rollout: Rollout, rewards: torch.Tensor, p
     return Scores(rewards, torch.isfinite(rewards), dict(zip(per_fn, values)), lengths, stopped, prompt_lengths)
 
 
+def group_members(scores: Scores, plan: BatchSettings) -> torch.Tensor:
+    """(N,) bool: the samples whose rewards count in their group's statistics: the valid ones, less the truncated
+    where overlong filtering leaves them out of the groups (mask_truncated_completions, not truncated_in_groups)."""
+    if plan.mask_truncated_completions and not plan.truncated_in_groups:
+        return scores.valid & scores.stopped
+    return scores.valid
+
+
 @dataclass
 class Batch:
     """What the updates of one step train on, computed once."""
@@ -108,7 +116,7 @@ def prepare(rollout: Rollout, scores: Scores, *, plan: BatchSettings, objective:
                                                     writes=[not p.stand_in for p in parts])  # (n, T)
         rollout.ref_logprobs = reference.logprobs(rollout, [p.index for p in epochs[0]], logp_kwargs,
                                                   writes=[not p.stand_in for p in epochs[0]])  # (n, T) or None
-        grouped = scores if plan.truncated_in_groups else replace(scores, valid=scores.valid & trained)
+        grouped = replace(scores, valid=group_members(scores, plan))
         stats = baseline.estimate(rollout, grouped, epochs[0], topology)  # rollout.advantages (n,) or (n, T)
     if plan.mask_truncated_completions:
         stats["loss/masked_truncated_frac"] = 1.0 - trained.float().mean().item()

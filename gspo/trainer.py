@@ -2,7 +2,8 @@
 
 One RL step (docs/design.md, "The shape of the trainer"):
   1. sample   B prompts -> G completions each (N = B*G), from the current policy (= pi_old)
-  2. score    rewards (N,), each reward function's values, lengths
+  2. score    rewards (N,), each reward function's values, lengths (with dynamic_sampling, groups whose
+              rewards all agree give way to more prompts' until B groups do not: gspo/rounds.py)
   3. prepare  the minibatch plan, pi_old (and pi_ref) log-probs, advantages: one Batch
   4. update   M minibatches x num_epochs, one optimizer step each (minibatches 2..M are
               off-policy: that is where the importance ratio matters)
@@ -46,7 +47,7 @@ from gspo.runtime import (
     run_lock,
     sigterm_raises,
 )
-from gspo.step import episode_stats, gather_scores, mismatch_stats, prepare, sample_records, step_metrics
+from gspo.step import episode_stats, mismatch_stats, prepare, sample_records, step_metrics
 from gspo.tracking import check_trackers
 
 PROGRESS_LINE = ("reward/mean", "reward/std", "loss/policy", "completion/mean_len", "eval/accuracy", "eval/reward")
@@ -93,8 +94,7 @@ def train(cfg: TrainConfig, *, model=None, tokenizer=None, data: dict | None = N
 
 def train_loop(run: Run, callbacks: Callbacks) -> dict:
     """The RL steps, run.first to max_steps, each the six stages; returns the last step's metrics."""
-    cfg, topology, feed, source = run.cfg, run.topology, run.feed, run.source
-    B, G = cfg.per_device_batch_size, cfg.num_generations
+    cfg, topology, G = run.cfg, run.topology, run.cfg.num_generations
     if not run.held_out:
         run.say(f"evaluation off ({'eval_num_prompts=0' if cfg.eval_num_prompts == 0 else 'no held-out rows'})")
     elif not run.resumed:
@@ -112,19 +112,13 @@ def train_loop(run: Run, callbacks: Callbacks) -> dict:
             # step - 1 then needs the RNG states as this step found them (the feed keeps the rest).
             resume_rng = capture_rng({"shuffle": run.shuffle})
             stop.abandonable = topology.can_abandon_step
-            # 1. Sample: every rank draws the global batch and keeps its B prompts (whole groups); rollout
-            #    workers were asked for it max_staleness steps ago.
+            # 1-2. Sample and score: every rank draws the global batch and keeps its B prompts (whole groups;
+            #    rollout workers were asked for it max_staleness steps ago), scores them, and then holds every
+            #    sequence's scalars (a dropped sample, drop_bad_rewards: a NaN reward and advantage 0). With
+            #    dynamic_sampling, groups whose rewards agree give way to those of extra rounds (gspo/rounds.py).
             with run.autocast():
-                examples, rollout = feed.next(step)
-            mine = examples[topology.batch_share(B)]
-            t_generate = time.perf_counter() - t0
-            # 2. Score this rank's completions; every rank then holds every sequence's scalars.
-            #    A dropped sample (bad reward, drop_bad_rewards) has a NaN reward and advantage 0.
-            rewards, per_fn = source.score(mine, rollout.prompts, rollout.completions, G, drop_bad=cfg.drop_bad_rewards,
-                                           offset=topology.rank * B, timeout_s=cfg.reward_timeout_s,
-                                           completion_ids=rollout.completion_token_ids(), episodes=rollout.episodes)
-            scores = gather_scores(topology, rollout, rewards, per_fn, run.stop_ids)
-            task_metrics = source.observe(scores.rewards, scores.valid, G)  # several tasks: reweigh them
+                drawn = run.rounds.draw(step)
+            examples, rollout, scores, per_fn = drawn.examples, drawn.rollout, drawn.scores, drawn.per_fn
             # 3. Prepare: the minibatch plan, pi_old and pi_ref log-probs, advantages (a critic's values), once.
             with run.autocast():
                 batch = prepare(rollout, scores, plan=run.plan, objective=run.objective, logp_kwargs=run.logp_kwargs,
@@ -137,13 +131,13 @@ def train_loop(run: Run, callbacks: Callbacks) -> dict:
             run.aux.begin_step(step, examples)
             step_stats = [run.learner.update(batch, i, part, on_policy=on_policy, step=step)
                           for i, part, on_policy in batch.minibatches()]
-            sampler_stats = {**run.sampler.sync(run.model), **feed.staleness(step),  # time/sync_s, async/*
+            sampler_stats = {**run.sampler.sync(run.model),  # time/sync_s
                              **mismatch_stats(batch.rollout, topology), **episode_stats(batch.rollout, topology)}
             t_train = time.perf_counter() - t0 - t_rollout
             # 5. Metrics.
-            metrics = step_metrics(scores, step_stats, {**task_metrics, **batch.stats, **sampler_stats}, group_size=G,
+            metrics = step_metrics(scores, step_stats, {**drawn.stats, **batch.stats, **sampler_stats}, group_size=G,
                                    drop_bad=cfg.drop_bad_rewards, skipped=run.learner.guard.skipped,
-                                   lr=run.learner.scheduler.get_last_lr()[0], t_generate=t_generate,
+                                   lr=run.learner.scheduler.get_last_lr()[0], t_generate=drawn.generate_s,
                                    t_rollout=t_rollout, t_train=t_train)
             # 6. Evaluate, call back, log, checkpoint.
             if end_of_step(run, callbacks, progress, stop, step, metrics, rollout, per_fn):

@@ -1,8 +1,10 @@
-"""DAPO's pieces beyond token-mean and clip-higher (arXiv 2503.14476): the soft overlong penalty (sec. 3.4)."""
+"""DAPO's pieces beyond token-mean and clip-higher (arXiv 2503.14476): the soft overlong penalty (sec. 3.4),
+overlong filtering (sec. 3.4) and dynamic sampling (sec. 3.2)."""
 
 import json
 import math
 import re
+import zlib
 from dataclasses import dataclass
 
 import pytest
@@ -190,3 +192,169 @@ def test_a_run_masks_exactly_the_truncated_share_and_trains_on_the_rest(tmp_path
         # a step with finished answers takes its updates (the untrained model scores 0 everywhere, so the
         # advantages and the weights' change are 0: the loss and gradient norm show the updates ran)
         assert r["completion/truncated_frac"] == 1.0 or (math.isfinite(r["loss/policy"]) and "grad/norm" in r)
+
+
+# ------------------------------------------------------------------------------- dynamic sampling
+def test_a_group_informs_when_two_of_its_counted_rewards_differ():
+    from gspo.algo.advantages import informative_groups
+
+    r = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 0.0])  # groups of 3: (1 1 1) (0 .5 .5) (2 2 0)
+    assert informative_groups(r, 3).tolist() == [False, True, True]
+    valid = torch.tensor([True, True, True, True, True, True, True, True, False])  # the 0 of group 2 dropped
+    assert informative_groups(r, 3, valid).tolist() == [False, True, False]
+    alone = torch.tensor([True, False, False, True, True, True, True, True, True])  # group 0: one valid reward
+    assert informative_groups(torch.tensor([5.0, 0.0, 9.0, 0.0, 0.5, 0.5, 2.0, 2.0, 0.0]), 3, alone).tolist() == [
+        False, True, True]
+    with pytest.raises(ValueError, match="not a positive multiple of group_size 4"):
+        informative_groups(r, 4)
+
+
+@pytest.mark.parametrize("flags, wanted, expected", [
+    ([False, True, False, True, True], 2, [1, 3]),  # the first two informative ones
+    ([False, True, False, True, True], 4, [0, 1, 3, 4]),  # all three, topped up with the first other
+    ([False, False, False], 2, [0, 1]),  # none informs: the first drawn
+    ([True, True], 2, [0, 1]),  # the first round was enough: the batch as drawn
+])
+def test_the_step_keeps_the_first_informative_groups_in_the_order_drawn(flags, wanted, expected):
+    from gspo.algo.advantages import fill_groups
+
+    assert fill_groups(torch.tensor(flags), wanted).tolist() == expected
+
+
+def test_only_a_group_baseline_zeroes_the_groups_whose_rewards_agree():
+    from gspo.algo.advantages import zeroes_agreeing_groups
+
+    assert {e: zeroes_agreeing_groups(e) for e in ("group", "batch", "none", "rloo", "reinforce_pp", "gae")} == {
+        "group": True, "batch": True, "none": True, "rloo": True, "reinforce_pp": False, "gae": False}
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"advantage_estimator": "reinforce_pp"}, "advantage_estimator=reinforce_pp gives them one (use group, batch, "
+                                              "none, rloo)"),
+    ({"advantage_estimator": "gae", "objective": "grpo"}, "advantage_estimator=gae gives them one"),
+    ({"max_sampling_rounds": 0}, "max_sampling_rounds"),
+    ({"oversample_factor": 0.5}, "oversample_factor=0.5 must be >= 1"),
+])
+def test_dynamic_sampling_refuses_what_it_cannot_do_by_name(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_config(TrainConfig, {"dynamic_sampling": True, "task": "add3", **kw})
+
+
+def half_informative(prompts, completions, **_):
+    """A reward that agrees within every group of about half the prompts (0 for a prompt of odd checksum) and
+    spreads in most groups of the others (its completion's checksum's parity)."""
+    return [float(zlib.crc32(c.encode()) % 2) if zlib.crc32(p.encode()) % 2 == 0 else 0.0
+            for p, c in zip(prompts, completions)]
+
+
+def _groups(samples: list[dict], G: int) -> list[list[dict]]:
+    return [samples[i:i + G] for i in range(0, len(samples), G)]
+
+
+def test_a_step_trains_on_informative_groups_only_and_counts_what_it_sampled(tmp_path):
+    B, G = 4, 4
+    cfg = tiny_cfg(tmp_path, max_steps=3, per_device_batch_size=B, num_generations=G, reward_funcs=[half_informative],
+                   dynamic_sampling=True, max_sampling_rounds=6, oversample_factor=1.5, eval_num_prompts=0,
+                   log_samples_count=B * G, seeded_sampling=True)
+    train(cfg)
+    lines = [r for r in read_metrics(tmp_path / "run") if r["step"] >= 1]
+    samples = [json.loads(s) for s in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert any(r["groups/sampling_rounds"] > 1 for r in lines)  # the case under test: extra rounds were needed
+    for r in lines:
+        assert r["groups/filled_frac"] == 1.0 and r["groups/kept"] == B and r["groups/zero_std_frac"] == 0.0
+        # every round after the first samples ceil(1.5 x the groups still missing): 2 to 6 groups a round
+        extra = r["groups/sampling_rounds"] - 1
+        assert B + 2 * extra <= r["groups/sampled"] <= B + 6 * extra
+        assert 0 < r["groups/sampled_zero_std_frac"] < 1 and r["time/extra_sampling_s"] >= 0
+    for step in {s["step"] for s in samples}:  # each logged step: B groups, each of one prompt with spread
+        groups = _groups([s for s in samples if s["step"] == step], G)
+        assert len(groups) == B
+        for g in groups:
+            assert len({s["prompt"] for s in g}) == 1 and len({s["reward"] for s in g}) > 1
+            assert all(s["reward"] == half_informative([s["prompt"]], [s["completion"]])[0] for s in g)
+
+
+def test_when_the_rounds_run_out_the_step_is_topped_up_and_says_how_full_it_is(tmp_path):
+    B, G = 2, 4
+    cfg = tiny_cfg(tmp_path, max_steps=2, per_device_batch_size=B, num_generations=G, dynamic_sampling=True,
+                   max_sampling_rounds=3, oversample_factor=2.0, eval_num_prompts=0)  # answer_match: 0 everywhere
+    train(cfg)
+    for r in [r for r in read_metrics(tmp_path / "run") if r["step"] >= 1]:
+        # no group informs: rounds of ceil(2 x 2) = 4 prompts until the third, then the first round's groups
+        assert (r["groups/sampling_rounds"], r["groups/sampled"], r["groups/kept"]) == (3.0, 2 + 4 + 4, 0.0)
+        assert r["groups/filled_frac"] == 0.0 and r["groups/sampled_zero_std_frac"] == 1.0
+        assert r["groups/zero_std_frac"] == 1.0
+
+
+def test_off_the_metrics_are_those_of_a_run_without_it_and_one_round_is_the_plain_run(tmp_path):
+    common = dict(max_steps=2, eval_num_prompts=0, reward_funcs=[half_informative], seeded_sampling=True)
+    train(tiny_cfg(tmp_path / "plain", **common))
+    train(tiny_cfg(tmp_path / "one", dynamic_sampling=True, max_sampling_rounds=1, **common))
+    plain, one = read_metrics(tmp_path / "plain" / "run"), read_metrics(tmp_path / "one" / "run")
+    assert not any(k.startswith("groups/sampl") for r in plain for k in r)
+    timing = ("time/", "throughput/")
+    for a, b in zip(plain, one, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(timing)} == {
+            k: v for k, v in b.items() if not k.startswith(timing) and k not in DYNAMIC_KEYS}
+    assert all(torch.equal(a, b) for a, b in zip(final_weights(tmp_path / "plain" / "run").values(),
+                                                   final_weights(tmp_path / "one" / "run").values()))
+
+
+DYNAMIC_KEYS = ("groups/sampled", "groups/kept", "groups/filled_frac", "groups/sampled_zero_std_frac",
+                "groups/sampling_rounds", "reward/sampled_mean")
+
+
+@pytest.mark.parametrize("seeded, workers", [(True, 0), (False, 0),
+                                             pytest.param(False, 1, marks=pytest.mark.slow)])
+def test_a_run_with_extra_rounds_resumes_bit_for_bit(tmp_path, seeded, workers):
+    # the extra rounds draw prompts from the source and random numbers from the trainer's streams (or a worker's,
+    # which samples them after the step asked ahead): a checkpoint after step 2 holds each where the uninterrupted
+    # run had it
+    def cfg(name, **kw):
+        return tiny_cfg(tmp_path / name, max_steps=4, per_device_batch_size=4, reward_funcs=[half_informative],
+                        dynamic_sampling=True, eval_num_prompts=0, seeded_sampling=seeded, learning_rate=1e-2,
+                        rollout_workers=workers, max_staleness=workers, **kw)
+
+    train(cfg("whole"))
+    train(cfg("parts"), callbacks=[lambda step, metrics: "stop" if step == 2 else None])
+    train(cfg("parts", resume_from_checkpoint="latest"))
+    timing = ("time/", "throughput/")
+    whole, parts = read_metrics(tmp_path / "whole" / "run"), read_metrics(tmp_path / "parts" / "run")
+    assert any(r.get("groups/sampling_rounds", 1) > 1 for r in whole[2:])  # extra rounds after the resume too
+    timing = (*timing, "async/trainer_busy", "async/worker_busy")
+    assert [{k: v for k, v in r.items() if not k.startswith(timing)} for r in whole] == [
+        {k: v for k, v in r.items() if not k.startswith(timing)} for r in parts]
+    if workers:  # an extra round samples after the step asked ahead, with the weights of its time: fresher
+        assert any(0 < r["async/staleness_mean"] < 1 for r in whole), [r["async/staleness_mean"] for r in whole]
+    w, p = final_weights(tmp_path / "whole" / "run"), final_weights(tmp_path / "parts" / "run")
+    assert all(torch.equal(w[k], p[k]) for k in w)
+
+
+def test_the_sft_term_and_the_samples_see_the_kept_groups_rows(tmp_path):
+    # the step's data rows (the SFT term's references) are those of the groups kept, in the rollout's order
+    from gspo.callbacks import Callbacks
+    from gspo.plugs.parallel import Topology
+    from gspo.run import build_run
+    from gspo.trainer import train_loop
+
+    class Recording:  # an AuxiliaryTerm that adds nothing and notes each step's rows
+        def __init__(self):
+            self.rows = {}
+
+        def begin_step(self, step, rows):
+            self.rows[step] = [r["prompt"] for r in rows]
+
+        def backward(self, i, model, scale):
+            return 0.0, {}
+
+    B, G = 4, 4
+    cfg = tiny_cfg(tmp_path, max_steps=3, per_device_batch_size=B, num_generations=G, reward_funcs=[half_informative],
+                   dynamic_sampling=True, max_sampling_rounds=6, eval_num_prompts=0, log_samples_count=B * G)
+    run = build_run(cfg, Topology())
+    run.aux = aux = Recording()
+    train_loop(run, Callbacks(()))
+    samples = [json.loads(s) for s in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    lines = read_metrics(tmp_path / "run")
+    assert any(r["groups/sampling_rounds"] > 1 for r in lines)
+    for step, prompts in aux.rows.items():
+        assert prompts == [g[0]["prompt"] for g in _groups([s for s in samples if s["step"] == step], G)]

@@ -481,3 +481,33 @@ def test_a_lost_rank_is_named_and_torchruns_sigterm_can_no_longer_cut_the_line_s
         stop.restore()
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+HALF_INFORMATIVE = '''
+import zlib
+
+
+def half_informative(prompts, completions, **_):
+    return [float(zlib.crc32(c.encode()) % 2) if zlib.crc32(p.encode()) % 2 == 0 else 0.0
+            for p, c in zip(prompts, completions)]
+'''
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_fills_every_rank_s_share_under_ddp_and_fsdp(tmp_path):
+    """dynamic_sampling under torchrun: every rank runs the same rounds (sized by the rank missing most) and keeps
+    per_device_batch_size informative groups of its own; ddp and fsdp (whose sampling forwards are collective) run
+    the same rounds and train the same."""
+    (tmp_path / "rewards_mod.py").write_text(HALF_INFORMATIVE)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        **RUN, "reward_funcs": ["rewards_mod:half_informative"], "kl_coef": 0.0, "sft_coef": 0.0, "eval_steps": 0,
+        "eval_num_prompts": 0, "per_device_batch_size": 2, "dynamic_sampling": True, "max_sampling_rounds": 8}))
+    done = {mode: run(tmp_path, 2, f"output_dir={mode}", f"distributed={mode}") for mode in ("ddp", "fsdp")}
+    for mode, proc in done.items():
+        assert proc.returncode == 0, (mode, proc.stderr[-3000:])
+    assert_same_run(tmp_path / "ddp", tmp_path / "fsdp")
+    lines = [r for r in read_metrics(tmp_path / "ddp") if r["step"] >= 1]
+    assert any(r["groups/sampling_rounds"] > 1 for r in lines)  # the case under test
+    for r in lines:  # both ranks' 2 groups inform (zero_std_frac is every rank's rows')
+        assert r["groups/kept"] == 4 and r["groups/filled_frac"] == 1.0 and r["groups/zero_std_frac"] == 0.0
+        assert (r["groups/sampled"] > 4) == (r["groups/sampling_rounds"] > 1)  # 2 x n groups a round after the first

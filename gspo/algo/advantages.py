@@ -210,6 +210,39 @@ def _flat(adv: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
     return adv.view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
+def informative_groups(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) bool: True for a group whose valid rewards do not all agree (at least two valid, max > min), the groups a
+    group baseline gives a non-zero advantage. rewards: (N,) with N = B * group_size; valid: (N,) bool or None."""
+    if rewards.dim() != 1 or rewards.numel() == 0 or rewards.numel() % group_size:
+        raise ValueError(f"rewards: length {rewards.numel()} is not a positive multiple of group_size {group_size}")
+    keep = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
+    r = rewards.double().view(-1, group_size)  # (B, G)
+    ok = keep.view(-1, group_size)  # (B, G)
+    hi = torch.where(ok, r, -math.inf).max(dim=1).values  # (B,)
+    lo = torch.where(ok, r, math.inf).min(dim=1).values  # (B,)
+    return (hi > lo) & (ok.sum(dim=1) >= 2)  # (B,)
+
+
+def fill_groups(informative: torch.Tensor, wanted: int) -> torch.Tensor:
+    """Dynamic sampling's choice: the first `wanted` informative groups in the order drawn, topped up with the
+    first others where fewer were drawn; their indices in the order drawn. informative: (K,) bool, K >= wanted.
+
+    Example: informative [F, T, F, T, T], wanted 2 -> [1, 3]; wanted 4 -> [0, 1, 3, 4]."""
+    if not 0 < wanted <= len(informative):
+        raise ValueError(f"fill_groups: {wanted} groups wanted of {len(informative)} drawn")
+    order = torch.argsort((~informative).int(), stable=True)  # (K,) informative first, each kind in drawn order
+    return order[:wanted].sort().values  # (wanted,)
+
+
+def zeroes_agreeing_groups(estimator: str) -> bool:
+    """Whether registered estimator `estimator` gives every sample of a group whose rewards agree advantage 0 (a
+    group baseline does; batch-normalised ones and gae do not): asked of the estimator itself, on two groups."""
+    if estimator not in ESTIMATORS:
+        return False
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])  # groups of 2: (1, 1) agree, (0, 1) do not
+    return bool((group_advantages(rewards, 2, estimator)[:2] == 0).all())
+
+
 def group_stats(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None = None) -> dict[str, float]:
     """Statistics of the reward groups. rewards: (N,); valid: optional (N,) bool (False: dropped sample).
 
@@ -219,19 +252,13 @@ def group_stats(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | No
     """
     if rewards.dim() != 1 or rewards.numel() == 0 or rewards.numel() % group_size:
         raise ValueError(f"rewards: length {rewards.numel()} is not a positive multiple of group_size {group_size}")
+    zero_std = float((~informative_groups(rewards, group_size, valid)).double().mean())
+    r = rewards.double().view(-1, group_size)  # (B, G)
     if valid is not None and not valid.all():
         keep = valid.view(-1, group_size)  # (B, G)
-        r = rewards.double().view(-1, group_size)  # (B, G)
-        hi = torch.where(keep, r, -math.inf).max(dim=1).values  # (B,)
-        lo = torch.where(keep, r, math.inf).min(dim=1).values  # (B,)
         count = keep.sum(dim=1).clamp(min=1)  # (B,)
         mean = torch.where(keep, r, 0).sum(dim=1) / count  # (B,)
         std = (torch.where(keep, r - mean[:, None], 0) ** 2).sum(dim=1).div(count).sqrt()  # (B,)
-        return {"groups/zero_std_frac": float(((hi <= lo) | (keep.sum(dim=1) < 2)).double().mean()),
-                "groups/reward_std_mean": float(std.mean())}
-    r = rewards.double().view(-1, group_size)  # (B, G)
-    std = r.std(dim=1, unbiased=False)  # (B,)
-    return {
-        "groups/zero_std_frac": float((r.max(dim=1).values == r.min(dim=1).values).double().mean()),
-        "groups/reward_std_mean": float(std.mean()),
-    }
+    else:
+        std = r.std(dim=1, unbiased=False)  # (B,)
+    return {"groups/zero_std_frac": zero_std, "groups/reward_std_mean": float(std.mean())}

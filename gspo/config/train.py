@@ -64,11 +64,23 @@ class BatchSettings:
     """With mask_truncated_completions: a truncated completion's reward still counts in its group's mean and std
     (true, TRL's: the other answers' advantages are the same as without the mask), or is left out of them as a
     dropped sample's (false)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards all agree (no advantage under a group baseline) are dropped
+    and more prompts sampled until the step holds per_device_batch_size groups that do not, or max_sampling_rounds
+    ran (then it is topped up with agreeing groups, and groups/filled_frac says how full it was)."""
+    max_sampling_rounds: int = 4
+    """dynamic_sampling: the most sampling rounds one step takes, the first included."""
+    oversample_factor: float = 2.0
+    """dynamic_sampling: an extra round samples this many times the groups still missing (rounded up)."""
 
 
 @checks(BatchSettings)
 def _check_batch(s: BatchSettings) -> None:
-    check_positive(s, "max_steps", "per_device_batch_size", "num_generations", "num_minibatches", "num_epochs")
+    check_positive(s, "max_steps", "per_device_batch_size", "num_generations", "num_minibatches", "num_epochs",
+                   "max_sampling_rounds")
+    if s.oversample_factor < 1:
+        raise ValueError(f"config: oversample_factor={s.oversample_factor!r} must be >= 1 (an extra round samples "
+                         "that many times the groups still missing)")
     if s.num_generations < 2:
         raise ValueError("config: num_generations must be >= 2: group advantages need at least two completions")
     n, m = s.per_device_batch_size * s.num_generations, s.num_minibatches
@@ -429,6 +441,7 @@ def renamed(values: dict, cls=None) -> dict:
 @checks(TrainConfig)
 def check_train(cfg: TrainConfig) -> None:
     """The checks that read fields of more than one section (each section's own ran before)."""
+    from gspo.algo.advantages import estimator_choices, zeroes_agreeing_groups
     from gspo.algo.objectives import OBJECTIVES
 
     if cfg.task is None and cfg.dataset is None and cfg.tasks is None:
@@ -466,6 +479,10 @@ def check_train(cfg: TrainConfig) -> None:
     if cfg.rollout_correction != "none" and not OBJECTIVES[cfg.objective].corrects:
         raise ValueError(f"config: objective {cfg.objective!r} does not apply a rollout correction "
                          "(registered without corrects=True); use rollout_correction=none")
+    if cfg.dynamic_sampling and not zeroes_agreeing_groups(cfg.advantage_estimator):
+        raise ValueError(f"config: dynamic_sampling drops groups whose rewards agree because a group baseline gives "
+                         f"them no advantage; advantage_estimator={cfg.advantage_estimator} gives them one (use "
+                         f"{', '.join(e for e in estimator_choices() if zeroes_agreeing_groups(e))})")
     if cfg.overlong_penalty is not None and cfg.overlong_penalty["buffer"] > cfg.max_completion_length:
         raise ValueError(f"config: overlong_penalty.buffer={cfg.overlong_penalty['buffer']} is longer than "
                          f"max_completion_length={cfg.max_completion_length}: the penalty starts at the limit minus "

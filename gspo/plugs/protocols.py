@@ -11,6 +11,7 @@ satisfies one by having its methods (no base class, no registration), and a test
     AuxiliaryTerm   gspo.plugs.auxiliary.auxiliary_term   NoTerm, SFTTerm
     Baseline        gspo.plugs.baselines.build_baseline   GroupBaseline, CriticBaseline
     Reference       gspo.plugs.reference.reference_policy NoReference, FrozenReference, AdaptersOff
+    Rounds          gspo.run.build_run              OneRound, DynamicSampling (gspo/rounds.py)
 
 The Topology (one process, DDP, FSDP2: gspo/plugs/parallel.py) is one concrete class, not a Protocol: its
 single-process case is the identity of every collective.
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # annotations only: this module imports nothing at run time
     from gspo.plugs.parallel import Part, Topology
     from gspo.rollout import Rollout
 
-__all__ = ["AuxiliaryTerm", "Baseline", "PromptSource", "Reference", "Routing", "RoutingWatch", "Sampler"]
+__all__ = ["AuxiliaryTerm", "Baseline", "PromptSource", "Reference", "Rounds", "Routing", "RoutingWatch", "Sampler"]
 
 
 @runtime_checkable
@@ -38,19 +39,22 @@ class Sampler(Protocol):
 
     name: str  # the backend that samples: gspo, hf, vllm, workers
 
-    def request(self, prompts: list[str], step: int, first_row: int, rows: list | None = None) -> None:
-        """Step `step`'s prompts (this rank's) and their data rows (an environment's episodes start from them):
-        sampled now or later, with the weights of the latest `sync`."""
+    def request(self, prompts: list[str], step, first_row: int, rows: list | None = None) -> None:
+        """Rollout `step`'s prompts (this rank's) and their data rows (an environment's episodes start from them):
+        sampled now or later, with the weights of the latest `sync`. `step`: a step, or (step, round) for a later
+        round of dynamic sampling (gspo.rollout.batch.step_of); seeded rows are numbered from `first_row`."""
 
-    def receive(self, step: int, wait: bool = True) -> Rollout | None:
-        """Step `step`'s rollout, with the sampler's log-probs (mu) where the run needs them; None without
-        `wait` when it is not here yet."""
+    def receive(self, step, wait: bool = True) -> Rollout | None:
+        """Rollout `step`, with the sampler's log-probs (mu) where the run needs them; None without `wait` when it
+        is not here yet."""
 
-    def version_of(self, step: int) -> int | None:
-        """How many `sync`s the weights that sampled step `step` had seen; None: sampled in the trainer's process."""
+    def version_of(self, step) -> int | None:
+        """How many `sync`s the weights that sampled rollout `step` had seen; None: sampled in the trainer's
+        process."""
 
-    def rng_after(self, step: int):
-        """The sampler's own random state after sampling step `step` (a worker's), for checkpoints; None: none."""
+    def rng_after(self, step):
+        """The sampler's own random state after sampling rollout `step` (a worker's), for checkpoints; None:
+        none."""
 
     def sync(self, policy) -> dict:
         """Load the policy's new weights after the updates (nothing when the sampler is the policy); time/sync_s."""
@@ -153,3 +157,13 @@ class Reference(Protocol):
 
     def logprobs(self, rollout: Rollout, minibatches: list, logp_kwargs: dict, writes=None) -> torch.Tensor | None:
         """pi_ref log-probs (N, T), or None without a KL term."""
+
+
+@runtime_checkable
+class Rounds(Protocol):
+    """Stages 1-2 of a step, sample and score: the step's groups, sampled in one round (OneRound) or, with
+    dynamic_sampling, in as many as fill it with groups whose rewards do not all agree (DynamicSampling)."""
+
+    def draw(self, step: int) -> Any:
+        """Step `step`'s gspo.rounds.Drawn: this rank's examples, rollout and reward values, every rank's Scores,
+        and the step's sampling statistics."""

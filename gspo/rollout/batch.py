@@ -75,6 +75,17 @@ class Rollout:
         return replace(self, **out)
 
 
+def step_of(key) -> int:
+    """The step of a rollout's key: the step itself for its first sampling round, (step, round) for a later round
+    of dynamic sampling (gspo/rounds.py)."""
+    return key[0] if isinstance(key, tuple) else key
+
+
+def key_name(key) -> str:
+    """A rollout's key as words: "step 3", or "step 3, sampling round 2"."""
+    return f"step {key[0]}, sampling round {key[1] + 1}" if isinstance(key, tuple) else f"step {key}"
+
+
 def one_sequence_per_row(batch, what: str) -> None:
     """A ValueError naming `what` where a batch's rows hold several sequences (`Rollout.position_ids`), which `what`
     does not read."""

@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, fields
 
 from gspo.data.rows import Row
-from gspo.rollout.batch import Rollout
+from gspo.rollout.batch import Rollout, step_of
 from gspo.rollout.endpoint.client import EndpointLost
 
 PENDING_FILE = "rollouts.pt"  # the checkpoint's file of rollouts asked for but not yet trained on
@@ -42,6 +42,7 @@ class RolloutFeed:
         self.ready: dict[int, Rollout] = {}  # step -> rollout received and kept (resume, or waited for early)
         self.versions: dict[int, int | None] = {}  # step -> version of the weights that sampled it (None: here)
         self.asked = after  # the last step asked for
+        self.order: list = []  # every rollout asked of the sampler, in order: a step, or (step, round) (extra rounds)
         for step, examples, rollout, version in unpack_pending(pending):
             self.examples[step], self.ready[step], self.versions[step], self.asked = examples, rollout, version, step
 
@@ -52,7 +53,25 @@ class RolloutFeed:
             self.examples[step] = examples = self.source.next(self.batch)
             if step not in self.ready:
                 mine = examples[self.share]
+                self.order.append(step)
                 self.sampler.request([e["prompt"] for e in mine], step, first_row=self.first_row, rows=mine)
+
+    def extra(self, step: int, round_: int, count: int, share: slice, first_row: int
+              ) -> tuple[list, Rollout, int | None]:
+        """An extra sampling round of step `step` (dynamic sampling, gspo/rounds.py), sampled now: `count` more
+        prompts from the prompt source (every rank draws the same), this rank's `share` of them sampled as rollout
+        (step, round_) with rows numbered from `first_row` within the step. Returns (the round's global examples,
+        this rank's rollout, the weights' version that sampled it: None in this process).
+
+        A worker answers in the order asked: the round samples after the steps already asked ahead, with the
+        weights of its time. The source's draws follow the steps', so a checkpoint after this step holds its
+        position after them (`resume_state`)."""
+        examples = self.source.next(count)
+        mine, key = examples[share], (step, round_)
+        self.order.append(key)
+        self.sampler.request([e["prompt"] for e in mine], key, first_row=first_row, rows=mine)
+        rollout = self.sampler.receive(key, wait=True)
+        return examples, rollout, self.sampler.version_of(key)
 
     def next(self, step: int) -> tuple[list, Rollout]:
         """(the global batch of examples, this rank's rollout) of `step`."""
@@ -96,9 +115,22 @@ class RolloutFeed:
             kept.append(step)
         first_missing = after + 1 + len(kept)
         state = self.source_before[first_missing] if first_missing <= self.asked else self.source.state_dict()
-        rng = self.sampler.rng_after(kept[-1] if kept else after)
+        rng = self.sampler.rng_after(self._last_kept(after, kept))
         return copy.deepcopy(state), pack_pending(kept, [self.examples[s] for s in kept],
                                                   [self.ready[s] for s in kept], [self.versions[s] for s in kept], rng)
+
+
+    def _last_kept(self, after: int, kept: list[int]):
+        """The last rollout asked of the sampler before the first one a resume after step `after` does not keep
+        (one of a later step, not among the `kept` steps): the sampler's random state after it is where a resumed
+        run's sampler starts (extra rounds sample between the steps asked ahead)."""
+        last = kept[-1] if kept else after
+        for key in self.order:
+            s = step_of(key)
+            if s > after and (isinstance(key, tuple) or s not in kept):
+                break
+            last = key
+        return last
 
 
 def pack_pending(steps: list[int], examples: list, rollouts: list[Rollout], versions: list, rng) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from gspo.config import SamplerShape, keeps_sampler_logprobs, sampler_sections  # noqa: F401  (re-exported)
-from gspo.rollout.batch import Rollout
+from gspo.rollout.batch import Rollout, key_name, step_of
 from gspo.rollout.generation import generate, sampling_options
 from gspo.rollout.policy import LOWER_HINT, PolicySampler, check_sampling_memory, out_of_memory, row_seeds
 from gspo.rollout.registry import GENERATORS, choose_generator
@@ -74,27 +74,29 @@ class Sampler:
         if isinstance(self.sampler, PolicySampler):  # an engine sizes its own memory (vllm_gpu_memory_utilization)
             check_sampling_memory(self.sampler.model, B, G, sampling.max_completion_length)
 
-    def request(self, prompts: list[str], step: int, first_row: int, rows: list | None = None) -> None:
-        """Remember step `step`'s prompts (and their data rows, which start episodes); `receive(step)` samples
-        them (in this process nothing runs ahead)."""
+    def request(self, prompts: list[str], step, first_row: int, rows: list | None = None) -> None:
+        """Remember the prompts of rollout `step` (a step, or (step, round): gspo.rollout.batch.step_of) and their
+        data rows, which start episodes; `receive(step)` samples them (in this process nothing runs ahead)."""
         self.asked = (prompts, step, first_row, rows)
 
-    def receive(self, step: int, wait: bool = True) -> Rollout | None:
-        """Step `step`'s rollout, sampled now from the prompts `request` gave (None without `wait`)."""
+    def receive(self, step, wait: bool = True) -> Rollout | None:
+        """Rollout `step`, sampled now from the prompts `request` gave (None without `wait`)."""
         prompts, asked, first_row, rows = self.asked
         assert asked == step, (asked, step)
         return self.sample(prompts, step, first_row, rows) if wait else None
 
-    def rng_after(self, step: int) -> None:
+    def rng_after(self, step) -> None:
         """Nothing: this sampler draws from the trainer's random state, which the checkpoint holds."""
 
-    def version_of(self, step: int) -> None:
+    def version_of(self, step) -> None:
         """None: sampled in this process from the weights the step trains (or sampler_lag's copy, a fixed lag)."""
 
-    def sample(self, prompts: list[str], step: int, first_row: int, rows: list | None = None) -> Rollout:
+    def sample(self, prompts: list[str], step, first_row: int, rows: list | None = None) -> Rollout:
+        """Rollout `step` of `prompts` (a step, or (step, round)); seeded rows are numbered from `first_row` within
+        the step."""
         G = self.group_size
         sampler = self.sampler.model if isinstance(self.sampler, PolicySampler) else self.sampler
-        seeds = row_seeds(self.seed, step, first_row, len(prompts) * G) if self.seeded else None
+        seeds = row_seeds(self.seed, step_of(step), first_row, len(prompts) * G) if self.seeded else None
         try:
             rows = rows if rows is not None else [{"prompt": p} for p in prompts]  # prompts alone: rows of them
             if self.make_env is not None:  # one episode per sequence, G per row, each with its own environment
@@ -108,7 +110,7 @@ class Sampler:
             if not out_of_memory(err):
                 raise
             text = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            raise ValueError(f"step {step}: sampling {len(prompts) * G} sequences (per_device_batch_size="
+            raise ValueError(f"{key_name(step)}: sampling {len(prompts) * G} sequences (per_device_batch_size="
                              f"{len(prompts)} x num_generations={G}) ran out of memory ({text}); "
                              f"{LOWER_HINT}") from None
 

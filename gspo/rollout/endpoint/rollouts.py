@@ -20,9 +20,10 @@ import copy
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from gspo.rollout.batch import key_name
 from gspo.rollout.endpoint.client import EndpointLost
 
-KEEP_VERSIONS = 16  # the versions of this many latest rollouts are kept (for checkpoints)
+KEEP_VERSIONS = 64  # the versions of this many latest rollouts are kept (for checkpoints; extra sampling rounds too)
 
 
 class EndpointSampler:
@@ -90,15 +91,15 @@ class EndpointSampler:
                                    recorder=lambda endpoints: endpoints.recording(layers) if records else None)
             self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gspo-rollouts")
             self.version, self.started = version, False
-            self.futures: dict = {}  # step -> Future of (Rollout, seconds sampling)
-            self.versions: dict[int, int] = {}  # step -> the weights' version that sampled it
+            self.futures: dict = {}  # step (or (step, round)) -> Future of (Rollout, seconds sampling)
+            self.versions: dict = {}  # step (or (step, round)) -> the weights' version that sampled it, received order
             self.asked_version: dict[int, int] = {}
             self.pushed = self._push(model)  # every endpoint starts from the policy's weights
             # unseeded sampling draws from each endpoint's own random state: kept after every rollout (one trainer
             # process, or endpoints of its own; gspo serve's), so a checkpoint resumes where they stood
             self.keeps_rng = (not seeded and (self.topology is None or not self.shared)
                               and all(kind == "gspo" for kind in self.endpoints.kinds))  # vLLM: no such route
-            self.rngs: dict[int, list] = {}  # step -> each endpoint's random state after its rollout
+            self.rngs: dict = {}  # step (or (step, round)) -> each endpoint's random state after its rollout
             if self.keeps_rng:  # resumed: where they stood; new: each its own stream, reproducible for the seed
                 self.endpoints.set_rng_states(list(rng) if rng is not None else [
                     _state_b64(shape.seed + 1000 * (e + 1)) for e in range(len(urls))])
@@ -115,8 +116,9 @@ class EndpointSampler:
         if self.lost is not None:
             raise self.lost
 
-    def request(self, prompts: list[str], step: int, first_row: int, rows: list | None = None) -> None:
-        """Ask for step `step`'s rollout; it samples on this sampler's thread once those asked before are done."""
+    def request(self, prompts: list[str], step, first_row: int, rows: list | None = None) -> None:
+        """Ask for rollout `step` (a step, or (step, round): gspo.rollout.batch.step_of); it samples on this
+        sampler's thread once those asked before are done."""
         self._check()
         self.asked_version[step] = self.version
         self.futures[step] = self.thread.submit(self._sample, prompts, step, first_row, rows)
@@ -128,13 +130,13 @@ class EndpointSampler:
                 rollout = self.sampler.sample(prompts, step, first_row, rows)
                 break
             except EndpointLost as err:
-                if not self._revived(err, f"step {step}'s rollout"):
+                if not self._revived(err, f"{key_name(step)}: its rollout"):
                     raise
         rng = self.endpoints.rng_states() if self.keeps_rng else None
         return rollout, time.perf_counter() - t0, rng
 
-    def receive(self, step: int, wait: bool = True):
-        """Step `step`'s rollout (asked for with `request`); without `wait`, only one that is done, else None."""
+    def receive(self, step, wait: bool = True):
+        """Rollout `step` (asked for with `request`); without `wait`, only one that is done, else None."""
         future = self.futures.get(step)
         if future is None or (not wait and not future.done()):
             return None
@@ -143,7 +145,7 @@ class EndpointSampler:
         try:
             rollout, busy, rng = future.result()
         except EndpointLost as err:
-            what = f"step {step}: waiting for its rollout"
+            what = f"{key_name(step)}: waiting for its rollout"
             self.lost = self._named(EndpointLost(f"{what}: {err}"), what)
             raise self.lost from None
         self.waited += time.perf_counter() - t0
@@ -152,23 +154,23 @@ class EndpointSampler:
         self.versions[step] = self.asked_version.pop(step)
         if rng is not None:
             self.rngs[step] = rng
-        for old in sorted(self.versions)[:-KEEP_VERSIONS]:
+        for old in list(self.versions)[:-KEEP_VERSIONS]:  # received in the order asked
             del self.versions[old]
             self.rngs.pop(old, None)
         return rollout
 
-    def sample(self, prompts: list[str], step: int, first_row: int, rows: list | None = None):
+    def sample(self, prompts: list[str], step, first_row: int, rows: list | None = None):
         """`request` then `receive`: one step sampled without overlap."""
         self.request(prompts, step, first_row, rows)
         return self.receive(step)
 
-    def rng_after(self, step: int) -> list | None:
-        """Each endpoint's random state right after step `step`'s rollout (unseeded sampling, one trainer process);
+    def rng_after(self, step) -> list | None:
+        """Each endpoint's random state right after rollout `step` (unseeded sampling, one trainer process);
         None otherwise (seeded: every row's tokens follow its seed)."""
         return self.rngs.get(step)
 
-    def version_of(self, step: int) -> int:
-        """The version of the weights (the number of `sync`s before) that sampled step `step`'s rollout."""
+    def version_of(self, step) -> int:
+        """The version of the weights (the number of `sync`s before) that sampled rollout `step`."""
         return self.versions[step]
 
     def _push(self, policy) -> dict:
