@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo demo-real smoke-real test test-fast test-vllm lab-regimes lab-part3-policy lab-part3-moe lab-part4-length lab-part4-router lab-part4-corrections docs lint clean
+.PHONY: setup demo demo-real smoke-real test test-fast test-vllm lab-regimes lab-part3-policy lab-part3-moe lab-part4-length lab-part4-router lab-part4-corrections lab-dapo docs lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -111,6 +111,9 @@ lab-part4-router: setup
 
 lab-part4-corrections: setup
 	$(VENV)/bin/gspo lab --config configs/lab_part4_corrections.yaml
+
+lab-dapo: setup
+	$(VENV)/bin/gspo lab --config configs/lab_dapo.yaml
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
