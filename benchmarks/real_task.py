@@ -5,7 +5,9 @@ seed=...` in a fresh process on one CPU thread, `--workers` at a time, then one 
     python benchmarks/real_task.py --workers 2 --note "2 runs side by side, idle otherwise"
 
 A method is an objective, `+correction` adds `rollout_correction`, and `pg` runs on-policy (num_minibatches 1):
-`pg+token_tis` is on-policy policy gradient with token-level truncated IS. A finished run (its summary.json) is not
+`pg+token_tis` is on-policy policy gradient with token-level truncated IS. `:NAME` adds the overrides that
+`--variant NAME KEY=VALUE ...` gives (`gspo:filter` with `--variant filter mask_truncated_completions=true`);
+`--set KEY=VALUE ...` applies to every run. A finished run (its summary.json) is not
 rerun; a run's model and checkpoint are deleted when it ends (its metrics.jsonl, samples.jsonl and summary stay).
 Writes benchmarks/results/<--name>.json: per run greedy accuracy and sampled mean@k on the held-out rows before ->
 after, completion length over steps, truncated and clipped fractions, gradient norms, seconds per step; per method
@@ -31,14 +33,20 @@ from common import REPO, write_result  # noqa: E402
 from lab_paired import verdict  # noqa: E402
 
 
-def overrides(method: str) -> list[str]:
-    """`gspo train` key=value overrides of a method name (objective[+correction])."""
-    objective, _, correction = method.partition("+")
+def overrides(method: str, variants: dict | None = None) -> list[str]:
+    """`gspo train` key=value overrides of a method name (objective[+correction][:variant]): a variant's are those
+    `--variant NAME KEY=VALUE ...` gave it."""
+    head, _, variant = method.partition(":")
+    objective, _, correction = head.partition("+")
+    if variant and variant not in (variants or {}):
+        raise SystemExit(f"method {method!r}: no --variant {variant} KEY=VALUE ... was given")
     out = [f"objective={objective}"] + ([f"rollout_correction={correction}"] if correction else [])
+    out += list((variants or {}).get(variant, []))
     return out + (["num_minibatches=1"] if objective == "pg" else [])  # plain PG is on-policy only (the guide)
 
 
-def run_one(config: str, method: str, seed: int, folder: Path) -> dict:
+def run_one(config: str, method: str, seed: int, folder: Path, variants: dict | None = None,
+            common: list[str] = ()) -> dict:
     """Train one run (unless its summary.json exists) and return its summary with the method and seed."""
     summary = folder / "summary.json"
     if not summary.exists():
@@ -49,7 +57,7 @@ def run_one(config: str, method: str, seed: int, folder: Path) -> dict:
                 pass
             shutil.rmtree(folder)  # an interrupted run starts over
         cmd = [sys.executable, "-m", "gspo", "train", "--config", config, f"seed={seed}", f"output_dir={folder}",
-               "progress=false", *overrides(method)]
+               "progress=false", *common, *overrides(method, variants)]
         print(" ".join(cmd[2:]), flush=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         done = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, cwd=REPO)
@@ -59,7 +67,7 @@ def run_one(config: str, method: str, seed: int, folder: Path) -> dict:
         summary.write_text(json.dumps(result, indent=1))
     return {"method": method, "seed": seed, **json.loads(summary.read_text()),
             "steps": [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
-                      if "grad/norm" in r]}
+                      if "reward/mean" in r]}  # the steps' lines (not step 0's evaluation)
 
 
 def digest(run: dict) -> dict:
@@ -79,7 +87,11 @@ def digest(run: dict) -> dict:
                                   statistics.fmean(r["completion/mean_len"] for r in steps[-3:])),
             "truncated": mean("completion/truncated_frac"),
             "clipped": mean("clip/low_frac") + mean("clip/high_frac"),
-            "grad_norm": (mean("grad/norm"), max(r["grad/norm"] for r in steps)),
+            "grad_norm": (mean("grad/norm"), max(r.get("grad/norm", 0.0) for r in steps)),
+            # dynamic sampling: groups sampled a step, the share of the batch that informs, the extra rounds' time
+            "groups_sampled": mean("groups/sampled") if "groups/sampled" in steps[0] else None,
+            "filled": mean("groups/filled_frac") if "groups/filled_frac" in steps[0] else None,
+            "extra_sampling_s": mean("time/extra_sampling_s"),
             "reward_first_last": (steps[0]["reward/mean"], steps[-1]["reward/mean"]),
             "step_s": statistics.fmean(r["time/rollout_s"] + r["time/train_s"] for r in steps),
             "lengths": [r["completion/mean_len"] for r in steps]}
@@ -95,13 +107,20 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "runs" / "lab-part4-real"))
     p.add_argument("--note", default="", help="the conditions (runs side by side, load), kept in the result")
     p.add_argument("--name", default="real_task_letters")
+    p.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                   help="a variant of a method, `objective:NAME` in --methods: its own gspo train overrides")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="overrides of every run")
     p.add_argument("--plot", default=None, help="also draw each method's completion length over the steps (the mean "
                    "over seeds) and its held-out gains into this PNG (matplotlib)")
     args = p.parse_args()
+    variants = {v[0]: v[1:] for v in args.variant}
+    for method in args.methods:
+        overrides(method, variants)  # an unknown variant is named before anything runs
     jobs = [(m, s) for s in args.seeds for m in args.methods]  # seed-major: a seed's methods finish together
     started = time.time()
     with ThreadPoolExecutor(args.workers) as pool:
-        runs = list(pool.map(lambda job: run_one(args.config, *job, Path(args.out) / f"{job[0]}-s{job[1]}"), jobs))
+        runs = list(pool.map(lambda job: run_one(args.config, *job, Path(args.out) / (
+            f"{job[0].replace(':', '_')}-s{job[1]}"), variants, args.set), jobs))
     rows = [digest(r) for r in runs]
     print("\n| method | seed | greedy before -> after | sampled before -> after | length first -> last (mean) "
           "| truncated | clipped | grad norm mean (max) | s/step |")
@@ -140,6 +159,7 @@ def main() -> None:
     if args.plot:
         plot(rows, args.methods, args.plot)
     print("wrote", write_result(args.name, {"note": args.note, "config": args.config, "workers": args.workers,
+                                            "set": args.set, "variants": variants,
                                             "wall_s": round(time.time() - started), "runs": rows,
                                             "methods": methods}))
 

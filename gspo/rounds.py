@@ -40,6 +40,19 @@ class Drawn:
     generate_s: float  # seconds sampling the step's first round
 
 
+@dataclass
+class Round:
+    """One sampling round of a step, as dynamic sampling keeps it."""
+
+    examples: list  # the round's global data rows (every rank's share, in rank order)
+    per_rank: int  # prompts per rank (n)
+    informative: torch.Tensor  # (W, n) bool: every rank's groups whose rewards do not all agree
+    rollout: Rollout  # this rank's n * G rows
+    rewards: torch.Tensor  # (n * G,) this rank's rewards
+    per_fn: dict  # reward function name -> (n * G,) this rank's values
+    stale: float  # updates the weights that sampled it were behind the step's (0: in this process)
+
+
 class OneRound:
     """The step's B prompts (this rank's share of the global batch), sampled once and scored."""
 
@@ -85,10 +98,8 @@ class DynamicSampling:
         t0 = time.perf_counter()
         own = slice(rank * B * G, (rank + 1) * B * G)
         informative = informative_groups(drawn.scores.rewards, G, self.grouped(drawn.scores)).view(W, B)  # (W, B)
-        # each round: (its global examples, prompts per rank, every rank's informative groups (W, n), this rank's
-        # rollout, rewards and reward values, the staleness of its weights)
-        rounds = [(drawn.examples, B, informative, drawn.rollout, drawn.scores.rewards[own], drawn.per_fn,
-                   drawn.stats.get("async/staleness_max", 0.0))]
+        rounds = [Round(drawn.examples, B, informative, drawn.rollout, drawn.scores.rewards[own], drawn.per_fn,
+                        drawn.stats.get("async/staleness_max", 0.0))]
         sampled = [drawn.scores]  # every rank's rows of each round, for the sampled groups' statistics
         missing = (B - informative.sum(1)).clamp(min=0)  # (W,) groups each rank still needs
         rows_before = B * G * W  # the step's global rows sampled so far: an extra round's seeds follow them
@@ -102,7 +113,7 @@ class DynamicSampling:
             rewards, per_fn, scores = first.score(examples[share], rollout, offset=rank * n)
             found = informative_groups(scores.rewards, G, self.grouped(scores)).view(W, n)  # (W, n)
             stale = 0.0 if version is None else float(step - 1 - version)
-            rounds.append((examples, n, found, rollout, rewards, per_fn, stale))
+            rounds.append(Round(examples, n, found, rollout, rewards, per_fn, stale))
             sampled.append(scores)
             missing = (missing - found.sum(1)).clamp(min=0)
             rows_before += n * W * G
@@ -111,16 +122,16 @@ class DynamicSampling:
         if len(rounds) == 1:  # the first round was enough (or the only one allowed)
             return Drawn(drawn.examples, drawn.rollout, drawn.per_fn, drawn.scores, stats, drawn.generate_s)
         # every rank's choice (each knows every rank's groups): the global batch's rows, rank by rank
-        chosen = [fill_groups(torch.cat([found[r] for _, _, found, *_ in rounds]), B) for r in range(W)]  # (B,) each
-        examples = [[e for rows, n, *_ in rounds for e in rows[r * n:(r + 1) * n]] for r in range(W)]
-        kept_examples = [examples[r][i] for r in range(W) for i in chosen[r].tolist()]
+        chosen = [fill_groups(torch.cat([r.informative[k] for r in rounds]), B) for k in range(W)]  # (B,) each
+        drawn_by_rank = [[e for r in rounds for e in r.examples[k * r.per_rank:(k + 1) * r.per_rank]] for k in range(W)]
+        kept_examples = [drawn_by_rank[k][i] for k in range(W) for i in chosen[k].tolist()]
         mine = chosen[rank]
         rows = (mine[:, None] * G + torch.arange(G)).view(-1)  # (B * G,) this rank's rows of its rounds, joined
-        rollout = join_rollouts([r[3] for r in rounds], self.pad).select(rows)
-        rewards = torch.cat([r[4] for r in rounds])[rows]  # (B * G,)
-        per_fn = {name: torch.cat([r[5][name] for r in rounds])[rows] for name in rounds[0][5]}
+        rollout = join_rollouts([r.rollout for r in rounds], self.pad).select(rows)
+        rewards = torch.cat([r.rewards for r in rounds])[rows]  # (B * G,)
+        per_fn = {name: torch.cat([r.per_fn[name] for r in rounds])[rows] for name in rounds[0].per_fn}
         if "async/staleness_max" in stats:  # every kept row's own weights: the step's first round's or a later's
-            stale = torch.tensor([r[6] for r in rounds for _ in range(r[1])])[mine]  # (B,)
+            stale = torch.tensor([r.stale for r in rounds for _ in range(r.per_rank)])[mine]  # (B,)
             own_stale = {"async/staleness_mean": float(stale.mean()), "async/staleness_max": float(stale.max())}
             stats.update({k: float(v) for k, v in topology.reduce(own_stale, dict.fromkeys(own_stale, B)).items()})
         scores = gather_scores(topology, rollout, rewards, per_fn, first.stop_ids)
@@ -140,4 +151,4 @@ class DynamicSampling:
                 "reward/sampled_mean": rewards.mean().item() if len(rewards) else math.nan}
 
 
-__all__ = ["Drawn", "DynamicSampling", "OneRound"]
+__all__ = ["Drawn", "DynamicSampling", "OneRound", "Round"]

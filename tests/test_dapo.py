@@ -6,6 +6,7 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -358,3 +359,14 @@ def test_the_sft_term_and_the_samples_see_the_kept_groups_rows(tmp_path):
     assert any(r["groups/sampling_rounds"] > 1 for r in lines)
     for step, prompts in aux.rows.items():
         assert prompts == [g[0]["prompt"] for g in _groups([s for s in samples if s["step"] == step], G)]
+
+
+def test_the_sums_example_is_the_real_model_demo_s_data():
+    # configs/sums_smollm2.yaml trains on examples/sums: the rows gspo/apps/demo_real.py writes, held-out split too
+    from gspo.apps.demo_real import sum_rows
+
+    root = Path(__file__).resolve().parents[1] / "examples" / "sums"
+    for split in ("train", "test"):
+        rows = [json.loads(line) for line in (root / f"{split}.jsonl").read_text().splitlines()]
+        assert rows == sum_rows(split)
+    assert (len(sum_rows("train")), len(sum_rows("test"))) == (269, 131)
