@@ -121,7 +121,7 @@ def test_the_shipped_regimes_lab_builds_every_run_and_names_what_it_leaves_out(t
 
 @pytest.mark.parametrize("part, runs", [("part3_policy", 63), ("part3_moe", 90), ("part4_length", 15),
                                        ("part4_router", 36), ("part4_corrections", 12),
-                                       ("dapo", 30)])
+                                       ("dapo", 60)])
 def test_the_shipped_part3_and_part4_labs_build_every_run(tmp_path, part, runs):
     # policy: baseline 3, mb1 5, mb8 8, stale2 5 (21 x 3); moe: baseline 2, bf16 4, fp16 4, lag4 4, autocast-bf16
     # and -fp16 2 each, lr3e-4, lr1e-3, e64top1 and e64top1_lr2e-4 3 each (30 x 3): the axis_methods picks, each
