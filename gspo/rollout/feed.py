@@ -119,7 +119,6 @@ class RolloutFeed:
         return copy.deepcopy(state), pack_pending(kept, [self.examples[s] for s in kept],
                                                   [self.ready[s] for s in kept], [self.versions[s] for s in kept], rng)
 
-
     def _last_kept(self, after: int, kept: list[int]):
         """The last rollout asked of the sampler before the first one a resume after step `after` does not keep
         (one of a later step, not among the `kept` steps): the sampler's random state after it is where a resumed
