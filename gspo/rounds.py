@@ -118,7 +118,7 @@ class DynamicSampling:
             missing = (missing - found.sum(1)).clamp(min=0)
             rows_before += n * W * G
         extra_s = time.perf_counter() - t0
-        stats = {**drawn.stats, **self.sampled_stats(sampled, B * W, missing), "time/extra_sampling_s": extra_s}
+        stats = {**drawn.stats, **self.sampled_stats(rounds, sampled, B * W, missing), "time/extra_sampling_s": extra_s}
         if len(rounds) == 1:  # the first round was enough (or the only one allowed)
             return Drawn(drawn.examples, drawn.rollout, drawn.per_fn, drawn.scores, stats, drawn.generate_s)
         # every rank's choice (each knows every rank's groups): the global batch's rows, rank by rank
@@ -137,13 +137,13 @@ class DynamicSampling:
         scores = gather_scores(topology, rollout, rewards, per_fn, first.stop_ids)
         return Drawn(kept_examples, rollout, per_fn, scores, stats, drawn.generate_s)
 
-    def sampled_stats(self, sampled: list[Scores], wanted: int, missing: torch.Tensor) -> dict:
+    @staticmethod
+    def sampled_stats(rounds: list[Round], sampled: list[Scores], wanted: int, missing: torch.Tensor) -> dict:
         """`groups/*` of the step's sampling (every rank's): groups sampled, the informative ones kept, how full
         the step is of them, the share of the sampled groups whose rewards agree, and the rounds taken; the
-        sampled rows' mean reward (`reward/mean` is the kept rows')."""
-        G = self.first.group_size
-        agree = sum(int((~informative_groups(s.rewards, G, self.grouped(s))).sum()) for s in sampled)
-        total = sum(len(s.rewards) // G for s in sampled)
+        sampled rows' mean reward (`reward/mean` is the kept rows'). `sampled`: each round's Scores."""
+        agree = sum(int((~r.informative).sum()) for r in rounds)  # (W, n) each: every rank's groups
+        total = sum(r.informative.numel() for r in rounds)
         kept = wanted - int(missing.sum())
         rewards = torch.cat([s.rewards[s.valid] for s in sampled])
         return {"groups/sampled": float(total), "groups/kept": float(kept), "groups/filled_frac": kept / wanted,

@@ -250,9 +250,7 @@ def group_stats(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | No
     advantages are zero, so they carry no learning signal.
     `groups/reward_std_mean`: mean within-group reward std (population std of the valid rewards).
     """
-    if rewards.dim() != 1 or rewards.numel() == 0 or rewards.numel() % group_size:
-        raise ValueError(f"rewards: length {rewards.numel()} is not a positive multiple of group_size {group_size}")
-    zero_std = float((~informative_groups(rewards, group_size, valid)).double().mean())
+    zero_std = float((~informative_groups(rewards, group_size, valid)).double().mean())  # checks the length too
     r = rewards.double().view(-1, group_size)  # (B, G)
     if valid is not None and not valid.all():
         keep = valid.view(-1, group_size)  # (B, G)
